@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * p2phub.ko: the /dev/p2phub character device and its ioctl dispatch.
+ *
+ * Each ioctl runs in four stages: copy the arguments in, validate them,
+ * allocate, publish. Anything that creates a file descriptor is done last,
+ * because an installed fd cannot be taken back.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/build_bug.h>
+#include <linux/fs.h>
+#include <linux/miscdevice.h>
+#include <linux/module.h>
+#include <linux/slab.h>
+#include <linux/string.h>
+#include <linux/uaccess.h>
+
+#include "p2phub_priv.h"
+
+static_assert(sizeof(struct p2phub_info) == 88);
+static_assert(offsetof(struct p2phub_info, caps) == 16);
+static_assert(offsetof(struct p2phub_info, version) == 24);
+static_assert(offsetof(struct p2phub_info, reserved) == 56);
+
+bool p2phub_all_zero(const void *p, size_t len)
+{
+	return !memchr_inv(p, 0, len);
+}
+
+/*
+ * Copy in an argument struct whose first two fields are argsz and flags.
+ * A caller built against an older, shorter struct is refused (no field may
+ * be silently zero-filled); a newer, longer one must have zeroed the tail
+ * this kernel does not know.
+ */
+int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
+		     u32 known_flags)
+{
+	u32 hdr[2];
+	int ret;
+
+	if (copy_from_user(hdr, uarg, sizeof(hdr)))
+		return -EFAULT;
+	if (hdr[0] < ksize)
+		return -EINVAL;
+	if (hdr[1] & ~known_flags)
+		return -EINVAL;
+	if (hdr[0] > ksize) {
+		ret = check_zeroed_user(uarg + ksize, hdr[0] - ksize);
+		if (ret < 0)
+			return ret;
+		if (!ret)
+			return -E2BIG;
+	}
+	if (copy_from_user(karg, uarg, ksize))
+		return -EFAULT;
+	return 0;
+}
+
+static u64 p2phub_caps(void)
+{
+	return 0;
+}
+
+static long p2phub_ioctl_get_info(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_info info;
+	int ret;
+
+	ret = p2phub_copy_args(&info, sizeof(info), uarg, 0);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(info.reserved, sizeof(info.reserved)))
+		return -EINVAL;
+
+	info.argsz = sizeof(info);
+	info.abi_version = P2PHUB_ABI_VERSION;
+	info.max_regs_per_file = P2PHUB_MAX_REGS_PER_FILE;
+	info.caps = p2phub_caps();
+	memset(info.version, 0, sizeof(info.version));
+	strscpy(info.version, P2PHUB_VERSION, sizeof(info.version));
+
+	if (copy_to_user(uarg, &info, sizeof(info)))
+		return -EFAULT;
+	return 0;
+}
+
+static long p2phub_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
+{
+	struct p2phub_file *pf = file->private_data;
+	void __user *uarg = (void __user *)arg;
+
+	switch (cmd) {
+	case P2PHUB_GET_INFO:
+		return p2phub_ioctl_get_info(pf, uarg);
+	default:
+		return -ENOTTY;
+	}
+}
+
+static int p2phub_open(struct inode *inode, struct file *file)
+{
+	struct p2phub_file *pf;
+
+	pf = kzalloc(sizeof(*pf), GFP_KERNEL);
+	if (!pf)
+		return -ENOMEM;
+	mutex_init(&pf->lock);
+	file->private_data = pf;
+	return 0;
+}
+
+static int p2phub_release(struct inode *inode, struct file *file)
+{
+	struct p2phub_file *pf = file->private_data;
+
+	mutex_destroy(&pf->lock);
+	kfree(pf);
+	return 0;
+}
+
+static const struct file_operations p2phub_fops = {
+	.owner		= THIS_MODULE,
+	.open		= p2phub_open,
+	.release	= p2phub_release,
+	.unlocked_ioctl	= p2phub_ioctl,
+	.compat_ioctl	= compat_ptr_ioctl,
+	.llseek		= noop_llseek,
+};
+
+static struct miscdevice p2phub_misc = {
+	.minor	= MISC_DYNAMIC_MINOR,
+	.name	= P2PHUB_DEVICE_NAME,
+	.fops	= &p2phub_fops,
+	.mode	= 0660,
+};
+
+static int __init p2phub_init(void)
+{
+	int ret;
+
+	ret = misc_register(&p2phub_misc);
+	if (ret) {
+		pr_err("cannot register /dev/%s: %d\n", P2PHUB_DEVICE_NAME, ret);
+		return ret;
+	}
+	pr_info("version %s, ABI %d, caps 0x%llx\n", P2PHUB_VERSION,
+		P2PHUB_ABI_VERSION, p2phub_caps());
+	return 0;
+}
+
+static void __exit p2phub_exit(void)
+{
+	misc_deregister(&p2phub_misc);
+}
+
+module_init(p2phub_init);
+module_exit(p2phub_exit);
+
+MODULE_DESCRIPTION("GPU peer-to-peer registration hub for NVMe and RDMA");
+MODULE_AUTHOR("p2phub");
+MODULE_LICENSE("GPL");
+MODULE_VERSION(P2PHUB_VERSION);

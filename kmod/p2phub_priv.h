@@ -1,0 +1,32 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * p2phub.ko internals.
+ *
+ * Objects:
+ *   struct p2phub_file  one per open of /dev/p2phub: the ledger of everything
+ *                       that open holds; release of the file releases it all.
+ *
+ * Lock order (outer first):
+ *   p2phub_file.lock
+ */
+#ifndef _P2PHUB_PRIV_H
+#define _P2PHUB_PRIV_H
+
+#include <linux/mutex.h>
+#include <linux/types.h>
+
+#include "uapi/p2phub.h"
+
+#define P2PHUB_VERSION		"0.1.0"
+#define P2PHUB_MAX_REGS_PER_FILE	4096
+
+struct p2phub_file {
+	struct mutex lock;	/* protects everything below */
+};
+
+/* Copy an argsz-prefixed struct from user space, checking argsz and flags. */
+int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
+		     u32 known_flags);
+bool p2phub_all_zero(const void *p, size_t len);
+
+#endif /* _P2PHUB_PRIV_H */

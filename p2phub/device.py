@@ -1,0 +1,89 @@
+"""The /dev/p2phub character device: open it, issue ioctls, read the module's info."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+from dataclasses import dataclass, field
+
+from . import uapi
+from .errors import ModuleNotLoadedError, P2PHubOSError
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """What P2PHUB_GET_INFO reports."""
+
+    version: str
+    abi_version: int
+    caps: uapi.Cap
+    max_regs_per_file: int
+    cap_names: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "abi_version": self.abi_version,
+            "caps": int(self.caps),
+            "cap_names": self.cap_names,
+            "max_regs_per_file": self.max_regs_per_file,
+        }
+
+
+class Device:
+    """An open file on /dev/p2phub. Everything registered through it dies with it."""
+
+    def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ModuleNotLoadedError(
+                f"{path} does not exist: p2phub.ko is not loaded (run `p2phub doctor`)"
+            ) from None
+        except OSError as exc:
+            raise P2PHubOSError(exc.errno or errno.EIO, f"open {path}") from None
+        self.path = path
+
+    def ioctl(self, request: int, arg: ctypes.Structure, what: str) -> None:
+        try:
+            fcntl.ioctl(self.fd, request, arg, True)
+        except OSError as exc:
+            raise P2PHubOSError(exc.errno or errno.EIO, what) from None
+
+    def info(self) -> ModuleInfo:
+        arg = uapi.Info.new()
+        self.ioctl(uapi.GET_INFO, arg, "P2PHUB_GET_INFO")
+        caps = uapi.Cap(arg.caps)
+        return ModuleInfo(
+            version=arg.version.decode(errors="replace"),
+            abi_version=arg.abi_version,
+            caps=caps,
+            max_regs_per_file=arg.max_regs_per_file,
+            cap_names=[c.name for c in uapi.Cap if c in caps and c.name],
+        )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            self.close()
+
+
+def get_info(path: str = uapi.DEVICE_PATH) -> ModuleInfo:
+    with Device(path) as dev:
+        return dev.info()
