@@ -247,7 +247,10 @@ def _find_gpus(sr: SysRoot, top: Topology) -> None:
         if flavour is None:
             continue
         info: dict[str, Any] = {"flavour": flavour, "numa_node": d.numa_node}
-        bar_index = {"nvidia": 1, "amd": 0, "ivshmem": 2}[flavour]
+        # the peer-visible aperture: NVIDIA's "BAR1" and AMD's VRAM BAR are the largest memory BAR (their
+        # sysfs index depends on whether BAR0 is 64-bit); ivshmem's shared memory is BAR2
+        sizes = [(d.bar_size(i) or 0, i) for i in range(min(6, len(d.resources)))]
+        bar_index = 2 if flavour == "ivshmem" else (max(sizes)[1] if sizes and max(sizes)[0] else 1)
         info["p2p_bar"] = bar_index
         info["bar_bytes"] = d.bar_size(bar_index)
         if flavour == "amd":

@@ -60,6 +60,18 @@ def _reason(exc: OSError) -> str:
     return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
 
 
+def _read_chunked(path: str, limit: int) -> bytes:
+    """Read up to ``limit`` bytes in page-sized reads (sysctl files refuse huge single reads)."""
+    out = bytearray()
+    with open(path, "rb", buffering=0) as f:
+        while len(out) < limit:
+            chunk = f.read(min(65536, limit - len(out)))
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)
+
+
 @dataclass
 class SysRoot:
     """Reads files under ``root`` as if it were "/"; records every read in ``log``."""
@@ -131,8 +143,7 @@ class SysRoot:
     def read_bytes(self, path: str, limit: int = 1 << 22) -> tuple[bytes | None, str | None]:
         """(data, None) or (None, reason)."""
         try:
-            with open(self.host(path), "rb") as f:
-                data = f.read(limit)
+            data = _read_chunked(self.host(path), limit)
         except OSError as exc:
             reason = _reason(exc)
             self._record(path, None, reason)
@@ -143,8 +154,7 @@ class SysRoot:
     def read(self, path: str, default: str | None = None) -> str | None:
         """The stripped text of a file, or ``default`` when it cannot be read (reason logged)."""
         try:
-            with open(self.host(path), "rb") as f:
-                raw = f.read(MAX_TEXT)
+            raw = _read_chunked(self.host(path), MAX_TEXT)
         except OSError as exc:
             self._record(path, None, _reason(exc))
             return default

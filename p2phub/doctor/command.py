@@ -1,0 +1,83 @@
+"""`p2phub doctor`: the command-line entry point (registered by p2phub/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+
+from .. import __version__
+from .core import EXIT_USAGE, diagnose
+from .sysroot import SysRoot
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the versioned JSON report on stdout")
+    parser.add_argument("--root", metavar="DIR",
+                        help="read a captured sysfs/procfs tree (a directory or a .tar.gz from tools/capture-sysfs) "
+                             "instead of the live system")
+    parser.add_argument("--strict", action="store_true", help="exit 2 when there are warnings")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show every check and its evidence")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing; the exit code is the answer")
+    parser.add_argument("--active", action="store_true",
+                        help="confirm each pair with a small real DMA and a checksum (needs p2phub.ko)")
+    parser.add_argument("--explain", metavar="CHECK_ID", help="print what a check means and exit")
+    parser.add_argument("--no-color", action="store_true", help="no colours (NO_COLOR is honoured too)")
+
+
+def _open_root(path: str) -> tuple[str, str | None]:
+    """(root dir, temp dir to remove) for --root, extracting a tarball when given one."""
+    if os.path.isdir(path):
+        return path, None
+    if os.path.isfile(path) and tarfile.is_tarfile(path):
+        tmp = tempfile.mkdtemp(prefix="p2phub-doctor-")
+        with tarfile.open(path) as tf:
+            members = [m for m in tf.getmembers() if not (m.name.startswith("/") or ".." in m.name.split("/"))
+                       and (m.isfile() or m.isdir() or m.issym())]
+            if sys.version_info >= (3, 12):
+                tf.extractall(tmp, members=members, filter="tar")
+            else:
+                tf.extractall(tmp, members=members)
+        entries = os.listdir(tmp)
+        root = os.path.join(tmp, entries[0]) if len(entries) == 1 and os.path.isdir(os.path.join(tmp, entries[0])) \
+            and not os.path.exists(os.path.join(tmp, "proc")) else tmp
+        return root, tmp
+    raise FileNotFoundError(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .report import explain, render_json, render_rich
+
+    if args.explain:
+        text = explain(args.explain)
+        if text is None:
+            print(f"p2phub doctor: unknown check id {args.explain!r}", file=sys.stderr)
+            return EXIT_USAGE
+        print(text)
+        return 0
+    tmp = None
+    try:
+        root = "/"
+        if args.root:
+            try:
+                root, tmp = _open_root(args.root)
+            except (FileNotFoundError, tarfile.TarError, OSError) as exc:
+                print(f"p2phub doctor: --root {args.root}: not a directory or tarball ({exc})", file=sys.stderr)
+                return EXIT_USAGE
+        sr = SysRoot(root)
+        rep = diagnose(sr, active=args.active)
+        code = rep.exit_code(strict=args.strict)
+        if args.quiet:
+            return code
+        if args.json:
+            render_json(rep, __version__)
+        else:
+            color = False if (args.no_color or os.environ.get("NO_COLOR")) else None
+            render_rich(rep, verbose=args.verbose, color=color)
+        return code
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
