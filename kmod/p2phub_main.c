@@ -60,7 +60,7 @@ int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 
 static u64 p2phub_caps(void)
 {
-	return 0;
+	return P2PHUB_CAP_NVME;
 }
 
 static long p2phub_ioctl_get_info(struct p2phub_file *pf, void __user *uarg)
@@ -94,6 +94,8 @@ static long p2phub_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 	switch (cmd) {
 	case P2PHUB_GET_INFO:
 		return p2phub_ioctl_get_info(pf, uarg);
+	case P2PHUB_NVME_OPEN:
+		return p2phub_nvme_ioctl_open(pf, uarg);
 	default:
 		return -ENOTTY;
 	}
@@ -145,6 +147,12 @@ static int __init p2phub_init(void)
 		pr_err("cannot register /dev/%s: %d\n", P2PHUB_DEVICE_NAME, ret);
 		return ret;
 	}
+	ret = p2phub_nvme_init();
+	if (ret) {
+		pr_err("cannot register the p2phub-nvme PCI driver: %d\n", ret);
+		misc_deregister(&p2phub_misc);
+		return ret;
+	}
 	pr_info("version %s, ABI %d, caps 0x%llx\n", P2PHUB_VERSION,
 		P2PHUB_ABI_VERSION, p2phub_caps());
 	return 0;
@@ -152,6 +160,7 @@ static int __init p2phub_init(void)
 
 static void __exit p2phub_exit(void)
 {
+	p2phub_nvme_exit();
 	misc_deregister(&p2phub_misc);
 }
 

@@ -29,4 +29,13 @@ int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 		     u32 known_flags);
 bool p2phub_all_zero(const void *p, size_t len);
 
+/*
+ * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one
+ * struct p2phub_nvme_ctrl; lock order there: device_lock(pci_dev) ->
+ * p2phub_nvme_ctrl.lock; p2phub_nvme_handle.lock is taken alone.
+ */
+int p2phub_nvme_init(void);
+void p2phub_nvme_exit(void);
+long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
+
 #endif /* _P2PHUB_PRIV_H */

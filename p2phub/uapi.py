@@ -69,4 +69,83 @@ class Info(_Struct):
 
 GET_INFO = _io(IOCTL_BASE + 0)
 
-STRUCTS: list[type[_Struct]] = [Info]
+# NVMe controller ownership: P2PHUB_IOCTL_BASE + 16 .. + 31.
+NVME_MAX_IRQS = 32
+NVME_DMA_MAX_BUF = 4 << 20
+NVME_DMA_MAX_TOTAL = 512 << 20
+NVME_DMA_MAX_BUFS = 4096
+NVME_MMAP_BAR0 = 0
+NVME_MMAP_DMA_SHIFT = 32
+
+
+class NvmeOpen(_Struct):
+    _c_name_ = "p2phub_nvme_open"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("domain", ctypes.c_uint32),
+        ("bus", ctypes.c_uint8),
+        ("devfn", ctypes.c_uint8),
+        ("__reserved0", ctypes.c_uint16),
+        ("out_nr_irqs", ctypes.c_uint32),
+        ("__reserved1", ctypes.c_uint32),
+        ("out_bar0_size", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class NvmeDmaAlloc(_Struct):
+    _c_name_ = "p2phub_nvme_dma_alloc"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("size", ctypes.c_uint64),
+        ("out_dma_addr", ctypes.c_uint64),
+        ("out_mmap_offset", ctypes.c_uint64),
+        ("out_id", ctypes.c_uint32),
+        ("__reserved", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class NvmeDmaFree(_Struct):
+    _c_name_ = "p2phub_nvme_dma_free"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("__reserved", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
+class NvmeIrqSet(_Struct):
+    _c_name_ = "p2phub_nvme_irq_set"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("vector", ctypes.c_uint32),
+        ("eventfd", ctypes.c_int32),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
+NVME_OPEN = _io(IOCTL_BASE + 16)
+NVME_DMA_ALLOC = _io(IOCTL_BASE + 17)
+NVME_DMA_FREE = _io(IOCTL_BASE + 18)
+NVME_IRQ_SET = _io(IOCTL_BASE + 19)
+
+CONSTANTS.update({
+    "NVME_MAX_IRQS": "P2PHUB_NVME_MAX_IRQS",
+    "NVME_DMA_MAX_BUF": "P2PHUB_NVME_DMA_MAX_BUF",
+    "NVME_DMA_MAX_TOTAL": "P2PHUB_NVME_DMA_MAX_TOTAL",
+    "NVME_DMA_MAX_BUFS": "P2PHUB_NVME_DMA_MAX_BUFS",
+    "NVME_MMAP_BAR0": "P2PHUB_NVME_MMAP_BAR0",
+    "NVME_MMAP_DMA_SHIFT": "P2PHUB_NVME_MMAP_DMA_SHIFT",
+    "NVME_OPEN": "P2PHUB_NVME_OPEN",
+    "NVME_DMA_ALLOC": "P2PHUB_NVME_DMA_ALLOC",
+    "NVME_DMA_FREE": "P2PHUB_NVME_DMA_FREE",
+    "NVME_IRQ_SET": "P2PHUB_NVME_IRQ_SET",
+})
+
+STRUCTS: list[type[_Struct]] = [Info, NvmeOpen, NvmeDmaAlloc, NvmeDmaFree, NvmeIrqSet]

@@ -1,0 +1,691 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * NVMe controller ownership for the user-space queue engine.
+ *
+ * p2phub.ko speaks no NVMe. It registers a PCI driver, "p2phub-nvme", with
+ * no id table: a controller reaches it only when user space sets the
+ * device's driver_override to that name and binds it (after checking that no
+ * namespace is mounted or held; see p2phub/nvme/bind.py). The driver then
+ * owns the privileged parts and nothing else:
+ *
+ *   - BAR0, mapped uncached into the owner for the doorbells and registers;
+ *   - DMA-coherent memory for submission/completion queues, PRP lists and
+ *     bounce buffers, mapped into the owner, with its bus address reported;
+ *   - MSI-X vectors, each relayed to an eventfd of the owner's choosing.
+ *
+ * P2PHUB_NVME_OPEN on /dev/p2phub hands the caller a controller fd; at most
+ * one fd owns a controller at a time. Everything hangs off that fd and is
+ * released when it goes (close or process death): the controller is
+ * disabled (CC.EN = 0, then bus mastering off) before a byte of its DMA
+ * memory is freed, so a controller left running by a crashed process cannot
+ * write into pages the kernel has reused.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/anon_inodes.h>
+#include <linux/build_bug.h>
+#include <linux/capability.h>
+#include <linux/debugfs.h>
+#include <linux/delay.h>
+#include <linux/dma-mapping.h>
+#include <linux/eventfd.h>
+#include <linux/file.h>
+#include <linux/fs.h>
+#include <linux/interrupt.h>
+#include <linux/io.h>
+#include <linux/io-64-nonatomic-lo-hi.h>
+#include <linux/jiffies.h>
+#include <linux/mm.h>
+#include <linux/module.h>
+#include <linux/overflow.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include <linux/version.h>
+#include <linux/wait.h>
+#include <linux/xarray.h>
+
+#include "p2phub_priv.h"
+
+static_assert(sizeof(struct p2phub_nvme_open) == 48);
+static_assert(offsetof(struct p2phub_nvme_open, out_nr_irqs) == 16);
+static_assert(offsetof(struct p2phub_nvme_open, out_bar0_size) == 24);
+static_assert(sizeof(struct p2phub_nvme_dma_alloc) == 56);
+static_assert(offsetof(struct p2phub_nvme_dma_alloc, out_id) == 32);
+static_assert(sizeof(struct p2phub_nvme_dma_free) == 24);
+static_assert(sizeof(struct p2phub_nvme_irq_set) == 24);
+
+/*
+ * eventfd_signal() lost its count argument in v6.8 (commit 3652117f8548,
+ * "eventfd: simplify eventfd_signal()").
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 8, 0)
+#define p2phub_eventfd_signal(ctx)	eventfd_signal(ctx)
+#else
+#define p2phub_eventfd_signal(ctx)	eventfd_signal(ctx, 1)
+#endif
+
+/* NVMe controller registers the kernel itself touches (disable on release). */
+#define NVME_REG_CAP	0x00
+#define NVME_REG_CC	0x14
+#define NVME_REG_CSTS	0x1c
+#define NVME_CC_EN	(1U << 0)
+#define NVME_CSTS_RDY	(1U << 0)
+
+#define P2PHUB_NVME_DRV_NAME	"p2phub-nvme"
+/* Upper bound on waiting for CSTS.RDY to drop, whatever CAP.TO claims. */
+#define P2PHUB_NVME_DISABLE_MAX_MS	30000
+
+struct p2phub_nvme_handle;
+
+/* One MSI-X vector relayed to an eventfd. */
+struct p2phub_nvme_irq {
+	struct eventfd_ctx *trigger;	/* NULL when detached */
+	struct p2phub_nvme_ctrl *ctrl;
+	unsigned int vector;
+	char name[32];
+};
+
+/* A controller bound to p2phub-nvme; drvdata of its pci_dev. */
+struct p2phub_nvme_ctrl {
+	struct pci_dev *pdev;
+	void __iomem *regs;		/* kernel view of BAR0, for disable */
+	resource_size_t bar0_len;
+	int nr_irqs;
+	struct p2phub_nvme_irq *irqs;	/* nr_irqs entries */
+	struct mutex lock;		/* owner, dying */
+	struct p2phub_nvme_handle *owner;
+	bool dying;
+	wait_queue_head_t owner_gone;
+};
+
+/* One DMA-coherent allocation, owned by a handle. */
+struct p2phub_nvme_buf {
+	u32 id;
+	size_t size;
+	void *cpu;
+	dma_addr_t dma;
+	atomic_t maps;			/* live user VMAs */
+};
+
+/* The controller fd: the ledger of everything one owner holds. */
+struct p2phub_nvme_handle {
+	struct p2phub_nvme_ctrl *ctrl;
+	struct mutex lock;		/* bufs, dma_bytes, irq attach/detach */
+	struct xarray bufs;		/* id -> struct p2phub_nvme_buf */
+	u64 dma_bytes;
+};
+
+static struct pci_driver p2phub_nvme_driver;
+static struct dentry *p2phub_nvme_debugfs;
+static atomic_t p2phub_nvme_live_bufs = ATOMIC_INIT(0);
+static atomic_t p2phub_nvme_live_handles = ATOMIC_INIT(0);
+
+/* ------------------------------------------------------------ controller */
+
+/*
+ * Stop the controller from touching memory: clear CC.EN, wait for CSTS.RDY
+ * to fall (bounded by CAP.TO), then turn bus mastering off, which stops DMA
+ * even from a controller that ignored the disable.
+ */
+static void p2phub_nvme_quiesce(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct pci_dev *pdev = ctrl->pdev;
+	unsigned long deadline;
+	u32 cc, csts, timeout_ms;
+	u64 cap;
+
+	cap = lo_hi_readq(ctrl->regs + NVME_REG_CAP);
+	timeout_ms = min_t(u32, ((cap >> 24) & 0xff) * 500,
+			   P2PHUB_NVME_DISABLE_MAX_MS);
+	cc = readl(ctrl->regs + NVME_REG_CC);
+	if (cc != U32_MAX && (cc & NVME_CC_EN)) {
+		writel(cc & ~NVME_CC_EN, ctrl->regs + NVME_REG_CC);
+		deadline = jiffies + msecs_to_jiffies(timeout_ms);
+		for (;;) {
+			csts = readl(ctrl->regs + NVME_REG_CSTS);
+			if (csts == U32_MAX || !(csts & NVME_CSTS_RDY))
+				break;
+			if (time_after(jiffies, deadline)) {
+				dev_warn_ratelimited(&pdev->dev,
+						     "controller still ready %u ms after CC.EN=0; stopping its DMA by clearing bus master\n",
+						     timeout_ms);
+				break;
+			}
+			msleep(1);
+		}
+	}
+	pci_clear_master(pdev);
+}
+
+static irqreturn_t p2phub_nvme_irq_handler(int irq, void *data)
+{
+	struct p2phub_nvme_irq *v = data;
+
+	p2phub_eventfd_signal(v->trigger);
+	return IRQ_HANDLED;
+}
+
+/* Caller holds h->lock. */
+static void p2phub_nvme_irq_detach(struct p2phub_nvme_handle *h,
+				   struct p2phub_nvme_irq *v)
+{
+	lockdep_assert_held(&h->lock);
+	if (!v->trigger)
+		return;
+	free_irq(pci_irq_vector(h->ctrl->pdev, v->vector), v);
+	eventfd_ctx_put(v->trigger);
+	v->trigger = NULL;
+}
+
+/* ------------------------------------------------------------ handle fd */
+
+static void p2phub_nvme_buf_free(struct p2phub_nvme_handle *h,
+				 struct p2phub_nvme_buf *b)
+{
+	dma_free_coherent(&h->ctrl->pdev->dev, b->size, b->cpu, b->dma);
+	h->dma_bytes -= b->size;
+	atomic_dec(&p2phub_nvme_live_bufs);
+	kfree(b);
+}
+
+static int p2phub_nvme_release(struct inode *inode, struct file *file)
+{
+	struct p2phub_nvme_handle *h = file->private_data;
+	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
+	struct p2phub_nvme_buf *b;
+	unsigned long id;
+	int i;
+
+	/* No VMA is left (each holds the file), so only the device can still touch the buffers. */
+	p2phub_nvme_quiesce(ctrl);
+
+	mutex_lock(&h->lock);
+	for (i = 0; i < ctrl->nr_irqs; i++)
+		p2phub_nvme_irq_detach(h, &ctrl->irqs[i]);
+	xa_for_each(&h->bufs, id, b) {
+		xa_erase(&h->bufs, id);
+		p2phub_nvme_buf_free(h, b);
+	}
+	mutex_unlock(&h->lock);
+	xa_destroy(&h->bufs);
+	mutex_destroy(&h->lock);
+
+	/* Hand the controller back; remove() may be waiting for this. */
+	mutex_lock(&ctrl->lock);
+	ctrl->owner = NULL;
+	mutex_unlock(&ctrl->lock);
+	wake_up_all(&ctrl->owner_gone);
+
+	pci_dev_put(ctrl->pdev);
+	kfree(h);
+	atomic_dec(&p2phub_nvme_live_handles);
+	return 0;
+}
+
+static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
+					void __user *uarg)
+{
+	struct p2phub_nvme_dma_alloc arg;
+	struct p2phub_nvme_buf *b;
+	u64 total;
+	u32 id;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (arg.__reserved || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	if (!arg.size || !PAGE_ALIGNED(arg.size) ||
+	    arg.size > P2PHUB_NVME_DMA_MAX_BUF)
+		return -EINVAL;
+
+	b = kzalloc(sizeof(*b), GFP_KERNEL);
+	if (!b)
+		return -ENOMEM;
+	b->size = arg.size;
+
+	mutex_lock(&h->lock);
+	if (check_add_overflow(h->dma_bytes, (u64)arg.size, &total) ||
+	    total > P2PHUB_NVME_DMA_MAX_TOTAL) {
+		ret = -ENOSPC;
+		goto err_unlock;
+	}
+	b->cpu = dma_alloc_coherent(&h->ctrl->pdev->dev, b->size, &b->dma,
+				    GFP_KERNEL);
+	if (!b->cpu) {
+		ret = -ENOMEM;
+		goto err_unlock;
+	}
+	ret = xa_alloc(&h->bufs, &id, b,
+		       XA_LIMIT(0, P2PHUB_NVME_DMA_MAX_BUFS - 1), GFP_KERNEL);
+	if (ret)
+		goto err_free_dma;
+	b->id = id;
+	h->dma_bytes = total;
+	atomic_inc(&p2phub_nvme_live_bufs);
+	mutex_unlock(&h->lock);
+
+	arg.argsz = sizeof(arg);
+	arg.out_dma_addr = b->dma;
+	arg.out_mmap_offset = P2PHUB_NVME_MMAP_DMA(id);
+	arg.out_id = id;
+	if (copy_to_user(uarg, &arg, sizeof(arg)))
+		return -EFAULT;	/* the buffer stays in the ledger until close */
+	return 0;
+
+err_free_dma:
+	dma_free_coherent(&h->ctrl->pdev->dev, b->size, b->cpu, b->dma);
+err_unlock:
+	mutex_unlock(&h->lock);
+	kfree(b);
+	if (ret == -ENOMEM || ret == -ENOSPC)
+		dev_info_ratelimited(&h->ctrl->pdev->dev,
+				     "DMA buffer of %llu bytes refused (%d); %llu bytes held\n",
+				     arg.size, ret, h->dma_bytes);
+	return ret;
+}
+
+static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
+				       void __user *uarg)
+{
+	struct p2phub_nvme_dma_free arg;
+	struct p2phub_nvme_buf *b;
+	u32 cc;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (arg.__reserved || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+
+	mutex_lock(&h->lock);
+	b = xa_load(&h->bufs, arg.id);
+	if (!b) {
+		ret = -ENOENT;
+		goto out_unlock;
+	}
+	/*
+	 * An enabled controller may still hold this buffer's address in a
+	 * queue or PRP list; a mapped buffer is still in the owner's hands.
+	 */
+	cc = readl(h->ctrl->regs + NVME_REG_CC);
+	if (atomic_read(&b->maps) || (cc != U32_MAX && (cc & NVME_CC_EN))) {
+		ret = -EBUSY;
+		goto out_unlock;
+	}
+	xa_erase(&h->bufs, arg.id);
+	p2phub_nvme_buf_free(h, b);
+	ret = 0;
+out_unlock:
+	mutex_unlock(&h->lock);
+	return ret;
+}
+
+static long p2phub_nvme_ioctl_irq_set(struct p2phub_nvme_handle *h,
+				      void __user *uarg)
+{
+	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
+	struct p2phub_nvme_irq_set arg;
+	struct eventfd_ctx *trigger;
+	struct p2phub_nvme_irq *v;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	if (arg.vector >= ctrl->nr_irqs)
+		return -EINVAL;
+	if (arg.eventfd < -1)
+		return -EBADF;
+
+	v = &ctrl->irqs[arg.vector];
+	mutex_lock(&h->lock);
+	p2phub_nvme_irq_detach(h, v);
+	if (arg.eventfd == -1) {
+		ret = 0;
+		goto out_unlock;
+	}
+	trigger = eventfd_ctx_fdget(arg.eventfd);
+	if (IS_ERR(trigger)) {
+		ret = PTR_ERR(trigger);
+		goto out_unlock;
+	}
+	v->trigger = trigger;	/* the handler reads it; published before request_irq */
+	ret = request_irq(pci_irq_vector(ctrl->pdev, v->vector),
+			  p2phub_nvme_irq_handler, 0, v->name, v);
+	if (ret)
+		goto err_put_trigger;
+	mutex_unlock(&h->lock);
+	return 0;
+
+err_put_trigger:
+	v->trigger = NULL;
+	eventfd_ctx_put(trigger);
+out_unlock:
+	mutex_unlock(&h->lock);
+	return ret;
+}
+
+static long p2phub_nvme_handle_ioctl(struct file *file, unsigned int cmd,
+				     unsigned long arg)
+{
+	struct p2phub_nvme_handle *h = file->private_data;
+	void __user *uarg = (void __user *)arg;
+
+	switch (cmd) {
+	case P2PHUB_NVME_DMA_ALLOC:
+		return p2phub_nvme_ioctl_dma_alloc(h, uarg);
+	case P2PHUB_NVME_DMA_FREE:
+		return p2phub_nvme_ioctl_dma_free(h, uarg);
+	case P2PHUB_NVME_IRQ_SET:
+		return p2phub_nvme_ioctl_irq_set(h, uarg);
+	default:
+		return -ENOTTY;
+	}
+}
+
+static void p2phub_nvme_vma_open(struct vm_area_struct *vma)
+{
+	struct p2phub_nvme_buf *b = vma->vm_private_data;
+
+	atomic_inc(&b->maps);
+}
+
+static void p2phub_nvme_vma_close(struct vm_area_struct *vma)
+{
+	struct p2phub_nvme_buf *b = vma->vm_private_data;
+
+	atomic_dec(&b->maps);
+}
+
+static const struct vm_operations_struct p2phub_nvme_buf_vm_ops = {
+	.open	= p2phub_nvme_vma_open,
+	.close	= p2phub_nvme_vma_close,
+};
+
+static int p2phub_nvme_mmap_bar0(struct p2phub_nvme_handle *h,
+				 struct vm_area_struct *vma, size_t len)
+{
+	struct pci_dev *pdev = h->ctrl->pdev;
+
+	if (len > PAGE_ALIGN(h->ctrl->bar0_len))
+		return -EINVAL;
+	vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
+	return io_remap_pfn_range(vma, vma->vm_start,
+				  pci_resource_start(pdev, 0) >> PAGE_SHIFT,
+				  len, vma->vm_page_prot);
+}
+
+static int p2phub_nvme_mmap(struct file *file, struct vm_area_struct *vma)
+{
+	struct p2phub_nvme_handle *h = file->private_data;
+	size_t len = vma->vm_end - vma->vm_start;
+	struct p2phub_nvme_buf *b;
+	u64 off;
+	int ret;
+
+	if (!(vma->vm_flags & VM_SHARED))
+		return -EINVAL;
+	if (check_shl_overflow((u64)vma->vm_pgoff, PAGE_SHIFT, &off))
+		return -EINVAL;
+	if (off == P2PHUB_NVME_MMAP_BAR0)
+		return p2phub_nvme_mmap_bar0(h, vma, len);
+	if (off & (P2PHUB_NVME_MMAP_DMA(1) - 1) ||
+	    off >> P2PHUB_NVME_MMAP_DMA_SHIFT > P2PHUB_NVME_DMA_MAX_BUFS)
+		return -EINVAL;
+
+	mutex_lock(&h->lock);
+	b = xa_load(&h->bufs, (off >> P2PHUB_NVME_MMAP_DMA_SHIFT) - 1);
+	if (!b || len > b->size) {
+		ret = -EINVAL;
+		goto out_unlock;
+	}
+	/* dma_mmap_coherent() reads vm_pgoff as the offset into the buffer. */
+	vma->vm_pgoff = 0;
+	ret = dma_mmap_coherent(&h->ctrl->pdev->dev, vma, b->cpu, b->dma, len);
+	if (ret)
+		goto out_unlock;
+	vma->vm_private_data = b;
+	vma->vm_ops = &p2phub_nvme_buf_vm_ops;
+	p2phub_nvme_vma_open(vma);
+out_unlock:
+	mutex_unlock(&h->lock);
+	return ret;
+}
+
+static const struct file_operations p2phub_nvme_handle_fops = {
+	.owner		= THIS_MODULE,
+	.release	= p2phub_nvme_release,
+	.unlocked_ioctl	= p2phub_nvme_handle_ioctl,
+	.compat_ioctl	= compat_ptr_ioctl,
+	.mmap		= p2phub_nvme_mmap,
+	.llseek		= noop_llseek,
+};
+
+/* P2PHUB_NVME_OPEN on /dev/p2phub: become the owner of a bound controller. */
+long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_nvme_open arg;
+	struct p2phub_nvme_handle *h;
+	struct p2phub_nvme_ctrl *ctrl;
+	struct pci_dev *pdev;
+	int ret, fd;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (arg.__reserved0 || arg.__reserved1 || arg.out_nr_irqs ||
+	    arg.out_bar0_size ||
+	    !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	/* Raw DMA by a device the caller programs: the privilege of /dev/mem. */
+	if (!capable(CAP_SYS_RAWIO))
+		return -EPERM;
+
+	pdev = pci_get_domain_bus_and_slot(arg.domain, arg.bus, arg.devfn);
+	if (!pdev)
+		return -ENODEV;
+
+	h = kzalloc(sizeof(*h), GFP_KERNEL);
+	if (!h) {
+		ret = -ENOMEM;
+		goto err_put_pdev;
+	}
+	mutex_init(&h->lock);
+	xa_init_flags(&h->bufs, XA_FLAGS_ALLOC);
+
+	/* The device lock keeps the driver binding stable while we look. */
+	device_lock(&pdev->dev);
+	if (pdev->dev.driver != &p2phub_nvme_driver.driver) {
+		device_unlock(&pdev->dev);
+		ret = -ENXIO;	/* not bound to p2phub-nvme */
+		goto err_free_handle;
+	}
+	ctrl = pci_get_drvdata(pdev);
+	mutex_lock(&ctrl->lock);
+	if (ctrl->owner || ctrl->dying) {
+		mutex_unlock(&ctrl->lock);
+		device_unlock(&pdev->dev);
+		ret = -EBUSY;
+		goto err_free_handle;
+	}
+	ctrl->owner = h;
+	h->ctrl = ctrl;
+	mutex_unlock(&ctrl->lock);
+	device_unlock(&pdev->dev);
+
+	pci_set_master(pdev);
+	atomic_inc(&p2phub_nvme_live_handles);
+
+	arg.argsz = sizeof(arg);
+	arg.out_nr_irqs = ctrl->nr_irqs;
+	arg.out_bar0_size = ctrl->bar0_len;
+	if (copy_to_user(uarg, &arg, sizeof(arg))) {
+		ret = -EFAULT;
+		goto err_disown;
+	}
+
+	/* Last: an installed fd cannot be taken back. It owns pdev's reference. */
+	fd = anon_inode_getfd("p2phub-nvme", &p2phub_nvme_handle_fops, h,
+			      O_RDWR | O_CLOEXEC);
+	if (fd < 0) {
+		ret = fd;
+		goto err_disown;
+	}
+	/* The fd number reaches the caller as the return value. */
+	return fd;
+
+err_disown:
+	pci_clear_master(pdev);
+	atomic_dec(&p2phub_nvme_live_handles);
+	mutex_lock(&ctrl->lock);
+	ctrl->owner = NULL;
+	mutex_unlock(&ctrl->lock);
+	wake_up_all(&ctrl->owner_gone);
+err_free_handle:
+	xa_destroy(&h->bufs);
+	mutex_destroy(&h->lock);
+	kfree(h);
+err_put_pdev:
+	pci_dev_put(pdev);
+	return ret;
+}
+
+/* ------------------------------------------------------------ pci driver */
+
+static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id)
+{
+	struct p2phub_nvme_ctrl *ctrl;
+	int ret, i, want;
+
+	if (pdev->class >> 8 != PCI_CLASS_STORAGE_EXPRESS) {
+		dev_info(&pdev->dev, "not an NVMe controller (class 0x%06x)\n",
+			 pdev->class);
+		return -ENODEV;
+	}
+	ctrl = kzalloc(sizeof(*ctrl), GFP_KERNEL);
+	if (!ctrl)
+		return -ENOMEM;
+	ctrl->pdev = pdev;
+	mutex_init(&ctrl->lock);
+	init_waitqueue_head(&ctrl->owner_gone);
+
+	ret = pci_enable_device_mem(pdev);
+	if (ret)
+		goto err_free_ctrl;
+	ret = pci_request_mem_regions(pdev, P2PHUB_NVME_DRV_NAME);
+	if (ret)
+		goto err_disable_device;
+	ret = dma_set_mask_and_coherent(&pdev->dev, DMA_BIT_MASK(64));
+	if (ret)
+		goto err_release_regions;
+	ctrl->bar0_len = pci_resource_len(pdev, 0);
+	if (ctrl->bar0_len < 0x2000) {
+		ret = -ENODEV;
+		goto err_release_regions;
+	}
+	ctrl->regs = pci_ioremap_bar(pdev, 0);
+	if (!ctrl->regs) {
+		ret = -ENOMEM;
+		goto err_release_regions;
+	}
+
+	want = pci_msix_vec_count(pdev);
+	if (want > 0) {
+		want = min(want, P2PHUB_NVME_MAX_IRQS);
+		ret = pci_alloc_irq_vectors(pdev, 1, want, PCI_IRQ_MSIX);
+		if (ret < 0)
+			goto err_unmap_regs;
+		ctrl->nr_irqs = ret;
+	}
+	ctrl->irqs = kcalloc(max(ctrl->nr_irqs, 1), sizeof(*ctrl->irqs),
+			     GFP_KERNEL);
+	if (!ctrl->irqs) {
+		ret = -ENOMEM;
+		goto err_free_vectors;
+	}
+	for (i = 0; i < ctrl->nr_irqs; i++) {
+		ctrl->irqs[i].ctrl = ctrl;
+		ctrl->irqs[i].vector = i;
+		snprintf(ctrl->irqs[i].name, sizeof(ctrl->irqs[i].name),
+			 "p2phub-nvme%d@%s", i, pci_name(pdev));
+	}
+	pci_set_drvdata(pdev, ctrl);
+	dev_info(&pdev->dev, "owned by p2phub: BAR0 %pa bytes, %d MSI-X vectors\n",
+		 &ctrl->bar0_len, ctrl->nr_irqs);
+	return 0;
+
+err_free_vectors:
+	pci_free_irq_vectors(pdev);
+err_unmap_regs:
+	iounmap(ctrl->regs);
+err_release_regions:
+	pci_release_mem_regions(pdev);
+err_disable_device:
+	pci_disable_device(pdev);
+err_free_ctrl:
+	mutex_destroy(&ctrl->lock);
+	kfree(ctrl);
+	return ret;
+}
+
+static void p2phub_nvme_remove(struct pci_dev *pdev)
+{
+	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
+	bool owned;
+
+	mutex_lock(&ctrl->lock);
+	ctrl->dying = true;
+	owned = ctrl->owner;
+	mutex_unlock(&ctrl->lock);
+	/*
+	 * The owner maps BAR0 and programs the controller: it must let go
+	 * before the device can change hands. Like VFIO, wait for it.
+	 */
+	if (owned)
+		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close it\n");
+	wait_event(ctrl->owner_gone, !READ_ONCE(ctrl->owner));
+
+	pci_free_irq_vectors(pdev);
+	iounmap(ctrl->regs);
+	pci_release_mem_regions(pdev);
+	pci_disable_device(pdev);
+	pci_set_drvdata(pdev, NULL);
+	kfree(ctrl->irqs);
+	mutex_destroy(&ctrl->lock);
+	kfree(ctrl);
+	dev_info(&pdev->dev, "released by p2phub\n");
+}
+
+static struct pci_driver p2phub_nvme_driver = {
+	.name		= P2PHUB_NVME_DRV_NAME,
+	.id_table	= NULL,		/* reached only through driver_override */
+	.probe		= p2phub_nvme_probe,
+	.remove		= p2phub_nvme_remove,
+};
+
+int p2phub_nvme_init(void)
+{
+	int ret;
+
+	ret = pci_register_driver(&p2phub_nvme_driver);
+	if (ret)
+		return ret;
+	p2phub_nvme_debugfs = debugfs_create_dir("p2phub_nvme", NULL);
+	debugfs_create_atomic_t("live_dma_buffers", 0444, p2phub_nvme_debugfs,
+				&p2phub_nvme_live_bufs);
+	debugfs_create_atomic_t("live_handles", 0444, p2phub_nvme_debugfs,
+				&p2phub_nvme_live_handles);
+	return 0;
+}
+
+void p2phub_nvme_exit(void)
+{
+	debugfs_remove_recursive(p2phub_nvme_debugfs);
+	pci_unregister_driver(&p2phub_nvme_driver);
+}
