@@ -919,8 +919,6 @@ def _kmod_loadable(ctx: Context) -> CheckResult:
             lock_mode += " (forced by the kernel config; securityfs not mounted)"
     if lock_mode and lock_mode.split()[0] in ("integrity", "confidentiality"):
         blockers.append(f"kernel lockdown={lock_mode}: unsigned modules are refused")
-    if sig != "Y" and ctx.kc("MODULE_SIG_FORCE") == "y" and sig is not None:
-        pass
     d = dict(lockdown=lock_mode, sig_enforce=sig, modules_disabled=dis, headers=build)
     loaded = ctx.status("kmod.loaded") == PASS
     if blockers and not loaded and ctx.kc("MODULES") == "n":

@@ -114,7 +114,7 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
                     if cid:
                         because.append(cid)
             iommu = _iommu_overlay(ctx, pr.map_type, [gpu.bdf, peer.bdf])
-            if iommu == "iova":
+            if iommu == "iova" and pr.map_type == MAP_THRU_HOST_BRIDGE:
                 degraded = True
                 because.append("iommu.domain")
                 reasons.append("through the host bridge with a translated IOMMU domain (IOVA-mapped)")
@@ -245,7 +245,9 @@ def _pairs_check(ctx: Context, kind: str, label: str) -> CheckResult:
     desc = ", ".join(f"{n} {v}" for v, n in counts.items())
     usable = counts.get(OK, 0) + counts.get(DEGRADED, 0)
     worst = [p for p in ps if p.verdict == BLOCKED]
-    fix = next((f for p in worst for f in p.fixes), None)
+    fix = next((f for p in worst + [p for p in ps if p.verdict == DEGRADED] for f in p.fixes), None)
+    if fix is None and any(p.verdict != OK for p in ps):
+        fix = "see the checks named in each pair's 'because' list"
     if not usable and counts.get(UNKNOWN):
         return R(UNKNOWN, f"{label}: {desc}", "run as root", counts=counts)
     if not usable:

@@ -1,0 +1,200 @@
+"""p2phub doctor: config-space parsing, classification details, CLI exit codes, JSON, unprivileged mode."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import struct
+import tarfile
+from contextlib import redirect_stdout
+
+import pytest
+
+from p2phub.cli import main
+from p2phub.doctor import SCHEMA
+from p2phub.doctor.core import diagnose
+from p2phub.doctor.pcie import acs_bits_str, allow_entry, parse_config
+from p2phub.doctor.sysroot import SysRoot
+
+pytestmark = pytest.mark.unit
+
+FIX = os.path.join(os.path.dirname(__file__), "..", "fixtures", "doctor")
+
+
+def fx(name: str) -> str:
+    return os.path.join(FIX, name)
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(list(argv))
+    return rc, buf.getvalue()
+
+
+# ---------------------------------------------------------------------------- config space
+def _cfg(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_parse_switch_downstream_port_acs() -> None:
+    cs = parse_config(_cfg(fx("broadwell-plx-acs/sys/bus/pci/devices/0000:03:08.0/config")))
+    assert cs.reason is None and cs.port_type == "downstream-port"
+    assert cs.acs_ctrl == 0x001D and cs.acs_redirect is True
+    assert acs_bits_str(cs.acs_ctrl) == ("SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- "
+                                         "DirectTrans-")
+
+
+def test_acs_without_redirect_bits() -> None:
+    cs = parse_config(_cfg(fx("broadwell-plx-acs/sys/bus/pci/devices/0000:07:08.0/config")))
+    assert cs.acs_ctrl == 0x0011 and cs.acs_redirect is False  # SV and UF do not redirect
+
+
+def test_ats_and_rebar_on_endpoints() -> None:
+    nic = parse_config(_cfg(fx("epyc-rome-gpp/sys/bus/pci/devices/0000:01:00.0/config")))
+    assert nic.ats_cap and nic.ats_enabled and nic.port_type == "endpoint"
+    gpu = parse_config(_cfg(fx("epyc-rome-gpp/sys/bus/pci/devices/0000:41:00.0/config")))
+    assert gpu.ats_cap and gpu.ats_enabled is False
+    assert gpu.rebar == [(0, 32 << 30)]
+
+
+def test_unprivileged_config_is_unknown_with_reason() -> None:
+    cs = parse_config(_cfg(fx("epyc-rome-gpp/sys/bus/pci/devices/0000:40:01.1/config"))[:64])
+    assert cs.reason and "CAP_SYS_ADMIN" in cs.reason
+    assert cs.acs_redirect is None
+
+
+def test_broken_capability_lists_terminate() -> None:
+    b = bytearray(4096)
+    struct.pack_into("<HH", b, 0, 0x10DE, 0x2335)
+    struct.pack_into("<H", b, 6, 0x10)
+    b[0x34] = 0x40
+    b[0x40:0x42] = bytes([0x01, 0x40])                      # loops onto itself
+    struct.pack_into("<I", b, 0x100, 0x000D | (0x100 << 20))  # ext cap pointing at itself
+    cs = parse_config(bytes(b))
+    assert cs.ext_caps == [0x000D]
+
+
+def test_allow_list() -> None:
+    assert allow_entry(0x8086, 0x2020) == (True, None)
+    assert allow_entry(0x8086, 0x2F00) == (True, "same-host-bridge")
+    assert allow_entry(0x8086, 0x6F00) == (False, None)   # Broadwell-EP: not listed
+    assert allow_entry(0x1AE0, 0x1234)[0]                  # Google: any device
+
+
+# ---------------------------------------------------------------------------- classification
+def test_broadwell_acs_blockers_and_fix() -> None:
+    rep = diagnose(SysRoot(fx("broadwell-plx-acs")))
+    p = next(p for p in rep.pairs if (p.provider, p.client) == ("GPU0", "NVMe0"))
+    assert p.lca == "0000:02:00.0" and p.acs_blockers == ["0000:03:08.0", "0000:03:10.0"]
+    assert p.host_bridge["allowed"] is False and "8086:6f00" in p.host_bridge["rule"]
+    assert any("pci=disable_acs_redir=0000:03:08.0;0000:03:10.0" in f for f in p.fixes)
+    acs = rep.check("pcie.acs")
+    assert "0000:03:08.0" in acs.applies_to and "disable_acs_redir" in (acs.fix or "")
+    nvme1 = [p for p in rep.pairs if p.client == "NVMe1"]
+    assert all("nvme.safety" in p.because for p in nvme1)
+
+
+def test_epyc_zen_rule_and_direct_switch_pair() -> None:
+    rep = diagnose(SysRoot(fx("epyc-rome-gpp")))
+    p = next(p for p in rep.pairs if (p.provider, p.client) == ("GPU1", "NVMe1"))
+    assert p.map_type == "BUS_ADDR" and p.iommu == "bypassed" and p.gbps == 7.9
+    q = next(p for p in rep.pairs if (p.provider, p.client) == ("GPU0", "NIC0"))
+    assert q.host_bridge["allowed"] is True and "Zen" in q.host_bridge["rule"]
+
+
+def test_h200_states_why_p2p_cannot_work() -> None:
+    rep = diagnose(SysRoot(fx("h200-firecracker")))
+    why = " ".join(rep.why_not())
+    assert "kernel.p2pdma" in why and "CONFIG_PCI_P2PDMA" in why
+    assert "topology.peers" in why and "no P2P peers" in why
+    assert "kmod.loadable" in why and "signed modules only" in why
+    gpu = rep.top.gpus[0]
+    assert gpu.bdf == "0000:00:06.0" and gpu.info["bar_bytes"] == 256 << 30
+    assert rep.check("host.virt").details["virt"] == "Firecracker"
+
+
+# ---------------------------------------------------------------------------- CLI and JSON
+def test_json_schema_and_exit_codes() -> None:
+    rc, out = run_cli("doctor", "--root", fx("epyc-rome-gpp"), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["schema"] == SCHEMA == "p2phub.doctor/1"
+    assert set(doc) >= {"schema", "tool", "host", "devices", "pairs", "checks", "summary"}
+    assert doc["summary"]["gpu_nvme"] == "degraded"
+    pair = doc["pairs"][0]
+    assert set(pair) >= {"provider", "client", "class", "distance", "kernel", "iommu", "verdict", "because"}
+    for c in doc["checks"]:
+        assert set(c) >= {"id", "title", "status", "summary", "fix", "evidence"}
+    assert run_cli("doctor", "--root", fx("epyc-rome-gpp"), "--strict", "-q")[0] == 2
+    assert run_cli("doctor", "--root", fx("h200-firecracker"), "-q")[0] == 1
+    assert run_cli("doctor", "--root", "/nonexistent/tree", "-q")[0] == 4
+    assert run_cli("doctor", "--bogus-option")[0] == 4
+    assert run_cli("doctor", "--explain", "no.such.check")[0] == 4
+    rc, out = run_cli("doctor", "--explain", "pcie.acs")
+    assert rc == 0 and "ACS" in out
+
+
+def test_rich_report_renders(tmp_path) -> None:
+    for name in ("broadwell-plx-acs", "h200-firecracker"):
+        rc, out = run_cli("doctor", "--root", fx(name), "--no-color", "-v")
+        assert "p2phub doctor" in out and "Traceback" not in out
+    rc, out = run_cli("doctor", "--root", fx("h200-firecracker"), "--no-color")
+    assert "P2P cannot work here because" in out and "[kernel.p2pdma]" in out
+
+
+def test_tarball_root(tmp_path) -> None:
+    tgz = tmp_path / "cap.tar.gz"
+    with tarfile.open(tgz, "w:gz") as tf:
+        tf.add(fx("h200-firecracker"), arcname="h200")
+    rc, out = run_cli("doctor", "--root", str(tgz), "--json")
+    assert rc == 1 and json.loads(out)["devices"][0]["bdf"] == "0000:00:06.0"
+
+
+def _unprivileged_copy(tmp_path, name: str) -> str:
+    dst = str(tmp_path / name)
+    shutil.copytree(fx(name), dst, symlinks=True)
+    for dirpath, _, files in os.walk(os.path.join(dst, "sys", "devices")):
+        if "config" in files:
+            p = os.path.join(dirpath, "config")
+            with open(p, "rb") as f:
+                head = f.read(64)
+            with open(p, "wb") as f:
+                f.write(head)
+    meta = os.path.join(dst, "p2phub-capture.json")
+    with open(meta) as f:
+        m = json.load(f)
+    m["euid"] = 65534
+    with open(meta, "w") as f:
+        json.dump(m, f)
+    return dst
+
+
+def test_unprivileged_mode_reports_unknown(tmp_path) -> None:
+    root = _unprivileged_copy(tmp_path, "epyc-rome-gpp")
+    rep = diagnose(SysRoot(root))
+    assert rep.check("host.privilege").status == "WARN"
+    assert rep.check("pcie.acs").status == "UNKNOWN"
+    assert rep.check("pcie.ats").status == "UNKNOWN"
+    assert {p.verdict for p in rep.pairs} == {"UNKNOWN"}
+    assert all(p.map_type == "UNKNOWN" for p in rep.pairs)
+    dev = rep.top.pci["0000:40:01.1"]
+    assert "CAP_SYS_ADMIN" in (dev.cfg.reason or "")
+    assert rep.exit_code() == 3
+    rc, _ = run_cli("doctor", "--root", root, "-q")
+    assert rc == 3
+
+
+def test_live_system_does_not_crash() -> None:
+    rep = diagnose(SysRoot("/"))
+    assert rep.checks and all(c.summary for c in rep.checks)
+    assert rep.exit_code() in (0, 1, 2, 3)
+
+
+def test_active_is_a_clear_skip() -> None:
+    rep = diagnose(SysRoot("/"), active=True)
+    c = rep.check("pair.active")
+    assert c.status == "SKIP" and ("p2phub.ko" in c.summary)
