@@ -1,0 +1,260 @@
+"""The stand-in GPU (p2phub_fakegpu.ko): binding, dma-buf export, revoke, FREE, BAR views, bad input."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from p2phub.errors import P2PHubOSError
+
+import fakegpu as fg
+
+pytestmark = pytest.mark.lab
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_module(lab: dict[str, str]) -> Iterator[None]:
+    if not fg.loaded():
+        fg.insmod(lab["modules_dir"])
+    yield
+    fg.rmmod()
+
+
+@pytest.fixture
+def gpu(gpu_module: None) -> Iterator[fg.FakeGpu]:
+    with fg.FakeGpu() as g:
+        before = g.query()
+        yield g
+        after = g.query()
+    # Every test leaves nothing behind.
+    assert (after.bufs, after.attachments, after.mappings, after.pins) == (0, 0, 0, 0)
+    assert (after.page_tables, after.dma_mappings) == (0, 0)
+    assert after.misuse == before.misuse
+
+
+@pytest.fixture(scope="module")
+def gpu_file(lab: dict[str, str]) -> fg.GpuFile:
+    return fg.GpuFile(lab["gpu_file"])
+
+
+def _errno(exc: pytest.ExceptionInfo[P2PHubOSError]) -> int:
+    return exc.value.errno
+
+
+def test_binds_the_ivshmem_device(gpu: fg.FakeGpu, lab: dict[str, str]) -> None:
+    drv = Path(f"/sys/bus/pci/devices/{lab['gpu']}/driver")
+    assert drv.resolve().name == fg.MODULE
+    q = gpu.query()
+    assert q.bar_size == 64 * MiB
+    assert q.va_base == fg.VA_BASE
+    res2 = Path(f"/sys/bus/pci/devices/{lab['gpu']}/resource").read_text().splitlines()[2]
+    assert int(res2.split()[0], 16) == q.bar_addr
+    assert Path("/sys/kernel/debug/p2phub_fakegpu/state").read_text().startswith("bar2 ")
+
+
+def test_export_dmabuf_size_and_exporter(gpu: fg.FakeGpu) -> None:
+    fd = gpu.export_dmabuf(1 * MiB, 2 * MiB)
+    try:
+        info = fg.dmabuf_info(fd)
+        assert int(info["size"]) == 2 * MiB
+        assert info["exp_name"] == fg.MODULE
+        assert os.lseek(fd, 0, os.SEEK_END) == 2 * MiB
+        assert gpu.query().bufs == 1
+    finally:
+        os.close(fd)
+    assert gpu.query().bufs == 0
+
+
+def test_export_whole_bar_and_last_page(gpu: fg.FakeGpu) -> None:
+    size = gpu.query().bar_size
+    for off, length in ((0, size), (size - fg.EXPORT_ALIGN, fg.EXPORT_ALIGN)):
+        os.close(gpu.export_dmabuf(off, length))
+
+
+def _vgem_render_node() -> str:
+    for node in sorted(Path("/sys/class/drm").glob("renderD*")):
+        if "vgem" in str((node / "device").resolve()):
+            return f"/dev/dri/{node.name}"
+    pytest.fail("no vgem render node: the lab loads vgem")
+
+
+# struct drm_prime_handle { __u32 handle; __u32 flags; __s32 fd; }
+class _DrmPrimeHandle(ctypes.Structure):
+    _fields_ = [("handle", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("fd", ctypes.c_int32)]
+
+
+DRM_IOCTL_PRIME_FD_TO_HANDLE = (3 << 30) | (ctypes.sizeof(_DrmPrimeHandle) << 16) | (ord("d") << 8) | 0x2E
+
+
+def test_importer_without_peer2peer_is_refused(gpu: fg.FakeGpu) -> None:
+    """vgem imports with a static attachment (no allow_peer2peer): attach must fail with EOPNOTSUPP."""
+    fd = gpu.export_dmabuf(0, 64 * 1024)
+    drm = os.open(_vgem_render_node(), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        refused = gpu.query().attach_refused
+        arg = _DrmPrimeHandle(fd=fd)
+        with pytest.raises(OSError) as exc:
+            fcntl.ioctl(drm, DRM_IOCTL_PRIME_FD_TO_HANDLE, arg, True)
+        assert exc.value.errno == errno.EOPNOTSUPP
+        q = gpu.query()
+        assert q.attach_refused == refused + 1
+        assert q.attachments == 0
+    finally:
+        os.close(drm)
+        os.close(fd)
+
+
+def test_revoke_is_idempotent_and_counted(gpu: fg.FakeGpu) -> None:
+    fd = gpu.export_dmabuf(0, 1 * MiB)
+    try:
+        assert gpu.revoke(fd) == fg.Revoked(0, 0)
+        assert gpu.query().bufs_revoked == 1
+        assert gpu.revoke(fd) == fg.Revoked(0, 0)
+        assert gpu.query().bufs_revoked == 1
+        assert "revoked" in Path("/sys/kernel/debug/p2phub_fakegpu/state").read_text()
+    finally:
+        os.close(fd)
+    assert gpu.query().bufs_revoked == 0
+
+
+def test_revoked_buffer_refuses_new_importers(gpu: fg.FakeGpu) -> None:
+    fd = gpu.export_dmabuf(0, 64 * 1024)
+    drm = os.open(_vgem_render_node(), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        gpu.revoke(fd)
+        with pytest.raises(OSError) as exc:
+            fcntl.ioctl(drm, DRM_IOCTL_PRIME_FD_TO_HANDLE, _DrmPrimeHandle(fd=fd), True)
+        assert exc.value.errno in (errno.EOPNOTSUPP, errno.ENODEV)
+    finally:
+        os.close(drm)
+        os.close(fd)
+
+
+def test_revoke_of_foreign_fds_is_refused(gpu: fg.FakeGpu, tmp_path: Path) -> None:
+    with open(tmp_path / "plain", "w") as f:
+        with pytest.raises(P2PHubOSError) as exc:
+            gpu.revoke(f.fileno())
+        assert _errno(exc) == errno.EINVAL
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.revoke(-1)
+    assert _errno(exc) == errno.EBADF
+    # A dma-buf of another exporter (vgem dumb buffer, via PRIME) is not ours.
+    foreign = _vgem_dmabuf()
+    try:
+        with pytest.raises(P2PHubOSError) as exc:
+            gpu.revoke(foreign)
+        assert _errno(exc) == errno.EINVAL
+    finally:
+        os.close(foreign)
+
+
+def _vgem_dmabuf() -> int:
+    """A 64 KiB vgem dumb buffer exported as a dma-buf fd."""
+
+    class CreateDumb(ctypes.Structure):
+        _fields_ = [("height", ctypes.c_uint32), ("width", ctypes.c_uint32), ("bpp", ctypes.c_uint32),
+                    ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint32), ("pitch", ctypes.c_uint32),
+                    ("size", ctypes.c_uint64)]
+
+    create = (3 << 30) | (ctypes.sizeof(CreateDumb) << 16) | (ord("d") << 8) | 0xB2
+    to_fd = (3 << 30) | (ctypes.sizeof(_DrmPrimeHandle) << 16) | (ord("d") << 8) | 0x2D
+    card = next(n for n in sorted(Path("/sys/class/drm").glob("card*"))
+                if "-" not in n.name and "vgem" in str((n / "device").resolve()))
+    drm = os.open(f"/dev/dri/{card.name}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        d = CreateDumb(height=16, width=1024, bpp=32)
+        fcntl.ioctl(drm, create, d, True)
+        h = _DrmPrimeHandle(handle=d.handle, flags=os.O_CLOEXEC | os.O_RDWR)
+        fcntl.ioctl(drm, to_fd, h, True)
+        return int(h.fd)
+    finally:
+        os.close(drm)
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "err"),
+    [
+        (0, 0, errno.EINVAL),  # empty
+        (100, 4096, errno.EINVAL),  # unaligned offset
+        (0, 4097, errno.EINVAL),  # unaligned length
+        (64 * MiB, 4096, errno.ERANGE),  # starts at the end
+        (63 * MiB, 2 * MiB, errno.ERANGE),  # runs past the end
+        ((1 << 64) - 4096, 8192, errno.ERANGE),  # offset + length overflows
+    ],
+)
+def test_bad_exports(gpu: fg.FakeGpu, offset: int, length: int, err: int) -> None:
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.export_dmabuf(offset, length)
+    assert _errno(exc) == err
+
+
+def test_abi_checks(gpu: fg.FakeGpu) -> None:
+    for bad in (
+        fg.ExportArgs.new(length=4096, flags=1),
+        fg.ExportArgs.new(length=4096, reserved=1),
+        fg.ExportArgs(argsz=8, length=4096),
+    ):
+        with pytest.raises(P2PHubOSError) as exc:
+            gpu._ioctl(fg.EXPORT_DMABUF, bad, "export")
+        assert _errno(exc) == errno.EINVAL
+    q = fg.QueryArgs.new()
+    q.reserved[3] = 1
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu._ioctl(fg.QUERY, q, "query")
+    assert _errno(exc) == errno.EINVAL
+    with pytest.raises(OSError) as oexc:
+        fcntl.ioctl(gpu.fd, fg._io(fg.IOCTL_BASE + 9), b"\0" * 64)
+    assert oexc.value.errno == errno.ENOTTY
+
+
+def test_free_of_unregistered_range(gpu: fg.FakeGpu) -> None:
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.free_va(fg.VA_BASE, fg.GPU_PAGE_SIZE)
+    assert _errno(exc) == errno.ENOENT
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.free_va(fg.VA_BASE, 0)
+    assert _errno(exc) == errno.EINVAL
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.free_va((1 << 64) - fg.GPU_PAGE_SIZE, 2 * fg.GPU_PAGE_SIZE)
+    assert _errno(exc) == errno.ERANGE
+    q = gpu.query()
+    assert (q.page_tables, q.dma_mappings, q.callbacks) == (0, 0, 0)
+
+
+def test_nvidia_p2p_symbols_are_exported(gpu_module: None) -> None:
+    syms = {line.split()[2] for line in Path("/proc/kallsyms").read_text().splitlines()
+            if line.endswith("[p2phub_fakegpu]")}
+    for name in ("nvidia_p2p_get_pages", "nvidia_p2p_put_pages", "nvidia_p2p_free_page_table",
+                 "nvidia_p2p_dma_map_pages", "nvidia_p2p_dma_unmap_pages",
+                 "nvidia_p2p_get_pages_persistent", "nvidia_p2p_put_pages_persistent"):
+        assert name in syms, name
+
+
+def test_host_file_writes_are_seen_through_the_bar(gpu: fg.FakeGpu, gpu_file: fg.GpuFile) -> None:
+    off, length = 3 * MiB + 4096, 3 * 4096
+    data = gpu_file.fill(off, length, b"host->bar:" + os.urandom(6))
+    with gpu.map_bar(3 * MiB, 1 * MiB) as bar:
+        assert bar[4096:4096 + length] == data
+
+
+def test_bar_writes_reach_the_host_file(gpu: fg.FakeGpu, gpu_file: fg.GpuFile) -> None:
+    pattern = (b"bar->host:" + os.urandom(6)) * 512
+    with gpu.map_bar(5 * MiB, 64 * 1024) as bar:
+        bar[:len(pattern)] = pattern
+    assert gpu_file.read(5 * MiB, len(pattern)) == pattern
+
+
+def test_bar_mmap_bounds(gpu: fg.FakeGpu) -> None:
+    size = gpu.query().bar_size
+    with pytest.raises(OSError):
+        gpu.map_bar(size - 4096, 8192)
+    with gpu.map_bar(size - 4096, 4096) as bar:
+        assert len(bar) == 4096
