@@ -60,7 +60,7 @@ int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 
 static u64 p2phub_caps(void)
 {
-	return P2PHUB_CAP_NVME;
+	return P2PHUB_CAP_NVME | p2phub_reg_caps();
 }
 
 static long p2phub_ioctl_get_info(struct p2phub_file *pf, void __user *uarg)
@@ -96,6 +96,12 @@ static long p2phub_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return p2phub_ioctl_get_info(pf, uarg);
 	case P2PHUB_NVME_OPEN:
 		return p2phub_nvme_ioctl_open(pf, uarg);
+	case P2PHUB_REGISTER:
+	case P2PHUB_UNREGISTER:
+	case P2PHUB_REG_INFO:
+	case P2PHUB_DMA_PAGES:
+	case P2PHUB_EXPORT:
+		return p2phub_reg_ioctl(pf, cmd, uarg);
 	default:
 		return -ENOTTY;
 	}
@@ -109,6 +115,7 @@ static int p2phub_open(struct inode *inode, struct file *file)
 	if (!pf)
 		return -ENOMEM;
 	mutex_init(&pf->lock);
+	p2phub_reg_file_init(pf);
 	file->private_data = pf;
 	return 0;
 }
@@ -117,6 +124,7 @@ static int p2phub_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_file *pf = file->private_data;
 
+	p2phub_reg_file_release(pf);
 	mutex_destroy(&pf->lock);
 	kfree(pf);
 	return 0;
@@ -142,15 +150,20 @@ static int __init p2phub_init(void)
 {
 	int ret;
 
+	ret = p2phub_reg_init();
+	if (ret)
+		return ret;
 	ret = misc_register(&p2phub_misc);
 	if (ret) {
 		pr_err("cannot register /dev/%s: %d\n", P2PHUB_DEVICE_NAME, ret);
+		p2phub_reg_exit();
 		return ret;
 	}
 	ret = p2phub_nvme_init();
 	if (ret) {
 		pr_err("cannot register the p2phub-nvme PCI driver: %d\n", ret);
 		misc_deregister(&p2phub_misc);
+		p2phub_reg_exit();
 		return ret;
 	}
 	pr_info("version %s, ABI %d, caps 0x%llx\n", P2PHUB_VERSION,
@@ -162,6 +175,7 @@ static void __exit p2phub_exit(void)
 {
 	p2phub_nvme_exit();
 	misc_deregister(&p2phub_misc);
+	p2phub_reg_exit();
 }
 
 module_init(p2phub_init);

@@ -14,6 +14,7 @@
 
 #include <linux/mutex.h>
 #include <linux/types.h>
+#include <linux/xarray.h>
 
 #include "uapi/p2phub.h"
 
@@ -22,6 +23,7 @@
 
 struct p2phub_file {
 	struct mutex lock;	/* protects everything below */
+	struct xarray regs;	/* handle -> struct p2phub_reg (one ref each) */
 };
 
 /* Copy an argsz-prefixed struct from user space, checking argsz and flags. */
@@ -37,5 +39,72 @@ bool p2phub_all_zero(const void *p, size_t len);
 int p2phub_nvme_init(void);
 void p2phub_nvme_exit(void);
 long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
+
+/*
+ * Registrations (p2phub_reg.c, p2phub_dmabuf.c, p2phub_nvp2p.c,
+ * p2phub_export.c).
+ *
+ * A struct p2phub_reg is made by P2PHUB_REGISTER and lives in its file's
+ * p2phub_file.regs (one reference). Every exported dma-buf holds another,
+ * and so does every in-kernel user between p2phub_reg_get() and
+ * p2phub_reg_put(). The pin (provider resources, per-device mappings) is
+ * released once, by p2phub_reg_teardown(): at UNREGISTER, at file close when
+ * nobody else uses it, or else when the last reference goes.
+ *
+ * Lock order (outer first), in addition to p2phub_file.lock above:
+ *   p2phub_file.lock -> p2phub_reg.lock -> dma_resv of the source dma-buf
+ *                                        -> dma_resv of an exported dma-buf
+ *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere.
+ * Callbacks: the source's move_notify runs under the source's dma_resv and
+ * takes only state_lock; the exported dma-buf's map/unmap/pin/unpin run
+ * under its dma_resv and take only state_lock; its attach/detach/release
+ * take p2phub_reg.lock; the NVIDIA free callback takes p2phub_reg.lock
+ * (which is never held across nvidia_p2p_get_pages()/put_pages()).
+ * Notifying an export's importers after a revocation happens from a work
+ * item, never from inside another dma-buf's callback.
+ *
+ * In-kernel users (the NVMe engine):
+ *
+ *	reg = p2phub_reg_get(pf, handle);		// -ENOENT
+ *	ret = p2phub_reg_dma_pages(reg, pdev, &list);	// maps on first ask
+ *	ret = p2phub_reg_io_begin(reg, list.generation);	// -ESTALE if revoked
+ *	... DMA to list.addrs[i] + off ...
+ *	p2phub_reg_io_end(reg);
+ *	p2phub_reg_put(reg);
+ *
+ * list.addrs stays allocated until p2phub_reg_put(); its contents are valid
+ * for DMA only while p2phub_reg_live(reg, list.generation) is true. An I/O
+ * hold makes UNREGISTER fail with -EBUSY; it does not stop a revocation
+ * (the owner of the memory decides), so the engine must check the
+ * generation before each submission and fence its queues on a change.
+ * p2phub_reg_put() may sleep (it can release the pin).
+ */
+struct p2phub_reg;
+struct pci_dev;
+
+struct p2phub_dma_list {
+	const dma_addr_t *addrs;	/* npages entries, one per page */
+	u64 npages;
+	u32 page_shift;			/* log2 of bytes per page */
+	u64 generation;			/* the addresses belong to this one */
+};
+
+struct p2phub_reg *p2phub_reg_get(struct p2phub_file *pf, u64 handle);
+void p2phub_reg_put(struct p2phub_reg *reg);
+int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
+			 struct p2phub_dma_list *list);
+int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation);
+void p2phub_reg_io_end(struct p2phub_reg *reg);
+bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation);
+
+/* Hooks for p2phub_main.c. */
+extern struct dentry *p2phub_debugfs_dir;	/* /sys/kernel/debug/p2phub */
+int p2phub_reg_init(void);
+void p2phub_reg_exit(void);
+void p2phub_reg_file_init(struct p2phub_file *pf);
+void p2phub_reg_file_release(struct p2phub_file *pf);
+long p2phub_reg_ioctl(struct p2phub_file *pf, unsigned int cmd,
+		      void __user *uarg);
+u64 p2phub_reg_caps(void);
 
 #endif /* _P2PHUB_PRIV_H */

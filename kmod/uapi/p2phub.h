@@ -50,6 +50,171 @@ struct p2phub_info {
 #define P2PHUB_GET_INFO		_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 0)
 
 /*
+ * Registrations: P2PHUB_IOCTL_BASE + 1 .. + 15.
+ *
+ * A registration pins a window of device memory once (a dma-buf window, or
+ * an NVIDIA GPU virtual address range through the NVIDIA P2P API) and hands
+ * out, per PCI device, the DMA addresses of its pages as that device must use
+ * them (IOVAs when an IOMMU translates for it). A handle is private to the
+ * open file of /dev/p2phub that made it; closing that file releases every
+ * registration it holds.
+ *
+ * Revocation: when the owner of the memory takes it back (dma-buf
+ * move_notify, NVIDIA free callback), the registration turns REVOKED, its
+ * generation is bumped, its DMA mappings are torn down, and every later use
+ * fails with -ESTALE; only P2PHUB_REG_INFO and P2PHUB_UNREGISTER still work.
+ */
+#define P2PHUB_PROVIDER_DMABUF		1	/* dma-buf importer */
+#define P2PHUB_PROVIDER_NVIDIA		2	/* NVIDIA P2P API */
+
+#define P2PHUB_REG_STATE_LIVE		1
+#define P2PHUB_REG_STATE_REVOKED	2	/* the owner took the memory back */
+
+#define P2PHUB_DMA_PAGES_MAX		(1U << 20)	/* entries per P2PHUB_DMA_PAGES call */
+
+/**
+ * P2PHUB_REGISTER - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 1)
+ *
+ * Pin memory and make a registration. Exactly one of F_DMABUF, F_NVIDIA.
+ * F_DMABUF: fd, offset, length (page aligned, inside the dma-buf); va = 0.
+ * F_NVIDIA: va, length (64 KiB aligned); fd = -1, offset = 0.
+ * F_DEVICE: also map for PCI device domain:bus:devfn right away (a dma-buf
+ * exporter pins per attached device, so this is what pins a dma-buf).
+ * Out: out_handle, out_page_size, out_provider.
+ *
+ * Return: 0; -EINVAL bad argsz, flags, reserved or out field, zero length,
+ * unaligned offset/length/va, or fd not a dma-buf; -EBADF fd not open;
+ * -EOVERFLOW offset + length wraps; -ERANGE the window ends past the
+ * dma-buf; -ENOSPC the file holds P2PHUB_INFO.max_regs_per_file already;
+ * -EOPNOTSUPP F_NVIDIA without NVIDIA P2P support built in; -ENXIO the
+ * nvidia_p2p_* symbols are not loaded; -ENODEV F_DEVICE names no PCI device;
+ * -ENOMEM; -EFAULT; or the exporter's / NVIDIA driver's error.
+ */
+struct p2phub_register {
+	__u32	argsz;
+	__u32	flags;
+#define P2PHUB_REGISTER_F_DMABUF	(1 << 0)	/* fd + offset + length */
+#define P2PHUB_REGISTER_F_NVIDIA	(1 << 1)	/* va + length, NVIDIA P2P */
+#define P2PHUB_REGISTER_F_DEVICE	(1 << 2)	/* map for domain/bus/devfn now */
+	__s32	fd;			/* dma-buf fd, or -1 */
+	__u32	domain;			/* F_DEVICE: PCI segment */
+	__u8	bus;			/* F_DEVICE */
+	__u8	devfn;			/* F_DEVICE */
+	__u16	__reserved0;		/* must be 0 */
+	__u32	__reserved1;		/* must be 0 */
+	__aligned_u64 va;		/* F_NVIDIA: GPU virtual address */
+	__aligned_u64 offset;		/* F_DMABUF: byte offset in the dma-buf */
+	__aligned_u64 length;		/* bytes */
+	__aligned_u64 out_handle;	/* out: nonzero handle */
+	__u32	out_page_size;		/* out: bytes per registration page */
+	__u32	out_provider;		/* out: P2PHUB_PROVIDER_* */
+	__aligned_u64 reserved[2];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_UNREGISTER - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 2)
+ *
+ * Release a registration: unmap it from every device and drop the pin. A
+ * revoked registration is unregistered the same way. Exported dma-bufs that
+ * nobody is attached to stay valid files but refuse new attachments.
+ *
+ * Return: 0; -ENOENT no such handle in this file (never made, already
+ * unregistered, or another file's); -EBUSY an importer is attached to an
+ * export of it, or in-kernel I/O holds it; -EINVAL; -EFAULT.
+ */
+struct p2phub_unregister {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 handle;
+	__aligned_u64 reserved[1];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_REG_INFO - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 3)
+ *
+ * Report a registration's state. In: handle. Out: the rest.
+ *
+ * Return: 0; -ENOENT no such handle; -EINVAL; -EFAULT.
+ */
+struct p2phub_reg_info {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 handle;
+	__u32	out_state;		/* P2PHUB_REG_STATE_* */
+	__u32	out_provider;		/* P2PHUB_PROVIDER_* */
+	__aligned_u64 out_generation;	/* bumped on every revocation */
+	__aligned_u64 out_length;	/* bytes */
+	__u32	out_page_size;		/* bytes per registration page */
+	__u32	out_nr_devices;		/* devices it is mapped for */
+	__u32	out_nr_exports;		/* exported dma-bufs still open */
+	__u32	out_nr_attached;	/* importers attached to them */
+	__u32	out_io_holds;		/* in-kernel I/O holding it */
+	__u32	__reserved0;		/* must be 0 */
+	__aligned_u64 reserved[2];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_DMA_PAGES - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 4)
+ *
+ * Copy out the DMA addresses of a registration's pages for one PCI device,
+ * mapping it for that device on first use. Pages are counted in units of
+ * page_size (0: the registration's page size; else a power of two from 4096
+ * up to the registration's page size); entry i is the address of byte
+ * (first + i) * page_size of the registration. count entries of __u64 are
+ * room at addrs; at most count are written, and count returns how many.
+ * count = 0 only reports out_total.
+ *
+ * Return: 0; -ENOENT no such handle; -ENODEV no such PCI device; -EINVAL bad
+ * argsz, flags, reserved field or page_size, or addrs = 0 with count > 0;
+ * -E2BIG count > P2PHUB_DMA_PAGES_MAX; -ERANGE first >= out_total;
+ * -ESTALE revoked (also when it was revoked while the addresses were being
+ * copied: they must not be used); -ENOMEM; -EFAULT; or the exporter's error.
+ */
+struct p2phub_dma_pages {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 handle;
+	__u32	domain;			/* PCI segment of the device */
+	__u8	bus;
+	__u8	devfn;
+	__u16	__reserved0;		/* must be 0 */
+	__u32	page_size;		/* in: bytes per entry, 0 = registration's */
+	__u32	count;			/* in: room at addrs; out: entries written */
+	__aligned_u64 first;		/* in: first page, in page_size units */
+	__aligned_u64 addrs;		/* in: user pointer to __u64[count] */
+	__aligned_u64 out_total;	/* out: pages of page_size in the registration */
+	__aligned_u64 out_generation;	/* out: generation the addresses belong to */
+	__aligned_u64 reserved[2];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_EXPORT - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 5)
+ *
+ * Export a registration as a new dma-buf (p2phub is its exporter), e.g. for
+ * ibv_reg_dmabuf_mr(). Importers must be dynamic (have move_notify) and
+ * allow peer-to-peer; they are attached to a PCI device, for which the
+ * registration is mapped. When the registration is revoked or unregistered
+ * the importers get move_notify and mapping fails with -ENODEV. The dma-buf
+ * holds the registration's memory until its last importer detaches.
+ *
+ * Return: the new dma-buf fd; -ENOENT no such handle; -ESTALE revoked;
+ * -EINVAL; -ENOMEM; -EMFILE; -EFAULT.
+ */
+struct p2phub_export {
+	__u32	argsz;
+	__u32	flags;
+#define P2PHUB_EXPORT_F_CLOEXEC		(1 << 0)	/* the fd gets O_CLOEXEC */
+	__aligned_u64 handle;
+	__aligned_u64 reserved[2];	/* must be 0 */
+};
+
+#define P2PHUB_REGISTER		_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 1)
+#define P2PHUB_UNREGISTER	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 2)
+#define P2PHUB_REG_INFO		_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 3)
+#define P2PHUB_DMA_PAGES	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 4)
+#define P2PHUB_EXPORT		_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 5)
+
+/*
  * NVMe controller ownership: P2PHUB_IOCTL_BASE + 16 .. + 31.
  *
  * A controller is handed to p2phub by binding it to the PCI driver

@@ -1,0 +1,34 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * compat.h: the only place in p2phub.ko where kernel versions are tested.
+ *
+ * Lab kernels: Debian 6.1.0-57 and 6.12.117. Each block names the change it
+ * papers over.
+ */
+#ifndef _P2PHUB_COMPAT_H
+#define _P2PHUB_COMPAT_H
+
+#include <linux/module.h>
+#include <linux/version.h>
+
+/*
+ * MODULE_IMPORT_NS() takes a string literal since 6.13 ("module: Convert
+ * symbol namespace to string literal"); before that, a bare identifier.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#define P2PHUB_IMPORT_NS_DMA_BUF()	MODULE_IMPORT_NS("DMA_BUF")
+#else
+#define P2PHUB_IMPORT_NS_DMA_BUF()	MODULE_IMPORT_NS(DMA_BUF)
+#endif
+
+/*
+ * dma-buf locking. 6.2 ("dma-buf: Move dma_buf_map_attachment() to dynamic
+ * locking specification") made dma_buf_map_attachment(), _unmap_, _pin()
+ * and _unpin() require the reservation lock for every importer; 6.1 asks it
+ * of dynamic importers only, and p2phub is always a dynamic importer. So one
+ * rule serves both: hold dmabuf->resv around pin/map/unmap/unpin, never
+ * around dma_buf_dynamic_attach()/dma_buf_detach(), which lock it
+ * themselves. No #ifdef is needed for that; this note keeps the reason.
+ */
+
+#endif /* _P2PHUB_COMPAT_H */

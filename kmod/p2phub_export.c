@@ -1,0 +1,240 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * p2phub as a dma-buf exporter: a registration, whatever pinned it (a
+ * dma-buf import or the NVIDIA P2P API), handed out as a new dma-buf, so a
+ * NIC can ibv_reg_dmabuf_mr() memory that came in through nvidia_p2p_*.
+ *
+ * The buffer has no struct pages and no CPU mapping: importers must allow
+ * peer-to-peer, must be attached to a PCI device (the registration is
+ * mapped for it, with the IOMMU when there is one) and must be dynamic, so
+ * that a revocation reaches them through move_notify. Pinning is accepted
+ * and costs nothing: the memory stays pinned by its source for as long as
+ * an importer is attached (UNREGISTER is refused meanwhile).
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/dma-buf.h>
+#include <linux/dma-resv.h>
+#include <linux/pci.h>
+#include <linux/scatterlist.h>
+#include <linux/slab.h>
+
+#include "p2phub_reg.h"
+
+#define P2PHUB_EXPORT_MAX_SEG	SZ_1G	/* bytes per scatterlist entry */
+
+struct p2phub_export_buf {
+	struct list_head node;		/* on reg->exports, under reg->lock */
+	struct p2phub_reg *reg;		/* reference held */
+	struct dma_buf *dmabuf;
+};
+
+static bool p2phub_export_live(struct p2phub_reg *reg)
+{
+	return READ_ONCE(reg->state) == P2PHUB_REG_LIVE;
+}
+
+static int p2phub_export_attach(struct dma_buf *dmabuf,
+				struct dma_buf_attachment *attach)
+{
+	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_reg *reg = exp->reg;
+	struct p2phub_reg_map *map;
+	int ret = 0;
+
+	/* Bus addresses without pages, revocable: see the top of the file. */
+	if (!attach->peer2peer || !attach->importer_ops ||
+	    !dev_is_pci(attach->dev))
+		return -EOPNOTSUPP;
+
+	spin_lock(&reg->state_lock);
+	if (reg->state != P2PHUB_REG_LIVE)
+		ret = -ENODEV;
+	else
+		reg->export_attached++;
+	spin_unlock(&reg->state_lock);
+	if (ret)
+		return ret;
+
+	map = p2phub_reg_map_get(reg, to_pci_dev(attach->dev));
+	if (IS_ERR(map)) {
+		spin_lock(&reg->state_lock);
+		reg->export_attached--;
+		spin_unlock(&reg->state_lock);
+		return PTR_ERR(map) == -ESTALE ? -ENODEV : PTR_ERR(map);
+	}
+	attach->priv = map;	/* lives until teardown, after the last detach */
+	atomic_inc(&p2phub_stats.export_attachments);
+	return 0;
+}
+
+static void p2phub_export_detach(struct dma_buf *dmabuf,
+				 struct dma_buf_attachment *attach)
+{
+	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_reg *reg = exp->reg;
+
+	spin_lock(&reg->state_lock);
+	if (!WARN_ON_ONCE(!reg->export_attached))
+		reg->export_attached--;
+	spin_unlock(&reg->state_lock);
+	atomic_dec(&p2phub_stats.export_attachments);
+}
+
+static int p2phub_export_pin(struct dma_buf_attachment *attach)
+{
+	return 0;	/* pinned by the source already */
+}
+
+static void p2phub_export_unpin(struct dma_buf_attachment *attach)
+{
+}
+
+static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
+					  enum dma_data_direction dir)
+{
+	struct p2phub_export_buf *exp = attach->dmabuf->priv;
+	struct p2phub_reg_map *map = attach->priv;
+	struct p2phub_reg *reg = exp->reg;
+	size_t ps = p2phub_reg_page_size(reg);
+	struct scatterlist *sg;
+	struct sg_table *sgt;
+	unsigned int nsegs = 1;
+	dma_addr_t start;
+	u64 i, len;
+	int ret;
+
+	if (!p2phub_export_live(reg))
+		return ERR_PTR(-ENODEV);
+
+	/* One entry per run of contiguous DMA addresses. */
+	for (i = 1, len = ps; i < reg->npages; i++, len += ps) {
+		if (map->addrs[i] != map->addrs[i - 1] + ps ||
+		    len + ps > P2PHUB_EXPORT_MAX_SEG) {
+			nsegs++;
+			len = 0;
+		}
+	}
+	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	if (!sgt)
+		return ERR_PTR(-ENOMEM);
+	ret = sg_alloc_table(sgt, nsegs, GFP_KERNEL);
+	if (ret)
+		goto err_free_sgt;
+
+	sg = sgt->sgl;
+	start = map->addrs[0];
+	for (i = 1, len = ps; i <= reg->npages; i++, len += ps) {
+		if (i < reg->npages && map->addrs[i] == map->addrs[i - 1] + ps &&
+		    len + ps <= P2PHUB_EXPORT_MAX_SEG)
+			continue;
+		/* No page behind the address: importers use the DMA side only. */
+		sg_set_page(sg, NULL, 0, 0);
+		sg_dma_address(sg) = start;
+		sg_dma_len(sg) = len;
+		sg = sg_next(sg);
+		if (i < reg->npages) {
+			start = map->addrs[i];
+			len = 0;
+		}
+	}
+	return sgt;
+
+err_free_sgt:
+	kfree(sgt);
+	return ERR_PTR(ret);
+}
+
+static void p2phub_export_unmap(struct dma_buf_attachment *attach,
+				struct sg_table *sgt,
+				enum dma_data_direction dir)
+{
+	sg_free_table(sgt);
+	kfree(sgt);
+}
+
+static void p2phub_export_release(struct dma_buf *dmabuf)
+{
+	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_reg *reg = exp->reg;
+
+	mutex_lock(&reg->lock);
+	list_del(&exp->node);
+	reg->nr_exports--;
+	mutex_unlock(&reg->lock);
+	kfree(exp);
+	atomic_dec(&p2phub_stats.exports);
+	p2phub_reg_put(reg);	/* may release the pin */
+}
+
+static const struct dma_buf_ops p2phub_export_ops = {
+	.attach		= p2phub_export_attach,
+	.detach		= p2phub_export_detach,
+	.pin		= p2phub_export_pin,
+	.unpin		= p2phub_export_unpin,
+	.map_dma_buf	= p2phub_export_map,
+	.unmap_dma_buf	= p2phub_export_unmap,
+	.release	= p2phub_export_release,
+};
+
+/* Export @reg as a new dma-buf; returns its fd. */
+int p2phub_export_create(struct p2phub_reg *reg, u32 flags)
+{
+	DEFINE_DMA_BUF_EXPORT_INFO(exp_info);
+	struct p2phub_export_buf *exp;
+	struct dma_buf *dmabuf;
+	int fd, ret;
+
+	if (!p2phub_export_live(reg))
+		return -ESTALE;
+	exp = kzalloc(sizeof(*exp), GFP_KERNEL);
+	if (!exp)
+		return -ENOMEM;
+	p2phub_reg_get_ref(reg);
+	exp->reg = reg;
+	INIT_LIST_HEAD(&exp->node);
+
+	exp_info.ops = &p2phub_export_ops;
+	exp_info.size = reg->length;
+	exp_info.flags = O_RDWR;
+	exp_info.priv = exp;
+	dmabuf = dma_buf_export(&exp_info);
+	if (IS_ERR(dmabuf)) {
+		ret = PTR_ERR(dmabuf);
+		goto err_put_reg;
+	}
+	exp->dmabuf = dmabuf;
+	atomic_inc(&p2phub_stats.exports);
+	mutex_lock(&reg->lock);
+	list_add_tail(&exp->node, &reg->exports);
+	reg->nr_exports++;
+	mutex_unlock(&reg->lock);
+
+	fd = dma_buf_fd(dmabuf, flags & P2PHUB_EXPORT_F_CLOEXEC ? O_CLOEXEC : 0);
+	if (fd < 0)
+		dma_buf_put(dmabuf);	/* release() frees exp, drops the ref */
+	return fd;
+
+err_put_reg:
+	p2phub_reg_put(reg);
+	kfree(exp);
+	return ret;
+}
+
+/*
+ * Tell the importers of every export of @reg that its memory is gone
+ * (revoked, unregistered or closed). Runs from a work item, so it never
+ * nests inside another dma-buf's reservation lock.
+ */
+void p2phub_export_notify(struct p2phub_reg *reg)
+{
+	struct p2phub_export_buf *exp;
+
+	mutex_lock(&reg->lock);
+	list_for_each_entry(exp, &reg->exports, node) {
+		dma_resv_lock(exp->dmabuf->resv, NULL);
+		dma_buf_move_notify(exp->dmabuf);
+		dma_resv_unlock(exp->dmabuf->resv);
+	}
+	mutex_unlock(&reg->lock);
+}

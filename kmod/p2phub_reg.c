@@ -1,0 +1,719 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * Registrations: the per-file ledger of pinned memory, per-device DMA page
+ * lists, the registration ioctls and the leak counters in debugfs.
+ *
+ * A registration is LIVE until its owner revokes the memory (REVOKED) or
+ * user space lets go of it (DEAD). Its pin is released exactly once, by
+ * p2phub_reg_teardown(); its struct goes with the last reference.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/build_bug.h>
+#include <linux/debugfs.h>
+#include <linux/log2.h>
+#include <linux/overflow.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+
+#include "p2phub_reg.h"
+
+static_assert(sizeof(struct p2phub_register) == 80);
+static_assert(offsetof(struct p2phub_register, va) == 24);
+static_assert(offsetof(struct p2phub_register, out_handle) == 48);
+static_assert(sizeof(struct p2phub_unregister) == 24);
+static_assert(sizeof(struct p2phub_reg_info) == 80);
+static_assert(offsetof(struct p2phub_reg_info, out_generation) == 24);
+static_assert(sizeof(struct p2phub_dma_pages) == 80);
+static_assert(offsetof(struct p2phub_dma_pages, first) == 32);
+static_assert(offsetof(struct p2phub_dma_pages, out_total) == 48);
+static_assert(sizeof(struct p2phub_export) == 32);
+static_assert(sizeof(dma_addr_t) <= sizeof(u64));
+
+#define P2PHUB_COPY_CHUNK	512	/* addresses per bounce buffer */
+
+struct p2phub_reg_stats p2phub_stats;
+static struct workqueue_struct *p2phub_reg_wq;
+/* /sys/kernel/debug/p2phub: other parts of the module may add files. */
+struct dentry *p2phub_debugfs_dir;
+
+/* --------------------------------------------------------------- lifetime */
+
+static void p2phub_reg_notify_work(struct work_struct *work)
+{
+	struct p2phub_reg *reg = container_of(work, struct p2phub_reg,
+					      notify_work);
+
+	p2phub_export_notify(reg);
+	p2phub_reg_put(reg);	/* the reference taken when queued */
+}
+
+static struct p2phub_reg *p2phub_reg_alloc(void)
+{
+	struct p2phub_reg *reg;
+
+	reg = kzalloc(sizeof(*reg), GFP_KERNEL);
+	if (!reg)
+		return NULL;
+	kref_init(&reg->kref);
+	spin_lock_init(&reg->state_lock);
+	reg->state = P2PHUB_REG_LIVE;
+	reg->generation = 1;
+	mutex_init(&reg->lock);
+	INIT_LIST_HEAD(&reg->maps);
+	INIT_LIST_HEAD(&reg->exports);
+	INIT_WORK(&reg->notify_work, p2phub_reg_notify_work);
+	atomic_inc(&p2phub_stats.regs);
+	return reg;
+}
+
+/* Release the pin and every device mapping, once. Sleeps. */
+static void p2phub_reg_teardown(struct p2phub_reg *reg)
+{
+	LIST_HEAD(maps);
+
+	mutex_lock(&reg->lock);
+	if (reg->torn_down) {
+		mutex_unlock(&reg->lock);
+		return;
+	}
+	reg->torn_down = true;
+	list_splice_init(&reg->maps, &maps);
+	reg->nr_maps = 0;
+	mutex_unlock(&reg->lock);
+
+	/* Set up only partially when REGISTER failed before choosing one. */
+	if (reg->provider)
+		reg->provider->release(reg, &maps);
+}
+
+static void p2phub_reg_release(struct kref *kref)
+{
+	struct p2phub_reg *reg = container_of(kref, struct p2phub_reg, kref);
+
+	p2phub_reg_teardown(reg);
+	WARN_ON_ONCE(!list_empty(&reg->exports));
+	mutex_destroy(&reg->lock);
+	atomic_dec(&p2phub_stats.regs);
+	kfree(reg);
+}
+
+void p2phub_reg_get_ref(struct p2phub_reg *reg)
+{
+	kref_get(&reg->kref);
+}
+
+void p2phub_reg_put(struct p2phub_reg *reg)
+{
+	might_sleep();
+	kref_put(&reg->kref, p2phub_reg_release);
+}
+
+struct p2phub_reg *p2phub_reg_get(struct p2phub_file *pf, u64 handle)
+{
+	struct p2phub_reg *reg;
+
+	if (!handle || handle > U32_MAX)
+		return ERR_PTR(-ENOENT);
+	mutex_lock(&pf->lock);
+	reg = xa_load(&pf->regs, handle);
+	if (reg)
+		kref_get(&reg->kref);
+	mutex_unlock(&pf->lock);
+	return reg ?: ERR_PTR(-ENOENT);
+}
+
+/* Queue the export notification, holding a reference for the work. */
+static void p2phub_reg_queue_notify(struct p2phub_reg *reg)
+{
+	/* A registration already on its way out has no importers left. */
+	if (!kref_get_unless_zero(&reg->kref))
+		return;
+	if (!queue_work(p2phub_reg_wq, &reg->notify_work))
+		kref_put(&reg->kref, p2phub_reg_release);	/* cannot be last */
+}
+
+/*
+ * The owner took the memory back. Callable from provider callbacks (under
+ * the source's dma_resv, or from the NVIDIA free callback): takes only
+ * state_lock and defers the rest.
+ */
+void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why)
+{
+	bool first = false;
+
+	spin_lock(&reg->state_lock);
+	if (reg->state == P2PHUB_REG_LIVE) {
+		reg->state = P2PHUB_REG_REVOKED;
+		reg->generation++;
+		first = true;
+	}
+	spin_unlock(&reg->state_lock);
+	if (!first)
+		return;
+	atomic_inc(&p2phub_stats.revocations);
+	pr_info_ratelimited("registration %u (%s, %llu bytes) revoked: %s\n",
+			    reg->handle, reg->provider->name, reg->length, why);
+	p2phub_reg_queue_notify(reg);
+}
+
+bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation)
+{
+	bool live;
+
+	spin_lock(&reg->state_lock);
+	live = reg->state == P2PHUB_REG_LIVE && reg->generation == generation;
+	spin_unlock(&reg->state_lock);
+	return live;
+}
+
+int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
+{
+	int ret = 0;
+
+	spin_lock(&reg->state_lock);
+	if (reg->state != P2PHUB_REG_LIVE || reg->generation != generation)
+		ret = -ESTALE;
+	else
+		reg->io_holds++;
+	spin_unlock(&reg->state_lock);
+	return ret;
+}
+
+void p2phub_reg_io_end(struct p2phub_reg *reg)
+{
+	spin_lock(&reg->state_lock);
+	if (!WARN_ON_ONCE(!reg->io_holds))
+		reg->io_holds--;
+	spin_unlock(&reg->state_lock);
+}
+
+/* ------------------------------------------------------- device mappings */
+
+static void p2phub_reg_map_free(struct p2phub_reg_map *map)
+{
+	pci_dev_put(map->pdev);
+	kvfree(map->addrs);
+	kfree(map);
+	atomic_dec(&p2phub_stats.dev_maps);
+}
+
+/*
+ * The mapping of @reg for @pdev, made on first ask and cached until
+ * teardown. Returns ERR_PTR(-ESTALE) once the registration is not live.
+ */
+struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
+					  struct pci_dev *pdev)
+{
+	struct p2phub_reg_map *map;
+	int ret;
+
+	mutex_lock(&reg->lock);
+	if (reg->torn_down || READ_ONCE(reg->state) != P2PHUB_REG_LIVE) {
+		ret = -ESTALE;
+		goto err_unlock;
+	}
+	list_for_each_entry(map, &reg->maps, node) {
+		if (map->pdev == pdev)
+			goto out_unlock;
+	}
+
+	map = kzalloc(sizeof(*map), GFP_KERNEL);
+	if (!map) {
+		ret = -ENOMEM;
+		goto err_unlock;
+	}
+	atomic_inc(&p2phub_stats.dev_maps);
+	map->reg = reg;
+	map->pdev = pci_dev_get(pdev);
+	map->addrs = kvmalloc_array(reg->npages, sizeof(*map->addrs),
+				    GFP_KERNEL);
+	if (!map->addrs) {
+		ret = -ENOMEM;
+		goto err_free_map;
+	}
+	ret = reg->provider->map(reg, map);
+	if (ret)
+		goto err_free_map;
+	list_add_tail(&map->node, &reg->maps);
+	reg->nr_maps++;
+out_unlock:
+	mutex_unlock(&reg->lock);
+	return map;
+
+err_free_map:
+	p2phub_reg_map_free(map);
+err_unlock:
+	mutex_unlock(&reg->lock);
+	return ERR_PTR(ret);
+}
+
+/* Used by providers' release(): frees what p2phub_reg_map_get() made. */
+void p2phub_reg_maps_free(struct list_head *maps)
+{
+	struct p2phub_reg_map *map, *tmp;
+
+	list_for_each_entry_safe(map, tmp, maps, node) {
+		list_del(&map->node);
+		p2phub_reg_map_free(map);
+	}
+}
+
+int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
+			 struct p2phub_dma_list *list)
+{
+	struct p2phub_reg_map *map;
+	u64 gen;
+
+	gen = READ_ONCE(reg->generation);
+	map = p2phub_reg_map_get(reg, pdev);
+	if (IS_ERR(map))
+		return PTR_ERR(map);
+	list->addrs = map->addrs;
+	list->npages = reg->npages;
+	list->page_shift = reg->page_shift;
+	list->generation = gen;
+	/* Revoked while mapping: the caller must not see these addresses. */
+	if (!p2phub_reg_live(reg, gen))
+		return -ESTALE;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ ioctls */
+
+static struct pci_dev *p2phub_pci_get(u32 domain, u8 bus, u8 devfn)
+{
+	if (domain > 0xffff)
+		return NULL;
+	return pci_get_domain_bus_and_slot(domain, bus, devfn);
+}
+
+static int p2phub_reg_validate_register(const struct p2phub_register *a)
+{
+	u32 kind = a->flags & (P2PHUB_REGISTER_F_DMABUF |
+			       P2PHUB_REGISTER_F_NVIDIA);
+	u64 end;
+
+	if (a->__reserved0 || a->__reserved1 ||
+	    !p2phub_all_zero(a->reserved, sizeof(a->reserved)) ||
+	    a->out_handle || a->out_page_size || a->out_provider)
+		return -EINVAL;
+	if (!(a->flags & P2PHUB_REGISTER_F_DEVICE) &&
+	    (a->domain || a->bus || a->devfn))
+		return -EINVAL;
+	if (!a->length)
+		return -EINVAL;
+	if (kind == P2PHUB_REGISTER_F_DMABUF) {
+		if (a->va || a->fd < 0)
+			return a->fd < 0 ? -EBADF : -EINVAL;
+		if (!PAGE_ALIGNED(a->offset) || !PAGE_ALIGNED(a->length))
+			return -EINVAL;
+		if (check_add_overflow(a->offset, a->length, &end))
+			return -EOVERFLOW;
+		return 0;
+	}
+	if (kind == P2PHUB_REGISTER_F_NVIDIA) {
+		if (a->fd != -1 || a->offset)
+			return -EINVAL;
+		if (!IS_ALIGNED(a->va, SZ_64K) || !IS_ALIGNED(a->length, SZ_64K))
+			return -EINVAL;
+		if (check_add_overflow(a->va, a->length, &end))
+			return -EOVERFLOW;
+		return 0;
+	}
+	return -EINVAL;		/* neither or both */
+}
+
+/* Mark @reg dead; false (and nothing done) while someone still uses it. */
+static bool p2phub_reg_kill(struct p2phub_reg *reg, bool force)
+{
+	bool busy;
+
+	spin_lock(&reg->state_lock);
+	busy = reg->io_holds || reg->export_attached;
+	if (!busy || force) {
+		reg->state = P2PHUB_REG_DEAD;
+		reg->generation++;
+	}
+	spin_unlock(&reg->state_lock);
+	return !busy;
+}
+
+static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_register a;
+	struct pci_dev *pdev = NULL;
+	struct p2phub_reg *reg;
+	struct p2phub_reg_map *map;
+	u32 handle;
+	int ret;
+
+	ret = p2phub_copy_args(&a, sizeof(a), uarg, P2PHUB_REGISTER_F_DMABUF |
+			       P2PHUB_REGISTER_F_NVIDIA |
+			       P2PHUB_REGISTER_F_DEVICE);
+	if (ret)
+		return ret;
+	ret = p2phub_reg_validate_register(&a);
+	if (ret)
+		return ret;
+	if (a.flags & P2PHUB_REGISTER_F_DEVICE) {
+		pdev = p2phub_pci_get(a.domain, a.bus, a.devfn);
+		if (!pdev)
+			return -ENODEV;
+	}
+
+	reg = p2phub_reg_alloc();
+	if (!reg) {
+		ret = -ENOMEM;
+		goto err_put_pdev;
+	}
+	reg->length = a.length;
+	if (a.flags & P2PHUB_REGISTER_F_DMABUF) {
+		ret = p2phub_dmabuf_setup(reg, a.fd, a.offset, a.length);
+	} else {
+#ifdef P2PHUB_HAVE_NV_P2P
+		ret = p2phub_nv_setup(reg, a.va, a.length);
+#else
+		ret = -EOPNOTSUPP;
+#endif
+	}
+	if (ret)
+		goto err_put_reg;
+
+	if (pdev) {
+		map = p2phub_reg_map_get(reg, pdev);
+		if (IS_ERR(map)) {
+			ret = PTR_ERR(map);
+			goto err_put_reg;
+		}
+	}
+
+	/* Publish: the handle becomes visible to the file's other users. */
+	mutex_lock(&pf->lock);
+	ret = xa_alloc(&pf->regs, &handle, reg,
+		       XA_LIMIT(1, P2PHUB_MAX_REGS_PER_FILE), GFP_KERNEL);
+	if (!ret)
+		reg->handle = handle;
+	mutex_unlock(&pf->lock);
+	if (ret) {
+		ret = ret == -EBUSY ? -ENOSPC : ret;
+		goto err_put_reg;
+	}
+
+	a.out_handle = handle;
+	a.out_page_size = p2phub_reg_page_size(reg);
+	a.out_provider = reg->provider->id;
+	if (copy_to_user(uarg, &a, sizeof(a))) {
+		/* Take the handle back, unless a racing UNREGISTER did. */
+		mutex_lock(&pf->lock);
+		if (xa_load(&pf->regs, handle) == reg &&
+		    p2phub_reg_kill(reg, false))
+			xa_erase(&pf->regs, handle);
+		else
+			reg = NULL;
+		mutex_unlock(&pf->lock);
+		ret = -EFAULT;
+		if (!reg)
+			goto err_put_pdev;
+		goto err_put_reg;
+	}
+	pci_dev_put(pdev);
+	return 0;
+
+err_put_reg:
+	p2phub_reg_put(reg);		/* releases whatever was set up */
+err_put_pdev:
+	pci_dev_put(pdev);
+	return ret;
+}
+
+static long p2phub_ioctl_unregister(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_unregister a;
+	struct p2phub_reg *reg;
+	int ret;
+
+	ret = p2phub_copy_args(&a, sizeof(a), uarg, 0);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(a.reserved, sizeof(a.reserved)))
+		return -EINVAL;
+	if (!a.handle || a.handle > U32_MAX)
+		return -ENOENT;
+
+	mutex_lock(&pf->lock);
+	reg = xa_load(&pf->regs, a.handle);
+	if (!reg) {
+		ret = -ENOENT;
+	} else if (!p2phub_reg_kill(reg, false)) {
+		ret = -EBUSY;
+	} else {
+		xa_erase(&pf->regs, a.handle);	/* its reference is ours now */
+		ret = 0;
+	}
+	mutex_unlock(&pf->lock);
+	if (ret)
+		return ret;
+
+	p2phub_reg_teardown(reg);
+	p2phub_reg_put(reg);
+	return 0;
+}
+
+static long p2phub_ioctl_reg_info(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_reg_info a;
+	struct p2phub_reg *reg;
+	int ret;
+
+	ret = p2phub_copy_args(&a, sizeof(a), uarg, 0);
+	if (ret)
+		return ret;
+	if (a.__reserved0 || !p2phub_all_zero(a.reserved, sizeof(a.reserved)))
+		return -EINVAL;
+	reg = p2phub_reg_get(pf, a.handle);
+	if (IS_ERR(reg))
+		return PTR_ERR(reg);
+
+	mutex_lock(&reg->lock);
+	a.out_nr_devices = reg->nr_maps;
+	a.out_nr_exports = reg->nr_exports;
+	mutex_unlock(&reg->lock);
+	spin_lock(&reg->state_lock);
+	a.out_state = reg->state;
+	a.out_generation = reg->generation;
+	a.out_nr_attached = reg->export_attached;
+	a.out_io_holds = reg->io_holds;
+	spin_unlock(&reg->state_lock);
+	a.out_provider = reg->provider->id;
+	a.out_length = reg->length;
+	a.out_page_size = p2phub_reg_page_size(reg);
+	p2phub_reg_put(reg);
+
+	if (copy_to_user(uarg, &a, sizeof(a)))
+		return -EFAULT;
+	return 0;
+}
+
+/*
+ * Copy entries [first, first + n) of the list, in units of 1 << shift
+ * (no larger than the registration's pages), to user space.
+ */
+static int p2phub_copy_addrs(const struct p2phub_dma_list *list, u32 shift,
+			     u64 first, u32 n, u64 __user *uaddrs)
+{
+	u32 per_page = 1U << (list->page_shift - shift);
+	u64 *buf;
+	u32 done = 0;
+	int ret = 0;
+
+	buf = kmalloc_array(P2PHUB_COPY_CHUNK, sizeof(*buf), GFP_KERNEL);
+	if (!buf)
+		return -ENOMEM;
+	while (done < n) {
+		u32 i, chunk = min_t(u32, n - done, P2PHUB_COPY_CHUNK);
+
+		for (i = 0; i < chunk; i++) {
+			u64 idx = first + done + i;
+
+			buf[i] = list->addrs[idx / per_page] +
+				 ((idx % per_page) << shift);
+		}
+		if (copy_to_user(uaddrs + done, buf, chunk * sizeof(*buf))) {
+			ret = -EFAULT;
+			break;
+		}
+		done += chunk;
+		cond_resched();
+	}
+	kfree(buf);
+	return ret;
+}
+
+static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_dma_pages a;
+	struct p2phub_dma_list list;
+	struct p2phub_reg *reg;
+	struct pci_dev *pdev;
+	u32 shift, n;
+	u64 total;
+	int ret;
+
+	ret = p2phub_copy_args(&a, sizeof(a), uarg, 0);
+	if (ret)
+		return ret;
+	if (a.__reserved0 || !p2phub_all_zero(a.reserved, sizeof(a.reserved)) ||
+	    a.out_total || a.out_generation)
+		return -EINVAL;
+	if (a.page_size && (!is_power_of_2(a.page_size) || a.page_size < SZ_4K))
+		return -EINVAL;
+	if (a.count > P2PHUB_DMA_PAGES_MAX)
+		return -E2BIG;
+	if (a.count && !a.addrs)
+		return -EINVAL;
+
+	reg = p2phub_reg_get(pf, a.handle);
+	if (IS_ERR(reg))
+		return PTR_ERR(reg);
+	shift = a.page_size ? ilog2(a.page_size) : reg->page_shift;
+	if (shift > reg->page_shift) {
+		ret = -EINVAL;
+		goto out_put_reg;
+	}
+	pdev = p2phub_pci_get(a.domain, a.bus, a.devfn);
+	if (!pdev) {
+		ret = -ENODEV;
+		goto out_put_reg;
+	}
+
+	ret = p2phub_reg_dma_pages(reg, pdev, &list);
+	if (ret)
+		goto out_put_pdev;
+	total = reg->length >> shift;
+	if (a.count && a.first >= total) {
+		ret = -ERANGE;
+		goto out_put_pdev;
+	}
+	n = a.count ? min_t(u64, a.count, total - a.first) : 0;
+	ret = p2phub_copy_addrs(&list, shift, a.first, n,
+				u64_to_user_ptr(a.addrs));
+	if (ret)
+		goto out_put_pdev;
+	/* Revoked while copying: what user space holds is already stale. */
+	if (!p2phub_reg_live(reg, list.generation)) {
+		ret = -ESTALE;
+		goto out_put_pdev;
+	}
+
+	a.count = n;
+	a.out_total = total;
+	a.out_generation = list.generation;
+	if (copy_to_user(uarg, &a, sizeof(a)))
+		ret = -EFAULT;
+out_put_pdev:
+	pci_dev_put(pdev);
+out_put_reg:
+	p2phub_reg_put(reg);
+	return ret;
+}
+
+static long p2phub_ioctl_export(struct p2phub_file *pf, void __user *uarg)
+{
+	struct p2phub_export a;
+	struct p2phub_reg *reg;
+	int ret;
+
+	ret = p2phub_copy_args(&a, sizeof(a), uarg, P2PHUB_EXPORT_F_CLOEXEC);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(a.reserved, sizeof(a.reserved)))
+		return -EINVAL;
+	reg = p2phub_reg_get(pf, a.handle);
+	if (IS_ERR(reg))
+		return PTR_ERR(reg);
+	ret = p2phub_export_create(reg, a.flags);	/* the fd, last */
+	p2phub_reg_put(reg);
+	return ret;
+}
+
+long p2phub_reg_ioctl(struct p2phub_file *pf, unsigned int cmd,
+		      void __user *uarg)
+{
+	switch (cmd) {
+	case P2PHUB_REGISTER:
+		return p2phub_ioctl_register(pf, uarg);
+	case P2PHUB_UNREGISTER:
+		return p2phub_ioctl_unregister(pf, uarg);
+	case P2PHUB_REG_INFO:
+		return p2phub_ioctl_reg_info(pf, uarg);
+	case P2PHUB_DMA_PAGES:
+		return p2phub_ioctl_dma_pages(pf, uarg);
+	case P2PHUB_EXPORT:
+		return p2phub_ioctl_export(pf, uarg);
+	default:
+		return -ENOTTY;
+	}
+}
+
+/* ------------------------------------------------------------- the ledger */
+
+void p2phub_reg_file_init(struct p2phub_file *pf)
+{
+	xa_init_flags(&pf->regs, XA_FLAGS_ALLOC1);
+}
+
+/*
+ * The file is closing (or its process died): every registration goes. One
+ * still used by an importer or by in-kernel I/O is marked dead, its
+ * importers are told, and its pin goes with its last reference.
+ */
+void p2phub_reg_file_release(struct p2phub_file *pf)
+{
+	struct p2phub_reg *reg;
+	unsigned long handle;
+
+	xa_for_each(&pf->regs, handle, reg) {
+		xa_erase(&pf->regs, handle);
+		if (p2phub_reg_kill(reg, true))
+			p2phub_reg_teardown(reg);
+		else
+			p2phub_reg_queue_notify(reg);
+		p2phub_reg_put(reg);
+	}
+	xa_destroy(&pf->regs);
+}
+
+/* -------------------------------------------------------------- module */
+
+u64 p2phub_reg_caps(void)
+{
+	u64 caps = P2PHUB_CAP_DMABUF_IMPORT | P2PHUB_CAP_DMABUF_EXPORT;
+
+#ifdef P2PHUB_HAVE_NV_P2P
+	caps |= P2PHUB_CAP_NVIDIA_P2P_BUILT;
+	if (p2phub_nv_live())
+		caps |= P2PHUB_CAP_NVIDIA_P2P_LIVE;
+#endif
+	return caps;
+}
+
+int p2phub_reg_init(void)
+{
+	static const struct {
+		const char *name;
+		atomic_t *val;
+	} counters[] = {
+		{ "regs", &p2phub_stats.regs },
+		{ "dev_maps", &p2phub_stats.dev_maps },
+		{ "dmabuf_attachments", &p2phub_stats.dmabuf_attachments },
+		{ "dmabuf_pins", &p2phub_stats.dmabuf_pins },
+		{ "exports", &p2phub_stats.exports },
+		{ "export_attachments", &p2phub_stats.export_attachments },
+		{ "nv_page_tables", &p2phub_stats.nv_page_tables },
+		{ "nv_dma_mappings", &p2phub_stats.nv_dma_mappings },
+		{ "revocations", &p2phub_stats.revocations },
+	};
+	int i;
+
+	p2phub_reg_wq = alloc_workqueue("p2phub_reg", 0, 0);
+	if (!p2phub_reg_wq)
+		return -ENOMEM;
+	/* debugfs is best effort: counters are for tests and debugging. */
+	p2phub_debugfs_dir = debugfs_create_dir(KBUILD_MODNAME, NULL);
+	for (i = 0; i < ARRAY_SIZE(counters); i++)
+		debugfs_create_atomic_t(counters[i].name, 0444,
+					p2phub_debugfs_dir, counters[i].val);
+	return 0;
+}
+
+void p2phub_reg_exit(void)
+{
+	/* Files and exported dma-bufs pin the module, so all are gone. */
+	destroy_workqueue(p2phub_reg_wq);
+	debugfs_remove(p2phub_debugfs_dir);
+	if (atomic_read(&p2phub_stats.regs))
+		pr_err("leak: %d registrations at unload\n",
+		       atomic_read(&p2phub_stats.regs));
+}

@@ -1,0 +1,140 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * Registration internals, shared by the registration core and its
+ * providers. Users outside these files go through p2phub_priv.h.
+ */
+#ifndef _P2PHUB_REG_H
+#define _P2PHUB_REG_H
+
+#include <linux/atomic.h>
+#include <linux/kref.h>
+#include <linux/list.h>
+#include <linux/mutex.h>
+#include <linux/spinlock.h>
+#include <linux/workqueue.h>
+
+#include "p2phub_priv.h"
+
+struct dma_buf;
+struct dma_buf_attachment;
+struct sg_table;
+
+enum p2phub_reg_state {
+	P2PHUB_REG_LIVE = P2PHUB_REG_STATE_LIVE,
+	P2PHUB_REG_REVOKED = P2PHUB_REG_STATE_REVOKED,
+	P2PHUB_REG_DEAD,		/* unregistered or its file closed */
+};
+
+/* The registration mapped for one PCI device. */
+struct p2phub_reg_map {
+	struct list_head node;		/* on p2phub_reg.maps */
+	struct p2phub_reg *reg;
+	struct pci_dev *pdev;		/* reference held */
+	dma_addr_t *addrs;		/* reg->npages entries */
+	union {
+		struct {
+			struct dma_buf_attachment *attach;
+			struct sg_table *sgt;	/* under the source's dma_resv */
+			bool pinned;
+			bool mapping;	/* pin/map in progress: ignore moves */
+		} db;
+		struct {
+			void *mapping;	/* struct nvidia_p2p_dma_mapping */
+		} nv;
+	};
+};
+
+struct p2phub_reg;
+
+struct p2phub_provider {
+	u32 id;				/* P2PHUB_PROVIDER_* */
+	const char *name;
+	/* Fill map->addrs for map->pdev. Called with reg->lock held. */
+	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	/*
+	 * Release the pin and every mapping on @maps (already off reg->maps);
+	 * no callback of the provider runs for @reg afterwards. Called once,
+	 * without reg->lock.
+	 */
+	void (*release)(struct p2phub_reg *reg, struct list_head *maps);
+};
+
+struct p2phub_reg {
+	struct kref kref;
+	u32 handle;
+	const struct p2phub_provider *provider;
+	u32 page_shift;
+	u64 length;
+	u64 npages;
+
+	spinlock_t state_lock;		/* protects the block below */
+	enum p2phub_reg_state state;
+	u64 generation;
+	u32 io_holds;
+	u32 export_attached;
+
+	struct mutex lock;		/* protects the block below */
+	struct list_head maps;		/* struct p2phub_reg_map */
+	u32 nr_maps;
+	struct list_head exports;	/* struct p2phub_export_buf */
+	u32 nr_exports;
+	bool torn_down;
+
+	struct work_struct notify_work;	/* tells export importers */
+
+	union {
+		struct {
+			struct dma_buf *dmabuf;	/* reference held */
+			u64 offset;
+		} db;
+		struct {
+			u64 va;
+			void *page_table;	/* under lock; NULL once claimed */
+			bool freed_early;	/* callback ran before publication */
+		} nv;
+	};
+};
+
+/* Leak counters, shown in /sys/kernel/debug/p2phub/. */
+struct p2phub_reg_stats {
+	atomic_t regs;			/* struct p2phub_reg alive */
+	atomic_t dev_maps;		/* struct p2phub_reg_map alive */
+	atomic_t dmabuf_attachments;	/* our attachments to source dma-bufs */
+	atomic_t dmabuf_pins;
+	atomic_t exports;		/* exported dma-bufs alive */
+	atomic_t export_attachments;	/* importers attached to them */
+	atomic_t nv_page_tables;	/* NVIDIA page tables held */
+	atomic_t nv_dma_mappings;
+	atomic_t revocations;		/* total, not a leak counter */
+};
+extern struct p2phub_reg_stats p2phub_stats;
+
+static inline size_t p2phub_reg_page_size(const struct p2phub_reg *reg)
+{
+	return (size_t)1 << reg->page_shift;
+}
+
+/* Mark @reg revoked (idempotent) and queue the importer notification. */
+void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why);
+/* Map @reg for @pdev (cached). Returns the map; reg->lock must not be held. */
+struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
+					  struct pci_dev *pdev);
+void p2phub_reg_get_ref(struct p2phub_reg *reg);
+void p2phub_reg_maps_free(struct list_head *maps);
+
+/* p2phub_dmabuf.c */
+extern const struct p2phub_provider p2phub_dmabuf_provider;
+int p2phub_dmabuf_setup(struct p2phub_reg *reg, int fd, u64 offset, u64 length);
+
+/* p2phub_nvp2p.c */
+#ifdef P2PHUB_HAVE_NV_P2P
+extern const struct p2phub_provider p2phub_nv_provider;
+int p2phub_nv_setup(struct p2phub_reg *reg, u64 va, u64 length);
+bool p2phub_nv_live(void);
+#endif
+
+/* p2phub_export.c */
+int p2phub_export_create(struct p2phub_reg *reg, u32 flags);
+void p2phub_export_notify(struct p2phub_reg *reg);
+
+#endif /* _P2PHUB_REG_H */
