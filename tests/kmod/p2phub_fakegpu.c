@@ -453,7 +453,7 @@ int nvidia_p2p_get_pages(uint64_t p2p_token, uint32_t va_space,
 	return fakegpu_get_pages(virtual_address, length, page_table,
 				 free_callback, data, false);
 }
-EXPORT_SYMBOL(nvidia_p2p_get_pages);
+EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages);
 
 int nvidia_p2p_get_pages_persistent(uint64_t virtual_address, uint64_t length,
 				    struct nvidia_p2p_page_table **page_table,
@@ -468,7 +468,7 @@ int nvidia_p2p_get_pages_persistent(uint64_t virtual_address, uint64_t length,
 	return fakegpu_get_pages(virtual_address, length, page_table,
 				 NULL, NULL, true);
 }
-EXPORT_SYMBOL(nvidia_p2p_get_pages_persistent);
+EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages_persistent);
 
 static int fakegpu_put_pages(u64 va, struct nvidia_p2p_page_table *pt,
 			     bool persistent)
@@ -533,7 +533,7 @@ int nvidia_p2p_put_pages(uint64_t p2p_token, uint32_t va_space,
 {
 	return fakegpu_put_pages(virtual_address, page_table, false);
 }
-EXPORT_SYMBOL(nvidia_p2p_put_pages);
+EXPORT_SYMBOL_GPL(nvidia_p2p_put_pages);
 
 int nvidia_p2p_put_pages_persistent(uint64_t virtual_address,
 				    struct nvidia_p2p_page_table *page_table,
@@ -547,7 +547,7 @@ int nvidia_p2p_put_pages_persistent(uint64_t virtual_address,
 	}
 	return fakegpu_put_pages(virtual_address, page_table, true);
 }
-EXPORT_SYMBOL(nvidia_p2p_put_pages_persistent);
+EXPORT_SYMBOL_GPL(nvidia_p2p_put_pages_persistent);
 
 /*
  * A no-op in the real driver, which frees the table itself once the free
@@ -574,7 +574,7 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 	mutex_unlock(&fakegpu_lock);
 	return ret;
 }
-EXPORT_SYMBOL(nvidia_p2p_free_page_table);
+EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
 
 int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 			     struct nvidia_p2p_page_table *page_table,
@@ -649,7 +649,7 @@ out_unlock:
 	mutex_unlock(&fakegpu_lock);
 	return ret;
 }
-EXPORT_SYMBOL(nvidia_p2p_dma_map_pages);
+EXPORT_SYMBOL_GPL(nvidia_p2p_dma_map_pages);
 
 /* Caller holds fakegpu_lock. */
 static struct fakegpu_map *fakegpu_map_find(struct fakegpu_pt *fpt,
@@ -705,27 +705,27 @@ out_unlock:
 	mutex_unlock(&fakegpu_lock);
 	return ret;
 }
-EXPORT_SYMBOL(nvidia_p2p_dma_unmap_pages);
+EXPORT_SYMBOL_GPL(nvidia_p2p_dma_unmap_pages);
 
 /* A no-op in the real driver too: the free path releases what is left. */
 int nvidia_p2p_free_dma_mapping(struct nvidia_p2p_dma_mapping *dma_mapping)
 {
 	return dma_mapping ? 0 : -EINVAL;
 }
-EXPORT_SYMBOL(nvidia_p2p_free_dma_mapping);
+EXPORT_SYMBOL_GPL(nvidia_p2p_free_dma_mapping);
 
 int nvidia_p2p_init_mapping(uint64_t p2p_token, struct nvidia_p2p_params *params,
 			    void (*destroy_callback)(void *data), void *data)
 {
 	return -ENOTSUPP;
 }
-EXPORT_SYMBOL(nvidia_p2p_init_mapping);
+EXPORT_SYMBOL_GPL(nvidia_p2p_init_mapping);
 
 int nvidia_p2p_destroy_mapping(uint64_t p2p_token)
 {
 	return -ENOTSUPP;
 }
-EXPORT_SYMBOL(nvidia_p2p_destroy_mapping);
+EXPORT_SYMBOL_GPL(nvidia_p2p_destroy_mapping);
 
 /*
  * Fire the free callback of every live, non-persistent table overlapping
