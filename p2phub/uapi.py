@@ -148,4 +148,125 @@ CONSTANTS.update({
     "NVME_IRQ_SET": "P2PHUB_NVME_IRQ_SET",
 })
 
-STRUCTS: list[type[_Struct]] = [Info, NvmeOpen, NvmeDmaAlloc, NvmeDmaFree, NvmeIrqSet]
+# ---------------------------------------------------------------- registrations
+
+PROVIDER_DMABUF = 1
+PROVIDER_NVIDIA = 2
+REG_STATE_LIVE = 1
+REG_STATE_REVOKED = 2
+DMA_PAGES_MAX = 1 << 20
+
+REGISTER_F_DMABUF = 1 << 0
+REGISTER_F_NVIDIA = 1 << 1
+REGISTER_F_DEVICE = 1 << 2
+EXPORT_F_CLOEXEC = 1 << 0
+
+
+class Register(_Struct):
+    _c_name_ = "p2phub_register"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("domain", ctypes.c_uint32),
+        ("bus", ctypes.c_uint8),
+        ("devfn", ctypes.c_uint8),
+        ("__reserved0", ctypes.c_uint16),
+        ("__reserved1", ctypes.c_uint32),
+        ("va", ctypes.c_uint64),
+        ("offset", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+        ("out_handle", ctypes.c_uint64),
+        ("out_page_size", ctypes.c_uint32),
+        ("out_provider", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class Unregister(_Struct):
+    _c_name_ = "p2phub_unregister"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
+class RegInfo(_Struct):
+    _c_name_ = "p2phub_reg_info"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("out_state", ctypes.c_uint32),
+        ("out_provider", ctypes.c_uint32),
+        ("out_generation", ctypes.c_uint64),
+        ("out_length", ctypes.c_uint64),
+        ("out_page_size", ctypes.c_uint32),
+        ("out_nr_devices", ctypes.c_uint32),
+        ("out_nr_exports", ctypes.c_uint32),
+        ("out_nr_attached", ctypes.c_uint32),
+        ("out_io_holds", ctypes.c_uint32),
+        ("__reserved0", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class DmaPages(_Struct):
+    _c_name_ = "p2phub_dma_pages"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("domain", ctypes.c_uint32),
+        ("bus", ctypes.c_uint8),
+        ("devfn", ctypes.c_uint8),
+        ("__reserved0", ctypes.c_uint16),
+        ("page_size", ctypes.c_uint32),
+        ("count", ctypes.c_uint32),
+        ("first", ctypes.c_uint64),
+        ("addrs", ctypes.c_uint64),
+        ("out_total", ctypes.c_uint64),
+        ("out_generation", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class Export(_Struct):
+    _c_name_ = "p2phub_export"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+REGISTER = _io(IOCTL_BASE + 1)
+UNREGISTER = _io(IOCTL_BASE + 2)
+REG_INFO = _io(IOCTL_BASE + 3)
+DMA_PAGES = _io(IOCTL_BASE + 4)
+EXPORT = _io(IOCTL_BASE + 5)
+
+REG_STRUCTS: list[type[_Struct]] = [Register, Unregister, RegInfo, DmaPages, Export]
+
+CONSTANTS.update({
+    "PROVIDER_DMABUF": "P2PHUB_PROVIDER_DMABUF",
+    "PROVIDER_NVIDIA": "P2PHUB_PROVIDER_NVIDIA",
+    "REG_STATE_LIVE": "P2PHUB_REG_STATE_LIVE",
+    "REG_STATE_REVOKED": "P2PHUB_REG_STATE_REVOKED",
+    "DMA_PAGES_MAX": "P2PHUB_DMA_PAGES_MAX",
+    "REGISTER_F_DMABUF": "P2PHUB_REGISTER_F_DMABUF",
+    "REGISTER_F_NVIDIA": "P2PHUB_REGISTER_F_NVIDIA",
+    "REGISTER_F_DEVICE": "P2PHUB_REGISTER_F_DEVICE",
+    "EXPORT_F_CLOEXEC": "P2PHUB_EXPORT_F_CLOEXEC",
+    "REGISTER": "P2PHUB_REGISTER",
+    "UNREGISTER": "P2PHUB_UNREGISTER",
+    "REG_INFO": "P2PHUB_REG_INFO",
+    "DMA_PAGES": "P2PHUB_DMA_PAGES",
+    "EXPORT": "P2PHUB_EXPORT",
+})
+
+
+STRUCTS: list[type[_Struct]] = [Info, NvmeOpen, NvmeDmaAlloc, NvmeDmaFree, NvmeIrqSet, *REG_STRUCTS]
