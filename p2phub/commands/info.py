@@ -1,0 +1,51 @@
+"""`p2phub info`: what p2phub.ko reports about itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..device import get_info
+from ..errors import ModuleNotLoadedError, P2PHubOSError
+
+EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = 0, 1, 3
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--device", default="/dev/p2phub", help="the p2phub device node")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        info = get_info(args.device)
+    except ModuleNotLoadedError as exc:
+        if args.json:
+            print(json.dumps({"schema": "p2phub.info/1", "loaded": False, "error": str(exc)}))
+        else:
+            print(f"p2phub: {exc}")
+        return EXIT_NOT_LOADED
+    except P2PHubOSError as exc:
+        if args.json:
+            print(json.dumps({"schema": "p2phub.info/1", "loaded": True, "error": str(exc),
+                              "errno": exc.errno}))
+        else:
+            print(f"p2phub: {exc}")
+        return EXIT_FAIL
+    if args.json:
+        print(json.dumps({"schema": "p2phub.info/1", "loaded": True, **info.as_dict()}, indent=2))
+        return EXIT_OK
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="p2phub.ko", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("version", info.version)
+    table.add_row("ABI", str(info.abi_version))
+    table.add_row("capabilities", ", ".join(info.cap_names) or "(none)")
+    table.add_row("caps mask", f"0x{int(info.caps):x}")
+    table.add_row("registrations per open", str(info.max_regs_per_file))
+    Console().print(table)
+    return EXIT_OK
