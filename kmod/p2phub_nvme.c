@@ -435,7 +435,7 @@ static int p2phub_nvme_mmap(struct file *file, struct vm_area_struct *vma)
 		return -EINVAL;
 	if (off == P2PHUB_NVME_MMAP_BAR0)
 		return p2phub_nvme_mmap_bar0(h, vma, len);
-	if (off & (P2PHUB_NVME_MMAP_DMA(1) - 1) ||
+	if (off & ((1ULL << P2PHUB_NVME_MMAP_DMA_SHIFT) - 1) ||
 	    off >> P2PHUB_NVME_MMAP_DMA_SHIFT > P2PHUB_NVME_DMA_MAX_BUFS)
 		return -EINVAL;
 
@@ -563,7 +563,7 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 	struct p2phub_nvme_ctrl *ctrl;
 	int ret, i, want;
 
-	if (pdev->class >> 8 != PCI_CLASS_STORAGE_EXPRESS) {
+	if (pdev->class != PCI_CLASS_STORAGE_EXPRESS) {
 		dev_info(&pdev->dev, "not an NVMe controller (class 0x%06x)\n",
 			 pdev->class);
 		return -ENODEV;
@@ -637,19 +637,17 @@ err_free_ctrl:
 static void p2phub_nvme_remove(struct pci_dev *pdev)
 {
 	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
-	bool owned;
 
 	mutex_lock(&ctrl->lock);
 	ctrl->dying = true;
-	owned = ctrl->owner;
 	mutex_unlock(&ctrl->lock);
 	/*
 	 * The owner maps BAR0 and programs the controller: it must let go
 	 * before the device can change hands. Like VFIO, wait for it.
 	 */
-	if (owned)
-		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close it\n");
-	wait_event(ctrl->owner_gone, !READ_ONCE(ctrl->owner));
+	while (!wait_event_timeout(ctrl->owner_gone, !READ_ONCE(ctrl->owner),
+				   10 * HZ))
+		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
 
 	pci_free_irq_vectors(pdev);
 	iounmap(ctrl->regs);

@@ -1,0 +1,262 @@
+"""Hand an NVMe controller to p2phub.ko and give it back, through sysfs.
+
+Binding goes: find the controller's namespaces (block devices, partitions),
+refuse if any is mounted, used as swap, held by a stacked device (LVM, md,
+dm-crypt, ...) or open exclusively by someone else; then open each one
+exclusively ourselves, so nothing can mount or claim it between the check and
+the unbind; unbind from the kernel nvme driver, set driver_override to
+"p2phub-nvme", bind. Unbinding reverses it and lets the kernel nvme driver
+probe the controller again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import P2PHubOSError, UsageError
+from .errors import ControllerBusyError
+
+DRIVER = "p2phub-nvme"
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+PCI_DRIVERS = Path("/sys/bus/pci/drivers")
+NVME_CLASS = 0x010802
+
+_BDF = re.compile(r"^(?:([0-9a-fA-F]{4}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
+
+
+def normalize_bdf(bdf: str) -> str:
+    m = _BDF.match(bdf.strip())
+    if not m:
+        raise UsageError(f"{bdf!r} is not a PCI address (DDDD:BB:DD.F)")
+    dom = m.group(1) or "0000"
+    return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}".lower()
+
+
+def split_bdf(bdf: str) -> tuple[int, int, int]:
+    """(domain, bus, devfn)."""
+    m = _BDF.match(normalize_bdf(bdf))
+    assert m
+    return int(m.group(1), 16), int(m.group(2), 16), (int(m.group(3), 16) << 3) | int(m.group(4))
+
+
+def current_driver(bdf: str) -> str | None:
+    link = PCI_DEVICES / bdf / "driver"
+    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    bdf: str
+    driver: str | None
+    vendor: str
+    device: str
+    ctrl: str | None  # nvmeN, when the kernel driver has it
+    model: str
+    serial: str
+    namespaces: list[str]
+
+    def as_dict(self) -> dict:
+        return {"bdf": self.bdf, "driver": self.driver, "vendor": self.vendor, "device": self.device,
+                "kernel_name": self.ctrl, "model": self.model, "serial": self.serial,
+                "namespaces": self.namespaces}
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text().strip()
+    except OSError:
+        return ""
+
+
+def list_controllers() -> list[ControllerInfo]:
+    out = []
+    for dev in sorted(PCI_DEVICES.iterdir()) if PCI_DEVICES.exists() else []:
+        try:
+            cls = int(_read(dev / "class"), 16)
+        except ValueError:
+            continue
+        if cls != NVME_CLASS:
+            continue
+        ctrl = _kernel_ctrl(dev.name)
+        cdir = dev / "nvme" / ctrl if ctrl else None
+        out.append(ControllerInfo(
+            bdf=dev.name, driver=current_driver(dev.name), vendor=_read(dev / "vendor"),
+            device=_read(dev / "device"), ctrl=ctrl,
+            model=_read(cdir / "model") if cdir else "", serial=_read(cdir / "serial") if cdir else "",
+            namespaces=[b for b, _ in _block_devices(dev.name)]))
+    return out
+
+
+def _kernel_ctrl(bdf: str) -> str | None:
+    d = PCI_DEVICES / bdf / "nvme"
+    if not d.is_dir():
+        return None
+    names = sorted(p.name for p in d.iterdir() if re.fullmatch(r"nvme\d+", p.name))
+    return names[0] if names else None
+
+
+def _block_devices(bdf: str) -> list[tuple[str, Path]]:
+    """(name, sysfs dir) of every block device and partition backed by this controller.
+
+    Without native multipath the namespaces sit under the controller; with it,
+    the visible disk is a subsystem "head" whose multipath/ links name our
+    controller's hidden path devices (nvmeXcYnZ).
+    """
+    ctrl = _kernel_ctrl(bdf)
+    if ctrl is None:
+        return []
+    cdir = (PCI_DEVICES / bdf / "nvme" / ctrl).resolve()
+    found: dict[str, Path] = {}
+    for blk in Path("/sys/class/block").iterdir():
+        real = blk.resolve()
+        mine = str(real).startswith(str(cdir) + "/")
+        mp = real / "multipath"
+        if not mine and mp.is_dir():
+            mine = any(re.fullmatch(rf"nvme\d+c{ctrl[4:]}n\d+", p.name) for p in mp.iterdir())
+        if mine and not re.fullmatch(r"nvme\d+c\d+n\d+", blk.name):
+            found[blk.name] = real
+            for part in real.iterdir():
+                if (part / "partition").exists():
+                    found[part.name] = part
+    return sorted(found.items())
+
+
+def busy_reasons(bdf: str) -> list[str]:
+    """Why the controller's namespaces cannot be taken from the kernel (empty: free)."""
+    bdf = normalize_bdf(bdf)
+    reasons: list[str] = []
+    devs = _block_devices(bdf)
+    if not devs:
+        return reasons
+    majmin = {(_read(d / "dev")): name for name, d in devs}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] in majmin:
+                reasons.append(f"/dev/{majmin[fields[2]]} is mounted on {fields[4]}")
+    with open("/proc/swaps") as f:
+        for line in f.readlines()[1:]:
+            name = os.path.basename(os.path.realpath(line.split()[0]))
+            if name in majmin.values():
+                reasons.append(f"/dev/{name} is in use as swap")
+    for name, d in devs:
+        holders = sorted(p.name for p in (d / "holders").iterdir()) if (d / "holders").is_dir() else []
+        for h in holders:
+            dm = _read(Path("/sys/class/block") / h / "dm" / "name")
+            kind = f"device-mapper {dm!r} (LVM, dm-crypt, multipath...)" if dm else (
+                "md RAID" if h.startswith("md") else "a stacked block device")
+            reasons.append(f"/dev/{name} is held by {h}: {kind}")
+    if not reasons:
+        for name, _d in devs:
+            path = f"/dev/{name}"
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    reasons.append(f"{path} is open exclusively by another user (a filesystem, "
+                                   "RAID or volume manager, or a program)")
+                continue
+            os.close(fd)
+    return reasons
+
+
+def _write(path: Path, value: str, what: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError as exc:
+        raise P2PHubOSError(exc.errno or errno.EIO, what, f"writing {value.strip()!r} to {path}") from None
+
+
+def bind(bdf: str, *, timeout_s: float = 10.0) -> str:
+    """Hand the controller to p2phub.ko. Returns the driver it had before."""
+    bdf = normalize_bdf(bdf)
+    dev = PCI_DEVICES / bdf
+    if not dev.exists():
+        raise UsageError(f"no PCI device {bdf}")
+    if int(_read(dev / "class") or "0", 16) != NVME_CLASS:
+        raise UsageError(f"{bdf} is not an NVMe controller (class {_read(dev / 'class')})")
+    before = current_driver(bdf)
+    if before == DRIVER:
+        return before
+    if not (PCI_DRIVERS / DRIVER).is_dir():
+        raise P2PHubOSError(errno.ENODEV, "bind", f"no PCI driver {DRIVER}: is p2phub.ko loaded?")
+    reasons = busy_reasons(bdf)
+    if reasons:
+        raise ControllerBusyError(bdf, reasons)
+    # Hold every namespace exclusively across the unbind: nothing may mount it meanwhile.
+    held: list[int] = []
+    try:
+        for name, _d in _block_devices(bdf):
+            try:
+                held.append(os.open(f"/dev/{name}", os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    raise ControllerBusyError(bdf, [f"/dev/{name} was claimed while binding"]) from None
+                raise
+        _write(dev / "driver_override", DRIVER, "bind")
+        if before is not None:
+            _write(dev / "driver" / "unbind", bdf, "bind")
+    finally:
+        for fd in held:
+            os.close(fd)
+    try:
+        _write(PCI_DRIVERS / DRIVER / "bind", bdf, "bind")
+        _wait_driver(bdf, DRIVER, timeout_s)
+    except P2PHubOSError:
+        unbind(bdf, driver=before or "")  # give it back rather than leave it driverless
+        raise
+    return before or ""
+
+
+def unbind(bdf: str, *, driver: str = "nvme", timeout_s: float = 30.0) -> None:
+    """Give the controller back to the kernel (`driver`, normally nvme).
+
+    The owner's controller fd must be closed first: the kernel waits for it.
+    """
+    bdf = normalize_bdf(bdf)
+    dev = PCI_DEVICES / bdf
+    if current_driver(bdf) == DRIVER:
+        _write(dev / "driver" / "unbind", bdf, "unbind")
+    _write(dev / "driver_override", "\n", "unbind")
+    if current_driver(bdf) is None and driver:
+        try:
+            _write(PCI_DRIVERS / driver / "bind", bdf, "unbind")
+        except P2PHubOSError:
+            _write(Path("/sys/bus/pci/drivers_probe"), bdf, "unbind")
+        _wait_driver(bdf, driver, timeout_s)
+        if driver == "nvme":
+            _wait_namespaces(bdf, timeout_s)
+
+
+def _wait_driver(bdf: str, driver: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while current_driver(bdf) != driver:
+        if time.monotonic() > deadline:
+            raise P2PHubOSError(errno.ETIMEDOUT, "bind", f"{bdf} not bound to {driver} after {timeout_s} s "
+                                f"(driver now: {current_driver(bdf)})")
+        time.sleep(0.05)
+
+
+def _wait_namespaces(bdf: str, timeout_s: float) -> None:
+    """The kernel nvme driver probes asynchronously: wait for its block devices."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        devs = _block_devices(bdf)
+        if devs and all(os.path.exists(f"/dev/{n}") for n, _ in devs):
+            return
+        time.sleep(0.1)
+
+
+def block_devices(bdf: str) -> list[str]:
+    """/dev paths of the controller's namespaces (when the kernel driver has it)."""
+    return [f"/dev/{n}" for n, d in _block_devices(normalize_bdf(bdf)) if not (d / "partition").exists()]
