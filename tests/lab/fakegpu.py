@@ -10,6 +10,7 @@ tests compare them with the header.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -275,6 +276,24 @@ def rmmod() -> None:
     res = subprocess.run(["rmmod", MODULE], capture_output=True, text=True)
     if res.returncode != 0:
         raise P2PHubOSError(errno.EBUSY, f"rmmod {MODULE}", res.stderr.strip())
+
+
+@contextlib.contextmanager
+def loaded_module(modules_dir: str | os.PathLike[str]) -> Iterator[None]:
+    """p2phub_fakegpu.ko loaded for the duration; unloaded after only if this loaded it.
+
+    Unloading fails (P2PHubOSError EBUSY) while anything still holds the module:
+    a dma-buf it exported, an open /dev/p2phub_fakegpu, or a module using its
+    nvidia_p2p_* symbols. That is a leak in the code under test.
+    """
+    mine = not loaded()
+    if mine:
+        insmod(modules_dir)
+    try:
+        yield
+    finally:
+        if mine:
+            rmmod()
 
 
 def dmabuf_info(fd: int) -> dict[str, str]:

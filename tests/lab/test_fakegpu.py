@@ -6,6 +6,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -22,10 +23,8 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def gpu_module(lab: dict[str, str]) -> Iterator[None]:
-    if not fg.loaded():
-        fg.insmod(lab["modules_dir"])
-    yield
-    fg.rmmod()
+    with fg.loaded_module(lab["modules_dir"]):
+        yield
 
 
 @pytest.fixture
@@ -37,7 +36,7 @@ def gpu(gpu_module: None) -> Iterator[fg.FakeGpu]:
     # Every test leaves nothing behind.
     assert (after.bufs, after.attachments, after.mappings, after.pins) == (0, 0, 0, 0)
     assert (after.page_tables, after.dma_mappings) == (0, 0)
-    assert after.misuse == before.misuse
+    assert after.misuse == before.misuse, "a test misused the NVIDIA P2P API unexpectedly"
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +257,127 @@ def test_bar_mmap_bounds(gpu: fg.FakeGpu) -> None:
         gpu.map_bar(size - 4096, 8192)
     with gpu.map_bar(size - 4096, 4096) as bar:
         assert len(bar) == 4096
+
+
+# ---------------------------------------------------------------- the importer's side
+# p2phub_fakegpu_consumer.ko is a minimal in-kernel importer / NVIDIA P2P
+# consumer: it checks what the stand-in GPU hands to a real kernel consumer.
+
+CONSUMER = "p2phub_fakegpu_consumer"
+CONSUMER_DIR = Path(f"/sys/kernel/debug/{CONSUMER}")
+
+
+class Consumer:
+    def command(self, cmd: str) -> None:
+        fd = os.open(CONSUMER_DIR / "cmd", os.O_WRONLY)
+        try:
+            os.write(fd, cmd.encode())
+        finally:
+            os.close(fd)
+
+    def state(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for line in (CONSUMER_DIR / "state").read_text().splitlines():
+            key, value = line.split()
+            out[key] = int(value, 0)
+        return out
+
+
+@pytest.fixture
+def consumer(gpu_module: None, lab: dict[str, str]) -> Iterator[Consumer]:
+    subprocess.run(["insmod", f"{lab['modules_dir']}/{CONSUMER}.ko"], check=True)
+    c = Consumer()
+    try:
+        yield c
+    finally:
+        c.command("release")
+        subprocess.run(["rmmod", CONSUMER], check=True)
+
+
+def test_p2p_importer_gets_device_addresses(gpu: fg.FakeGpu, consumer: Consumer,
+                                            lab: dict[str, str]) -> None:
+    q = gpu.query()
+    off, length = 2 * MiB, 1 * MiB
+    fd = gpu.export_dmabuf(off, length)
+    try:
+        consumer.command(f"dmabuf {fd} {lab['nvme_baseline']}")
+        st = consumer.state()
+        assert st["map_err"] == 0 and st["mapped"] == 1
+        assert st["sg_total"] == length and st["sg_contiguous"] == 1
+        if lab["iommu"] == "1":
+            assert st["sg_first"] != q.bar_addr + off, "expected an IOVA through the IOMMU"
+        else:
+            assert st["sg_first"] == q.bar_addr + off
+        now = gpu.query()
+        assert (now.attachments, now.mappings) == (1, 1)
+        assert now.pins == 1  # CONFIG_DMABUF_MOVE_NOTIFY is off: the core pins on map
+
+        # Revoke: move_notify reaches the importer, which unmaps (and so unpins).
+        assert gpu.revoke(fd) == fg.Revoked(mappings_left=0, pins_left=0)
+        st = consumer.state()
+        assert st["move_notifies"] == 1 and st["mapped"] == 0
+        consumer.command("release")
+        assert gpu.query().attachments == 0
+
+        # A revoked buffer refuses new attachments, even peer-to-peer ones.
+        with pytest.raises(OSError) as exc:
+            consumer.command(f"dmabuf {fd} {lab['nvme_baseline']}")
+        assert exc.value.errno == errno.ENODEV
+    finally:
+        os.close(fd)
+
+
+def test_nvidia_p2p_pages_and_free_callback(gpu: fg.FakeGpu, consumer: Consumer,
+                                            lab: dict[str, str]) -> None:
+    q = gpu.query()
+    off, length = 4 * MiB, 4 * fg.GPU_PAGE_SIZE
+    va = fg.FakeGpu.va(off)
+    peer = lab["nvme_baseline"]
+    consumer.command(f"nv {va:x} {length:x} {peer}")
+    st = consumer.state()
+    assert st["nv_held"] == 1 and st["nv_entries"] == 4
+    assert st["nv_first_phys"] == q.bar_addr + off
+    if lab["iommu"] == "0":
+        assert st["nv_first_dma"] == q.bar_addr + off
+    now = gpu.query()
+    assert (now.page_tables, now.dma_mappings) == (1, 1)
+
+    # cudaFree() while registered: the callback runs, the consumer acks it.
+    assert gpu.free_va(va + fg.GPU_PAGE_SIZE, fg.GPU_PAGE_SIZE) == 1
+    st = consumer.state()
+    assert st["free_callbacks"] == 1 and st["nv_held"] == 0
+    now = gpu.query()
+    assert (now.page_tables, now.dma_mappings) == (0, 0)
+    assert now.callbacks == q.callbacks + 1
+    assert now.callbacks_unacked == q.callbacks_unacked
+    with pytest.raises(P2PHubOSError) as exc:
+        gpu.free_va(va, length)
+    assert _errno(exc) == errno.ENOENT
+
+    # The range can be taken again, and released the normal way.
+    consumer.command(f"nv {va:x} {length:x} {peer}")
+    consumer.command("release")
+    now = gpu.query()
+    assert (now.page_tables, now.dma_mappings) == (0, 0)
+    assert now.misuse == q.misuse
+
+
+@pytest.mark.parametrize(
+    ("va_off", "length"),
+    [
+        (4096, fg.GPU_PAGE_SIZE),  # VA not 64 KiB aligned
+        (0, 4096),  # length not a multiple of 64 KiB
+        (64 * MiB, fg.GPU_PAGE_SIZE),  # past the fake GPU's memory
+        (-fg.GPU_PAGE_SIZE, 2 * fg.GPU_PAGE_SIZE),  # below VA_BASE
+    ],
+)
+def test_nvidia_p2p_bad_ranges(consumer: Consumer, lab: dict[str, str],
+                               va_off: int, length: int) -> None:
+    with fg.FakeGpu() as gpu:
+        misuse = gpu.query().misuse
+        with pytest.raises(OSError) as exc:
+            consumer.command(f"nv {fg.VA_BASE + va_off:x} {length:x} {lab['nvme_baseline']}")
+        assert exc.value.errno == errno.EINVAL
+        q = gpu.query()
+    assert q.page_tables == 0
+    assert q.misuse == misuse + 1  # refused with a ratelimited message, nothing else

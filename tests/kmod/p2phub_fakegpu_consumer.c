@@ -1,0 +1,305 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * p2phub_fakegpu_consumer.ko: a minimal in-kernel consumer of the stand-in
+ * GPU, so the lab can check p2phub_fakegpu from the importer's side (the
+ * sg tables it hands out, move_notify on revoke, the NVIDIA P2P free
+ * callback) without p2phub.ko. Test-only, driven through debugfs:
+ *
+ *   echo "dmabuf FD BDF" > cmd   dynamic peer-to-peer attach of dma-buf FD
+ *                                (of the writing process) for PCI device
+ *                                BDF, then map it
+ *   echo "nv VA LEN BDF" > cmd   nvidia_p2p_get_pages + dma_map_pages for BDF
+ *   echo "release" > cmd         drop whatever is held (unmap, detach, put)
+ *   cat state                    one "key value" per line
+ *
+ * One dma-buf and one page table at a time. All state is under con.lock,
+ * except what move_notify touches, which is under the buffer's resv.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/debugfs.h>
+#include <linux/dma-buf.h>
+#include <linux/dma-resv.h>
+#include <linux/module.h>
+#include <linux/mutex.h>
+#include <linux/pci.h>
+#include <linux/scatterlist.h>
+#include <linux/seq_file.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+
+#include "nv-p2p.h"
+
+struct consumer {
+	struct mutex lock;
+	struct dentry *dir;
+	/* dma-buf side */
+	struct pci_dev *buf_dev;
+	struct dma_buf *dmabuf;
+	struct dma_buf_attachment *attach;
+	struct sg_table *sgt;		/* under dmabuf->resv */
+	unsigned int sg_nents;
+	u64 sg_first, sg_total;
+	bool sg_contiguous;
+	unsigned int move_notifies;	/* under dmabuf->resv */
+	int last_map_err;
+	/* NVIDIA P2P side */
+	struct pci_dev *nv_dev;
+	struct nvidia_p2p_page_table *pt;
+	struct nvidia_p2p_dma_mapping *map;
+	u64 nv_va;
+	u32 nv_entries;
+	u64 nv_first_phys, nv_first_dma;
+	unsigned int free_callbacks;
+};
+
+static struct consumer con = { .lock = __MUTEX_INITIALIZER(con.lock) };
+
+static void consumer_unmap_locked(void)
+{
+	dma_resv_assert_held(con.dmabuf->resv);
+	if (con.sgt) {
+		dma_buf_unmap_attachment(con.attach, con.sgt, DMA_BIDIRECTIONAL);
+		con.sgt = NULL;
+	}
+}
+
+/* The exporter revokes: stop using the addresses, drop the mapping. */
+static void consumer_move_notify(struct dma_buf_attachment *attach)
+{
+	con.move_notifies++;
+	consumer_unmap_locked();
+}
+
+static const struct dma_buf_attach_ops consumer_importer_ops = {
+	.allow_peer2peer = true,
+	.move_notify = consumer_move_notify,
+};
+
+static struct pci_dev *consumer_pci_get(const char *bdf)
+{
+	unsigned int dom, bus, dev, fn;
+
+	if (sscanf(bdf, "%x:%x:%x.%x", &dom, &bus, &dev, &fn) != 4)
+		return NULL;
+	return pci_get_domain_bus_and_slot(dom, bus, PCI_DEVFN(dev, fn));
+}
+
+static void consumer_dmabuf_release(void)
+{
+	if (!con.dmabuf)
+		return;
+	dma_resv_lock(con.dmabuf->resv, NULL);
+	consumer_unmap_locked();
+	dma_resv_unlock(con.dmabuf->resv);
+	dma_buf_detach(con.dmabuf, con.attach);
+	dma_buf_put(con.dmabuf);
+	pci_dev_put(con.buf_dev);
+	con.dmabuf = NULL;
+	con.attach = NULL;
+	con.buf_dev = NULL;
+}
+
+static int consumer_dmabuf(int fd, const char *bdf)
+{
+	struct scatterlist *sg;
+	struct sg_table *sgt;
+	unsigned int i;
+	u64 next;
+	int ret;
+
+	if (con.dmabuf)
+		return -EBUSY;
+	con.buf_dev = consumer_pci_get(bdf);
+	if (!con.buf_dev)
+		return -ENODEV;
+	con.dmabuf = dma_buf_get(fd);
+	if (IS_ERR(con.dmabuf)) {
+		ret = PTR_ERR(con.dmabuf);
+		goto err_put_dev;
+	}
+	con.attach = dma_buf_dynamic_attach(con.dmabuf, &con.buf_dev->dev,
+					    &consumer_importer_ops, NULL);
+	if (IS_ERR(con.attach)) {
+		ret = PTR_ERR(con.attach);
+		goto err_put_buf;
+	}
+	con.move_notifies = 0;
+	dma_resv_lock(con.dmabuf->resv, NULL);
+	sgt = dma_buf_map_attachment(con.attach, DMA_BIDIRECTIONAL);
+	if (IS_ERR(sgt)) {
+		con.last_map_err = PTR_ERR(sgt);
+		dma_resv_unlock(con.dmabuf->resv);
+		return 0;	/* attached, not mapped: state says why */
+	}
+	con.last_map_err = 0;
+	con.sgt = sgt;
+	con.sg_nents = sgt->nents;
+	con.sg_first = sg_dma_address(sgt->sgl);
+	con.sg_total = 0;
+	con.sg_contiguous = true;
+	next = con.sg_first;
+	for_each_sgtable_dma_sg(sgt, sg, i) {
+		if (sg_dma_address(sg) != next || sg_page(sg))
+			con.sg_contiguous = false;
+		next = sg_dma_address(sg) + sg_dma_len(sg);
+		con.sg_total += sg_dma_len(sg);
+	}
+	dma_resv_unlock(con.dmabuf->resv);
+	return 0;
+
+err_put_buf:
+	dma_buf_put(con.dmabuf);
+	con.dmabuf = NULL;
+err_put_dev:
+	pci_dev_put(con.buf_dev);
+	con.buf_dev = NULL;
+	return ret;
+}
+
+/* The GPU memory is going away: as nvidia-peermem does, ack and forget. */
+static void consumer_nv_free_callback(void *data)
+{
+	mutex_lock(&con.lock);
+	con.free_callbacks++;
+	if (con.pt) {
+		if (con.map)
+			nvidia_p2p_free_dma_mapping(con.map);
+		nvidia_p2p_free_page_table(con.pt);
+		con.map = NULL;
+		con.pt = NULL;
+	}
+	mutex_unlock(&con.lock);
+}
+
+static void consumer_nv_release(void)
+{
+	if (!con.pt)
+		return;
+	if (con.map)
+		nvidia_p2p_dma_unmap_pages(con.nv_dev, con.pt, con.map);
+	nvidia_p2p_put_pages(0, 0, con.nv_va, con.pt);
+	con.map = NULL;
+	con.pt = NULL;
+}
+
+static int consumer_nv(u64 va, u64 len, const char *bdf)
+{
+	int ret;
+
+	if (con.pt)
+		return -EBUSY;
+	pci_dev_put(con.nv_dev);
+	con.nv_dev = consumer_pci_get(bdf);
+	if (!con.nv_dev)
+		return -ENODEV;
+	ret = nvidia_p2p_get_pages(0, 0, va, len, &con.pt,
+				   consumer_nv_free_callback, &con);
+	if (ret)
+		return ret;
+	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(con.pt) ||
+	    con.pt->page_size != NVIDIA_P2P_PAGE_SIZE_64KB) {
+		ret = -EPROTO;
+		goto err_put_pages;
+	}
+	ret = nvidia_p2p_dma_map_pages(con.nv_dev, con.pt, &con.map);
+	if (ret)
+		goto err_put_pages;
+	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(con.map)) {
+		ret = -EPROTO;
+		goto err_unmap;
+	}
+	con.nv_va = va;
+	con.nv_entries = con.pt->entries;
+	con.nv_first_phys = con.pt->pages[0]->physical_address;
+	con.nv_first_dma = con.map->dma_addresses[0];
+	return 0;
+
+err_unmap:
+	nvidia_p2p_dma_unmap_pages(con.nv_dev, con.pt, con.map);
+	con.map = NULL;
+err_put_pages:
+	nvidia_p2p_put_pages(0, 0, va, con.pt);
+	con.pt = NULL;
+	return ret;
+}
+
+static ssize_t consumer_cmd_write(struct file *file, const char __user *ubuf,
+				  size_t count, loff_t *ppos)
+{
+	char buf[96], bdf[32];
+	unsigned long long va, len;
+	int fd, ret;
+
+	if (count >= sizeof(buf))
+		return -EINVAL;
+	if (copy_from_user(buf, ubuf, count))
+		return -EFAULT;
+	buf[count] = '\0';
+
+	mutex_lock(&con.lock);
+	if (sscanf(buf, "dmabuf %d %31s", &fd, bdf) == 2) {
+		ret = consumer_dmabuf(fd, bdf);
+	} else if (sscanf(buf, "nv %llx %llx %31s", &va, &len, bdf) == 3) {
+		ret = consumer_nv(va, len, bdf);
+	} else if (!strncmp(buf, "release", 7)) {
+		consumer_dmabuf_release();
+		consumer_nv_release();
+		ret = 0;
+	} else {
+		ret = -EINVAL;
+	}
+	mutex_unlock(&con.lock);
+	return ret ? ret : count;
+}
+
+static const struct file_operations consumer_cmd_fops = {
+	.owner	= THIS_MODULE,
+	.write	= consumer_cmd_write,
+};
+
+static int consumer_state_show(struct seq_file *m, void *unused)
+{
+	mutex_lock(&con.lock);
+	seq_printf(m, "attached %d\n", !!con.dmabuf);
+	if (con.dmabuf) {
+		dma_resv_lock(con.dmabuf->resv, NULL);
+		seq_printf(m, "mapped %d\n", !!con.sgt);
+		seq_printf(m, "move_notifies %u\n", con.move_notifies);
+		dma_resv_unlock(con.dmabuf->resv);
+	}
+	seq_printf(m, "map_err %d\n", con.last_map_err);
+	seq_printf(m, "sg_nents %u\nsg_first %#llx\nsg_total %#llx\nsg_contiguous %d\n",
+		   con.sg_nents, con.sg_first, con.sg_total, con.sg_contiguous);
+	seq_printf(m, "nv_held %d\nnv_entries %u\nnv_first_phys %#llx\nnv_first_dma %#llx\n",
+		   !!con.pt, con.nv_entries, con.nv_first_phys, con.nv_first_dma);
+	seq_printf(m, "free_callbacks %u\n", con.free_callbacks);
+	mutex_unlock(&con.lock);
+	return 0;
+}
+DEFINE_SHOW_ATTRIBUTE(consumer_state);
+
+static int __init consumer_init(void)
+{
+	con.dir = debugfs_create_dir(KBUILD_MODNAME, NULL);
+	debugfs_create_file("cmd", 0200, con.dir, NULL, &consumer_cmd_fops);
+	debugfs_create_file("state", 0444, con.dir, NULL, &consumer_state_fops);
+	return 0;
+}
+
+static void __exit consumer_exit(void)
+{
+	debugfs_remove_recursive(con.dir);
+	mutex_lock(&con.lock);
+	consumer_dmabuf_release();
+	consumer_nv_release();
+	pci_dev_put(con.nv_dev);
+	mutex_unlock(&con.lock);
+}
+
+module_init(consumer_init);
+module_exit(consumer_exit);
+
+MODULE_DESCRIPTION("p2phub lab: in-kernel consumer of the stand-in GPU");
+MODULE_LICENSE("GPL");
+MODULE_IMPORT_NS(DMA_BUF);
