@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 PCI = Path("/sys/bus/pci/devices")
@@ -30,14 +31,42 @@ def test_stand_in_gpu_bar_is_the_host_file(lab: dict[str, str]) -> None:
     assert end - start + 1 == os.path.getsize(lab["gpu_file"]) == 64 << 20
 
 
+def _tx_packets(netdev: str) -> int:
+    return int(Path(f"/sys/class/net/{netdev}/statistics/tx_packets").read_text())
+
+
 def test_two_nodes_with_active_rxe(lab: dict[str, str]) -> None:
     out = subprocess.run(["rdma", "link", "show"], capture_output=True, text=True, check=True).stdout
     for dev in (lab["node_a_rdma"], lab["node_b_rdma"]):
         line = next(l for l in out.splitlines() if f" {dev}/" in l)
         assert "state ACTIVE" in line, line
-    ping = subprocess.run(["ip", "netns", "exec", lab["node_a_netns"], "ping", "-c", "1", "-W", "5",
-                           lab["node_b_addr"]], capture_output=True, text=True)
+
+
+def test_traffic_between_nodes_crosses_the_veth_pair(lab: dict[str, str]) -> None:
+    before = _tx_packets(lab["node_a_netdev"])
+    ping = subprocess.run(["ping", "-c", "2", "-W", "5", "-I", lab["node_a_addr"], lab["node_b_addr"]],
+                          capture_output=True, text=True)
     assert ping.returncode == 0, ping.stdout + ping.stderr
+    assert _tx_packets(lab["node_a_netdev"]) >= before + 2
+
+
+def test_rdma_between_nodes(lab: dict[str, str]) -> None:
+    server = subprocess.Popen(["timeout", "60", "ibv_rc_pingpong", "-d", lab["node_b_rdma"], "-g", "1",
+                               "-n", "3", "-p", "18515"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        for _ in range(50):  # until the server listens
+            ss = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+            if ":18515" in ss:
+                break
+            time.sleep(0.2)
+        client = subprocess.run(["timeout", "60", "ibv_rc_pingpong", "-d", lab["node_a_rdma"], "-g", "1",
+                                 "-n", "3", "-p", "18515", lab["node_b_addr"]],
+                                capture_output=True, text=True)
+        assert client.returncode == 0, client.stdout + client.stderr
+    finally:
+        out, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, out
 
 
 def test_iommu_as_asked(lab: dict[str, str]) -> None:
