@@ -240,6 +240,11 @@ class Hub:
                               **self._device_fields(device))
         return self._register(a, f"GPU VA {va:#x} +{length:#x}")
 
+    def nvme(self, bdf: str, **kw: object):  # -> p2phub.nvme.Controller
+        """Bind (if needed) and bring up the NVMe controller at `bdf` (see p2phub.nvme.Controller)."""
+        from .nvme import controller
+        return controller.open(bdf, **kw)  # type: ignore[arg-type]
+
     def _forget(self, reg: Registration) -> None:
         self._regs.discard(reg)
 

@@ -18,6 +18,7 @@ commands serialise on the admin queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ctypes
 import errno
 import fcntl
@@ -26,6 +27,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -174,6 +176,7 @@ class Namespace:
         ffi = self.ctrl.hot.ffi
         pieces: list[tuple[int, int, int, int, int, prp.PageList | None, int]] = []
         futs: list[CommandFuture] = []
+        checked: set[int] = set()
         opcodes = {"read": spec.OPC_READ, "write": spec.OPC_WRITE, "flush": spec.OPC_FLUSH,
                    "write_zeroes": spec.OPC_WRITE_ZEROES}
         for op in ops:
@@ -194,7 +197,9 @@ class Namespace:
                                      f"the LBA size {self.lba_size}")
                 self._check_lba(op.lba, op.nbytes // self.lba_size)
                 pl.validate_range(op.offset, op.nbytes)
-                pl.check()
+                if id(pl.addrs) not in checked:
+                    pl.check()  # closed / revoked: once per buffer per batch
+                    checked.add(id(pl.addrs))
                 parts = [(lba, n // self.lba_size, n, off, 0, pl)
                          for lba, n, off in prp.split(op.lba, op.nbytes, op.offset, self.lba_size,
                                                       self.ctrl.max_transfer)]
@@ -251,6 +256,7 @@ class Controller:
         self.resets = 0
         self.aborts = 0
         self._vector_fds: dict[int, int] = {}
+        self._reg_pages: "weakref.WeakKeyDictionary[Any, prp.PageList]" = weakref.WeakKeyDictionary()
         try:
             if bind:
                 _bind.bind(self.bdf)
@@ -465,16 +471,10 @@ class Controller:
             if buf.closed:
                 raise UsageError(f"DMA buffer {buf.name} is closed")
             return buf.page_list()
-        fn = getattr(buf, "nvme_page_list", None)
-        if fn is not None:
-            return fn(self)
-        if getattr(buf, "closed", False):
-            raise UsageError(f"{buf!r} is closed")
-        if getattr(buf, "revoked", False):
-            raise RevokedError(f"{buf!r} was revoked by its owner")
-        dma_pages = getattr(buf, "dma_pages", None)
-        if dma_pages is None:
+        if getattr(buf, "dma_pages", None) is None:
             raise UsageError(f"{type(buf).__name__} is not a registration or DMA buffer")
+        if buf.closed:
+            raise UsageError(f"{buf!r} is closed")
         return registration_page_list(self, buf)
 
     def _submit_prepared(self, qp: QueuePair, ios: Any, futs: list[CommandFuture]) -> None:
@@ -622,24 +622,28 @@ class Controller:
 
 
 def registration_page_list(ctrl: Controller, reg: Any) -> prp.PageList:
-    """Page list of a p2phub registration for this controller's PCI device."""
-    got = reg.dma_pages(ctrl.bdf)
-    page_size = getattr(got, "page_size", None)
-    addrs: Sequence[int] = getattr(got, "addrs", None) or getattr(got, "pages", None) or got
-    if page_size is None and isinstance(got, tuple) and len(got) == 2:
-        page_size, addrs = got
-    pages = prp.expand(int(page_size or spec.PAGE), list(addrs))
-    length = int(getattr(reg, "length", None) or getattr(reg, "size", None) or len(pages) * spec.PAGE)
-    gen = getattr(reg, "generation", None)
+    """Page list of a p2phub Registration for this controller's PCI device.
+
+    The addresses come from P2PHUB_DMA_PAGES for this controller (IOVAs when an
+    IOMMU translates for it), in 4 KiB entries. Each submission re-checks the
+    registration: closed raises UsageError, revoked raises RevokedError.
+    """
+    cached = ctrl._reg_pages.get(reg)
+    if cached is not None:
+        return dataclasses.replace(cached, owner=reg)
+    pages = reg.dma_pages(ctrl.bdf, page_size=spec.PAGE)
 
     def check() -> None:
-        if getattr(reg, "closed", False):
+        if reg.closed:
             raise UsageError(f"{reg!r} is closed")
-        if getattr(reg, "revoked", False) or (gen is not None and getattr(reg, "generation", gen) != gen):
-            raise RevokedError(f"{reg!r} was revoked by its owner")
+        if reg.info().revoked:
+            raise RevokedError(f"{reg!r} was revoked by its owner; register the memory again")
 
-    return prp.PageList(ctrl.hot.ffi.new("uint64_t[]", pages), len(pages), length, check=check,
-                        owner=reg, name=f"registration {getattr(reg, 'id', '?')}")
+    # The cached copy must not hold reg: it is the key of a weak dictionary.
+    pl = prp.PageList(ctrl.hot.ffi.new("uint64_t[]", pages), len(pages), int(reg.length),
+                      check=check, owner=None, name=f"registration {reg.handle}")
+    ctrl._reg_pages[reg] = pl
+    return dataclasses.replace(pl, owner=reg)
 
 
 def open(bdf: str, **kw: Any) -> Controller:  # noqa: A001
