@@ -130,8 +130,10 @@ def vgem_card() -> str:
     for card in sorted(Path("/sys/class/drm").glob("card[0-9]*")):
         if "-" in card.name:
             continue
+        # vgem's platform device has no driver bound: go by the device's name.
+        dev = (card / "device").resolve()
         drv = card / "device" / "driver"
-        if drv.exists() and drv.resolve().name == "vgem":
+        if dev.name == "vgem" or (drv.exists() and drv.resolve().name == "vgem"):
             return f"/dev/dri/{card.name}"
     raise P2PHubOSError(errno.ENODEV, "find vgem", "no DRM card of driver vgem (modprobe vgem)")
 

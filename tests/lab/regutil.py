@@ -1,0 +1,62 @@
+"""Helpers for the registration lab tests: p2phub.ko's leak counters, physical addresses."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+DEBUGFS = Path("/sys/kernel/debug/p2phub")
+
+# Counters that must return to zero once everything is released.
+LEAK_COUNTERS = ("regs", "dev_maps", "dmabuf_attachments", "dmabuf_pins", "exports",
+                 "export_attachments", "nv_page_tables", "nv_dma_mappings")
+
+
+def counters() -> dict[str, int]:
+    """p2phub.ko's registration counters from debugfs."""
+    out = {}
+    for name in (*LEAK_COUNTERS, "revocations"):
+        out[name] = int((DEBUGFS / name).read_text())
+    return out
+
+
+def wait_no_leaks(timeout: float = 5.0) -> dict[str, int]:
+    """Wait until every leak counter is zero; return the last reading (assert on it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c = counters()
+        if all(c[k] == 0 for k in LEAK_COUNTERS) or time.monotonic() > deadline:
+            return {k: c[k] for k in LEAK_COUNTERS}
+        time.sleep(0.05)
+
+
+def phys_addrs(addr: int, length: int, page: int = 4096) -> list[int]:
+    """Physical addresses of the (touched, resident) pages of our mapping [addr, addr + length)."""
+    out = []
+    with open("/proc/self/pagemap", "rb") as f:
+        for va in range(addr, addr + length, page):
+            f.seek((va // page) * 8)
+            (entry,) = struct.unpack("<Q", f.read(8))
+            if not entry >> 63 & 1:
+                raise AssertionError(f"page {va:#x} not present")
+            out.append((entry & ((1 << 55) - 1)) * page)
+    return out
+
+
+def bdf_exists(bdf: str) -> bool:
+    return Path("/sys/bus/pci/devices", bdf).exists()
+
+
+def wait_until(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))

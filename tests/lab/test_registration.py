@@ -1,0 +1,388 @@
+"""p2phub.ko registrations in the lab: page lists per device, export, revocation, leaks.
+
+Runs inside tools/lab's VM with p2phub.ko loaded; the stand-in GPU module is
+loaded here when missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from p2phub import uapi
+from p2phub.errors import P2PHubOSError, RevokedError
+from p2phub.hostmem import Udmabuf, VgemBuffer
+from p2phub.hub import Hub, Provider, RegState
+
+import fakegpu as fg
+import regutil as ru
+
+MiB = 1 << 20
+KiB = 1 << 10
+TOP = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu(lab: dict[str, str]):
+    if not fg.loaded():
+        fg.insmod(lab["modules_dir"])
+    with fg.FakeGpu() as g:
+        yield g
+
+
+@pytest.fixture
+def target(lab: dict[str, str]) -> str:
+    return lab["nvme_target"]
+
+
+@pytest.fixture
+def iommu(lab: dict[str, str]) -> bool:
+    return lab.get("iommu") == "1"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    yield
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def _aligned_distinct(pages: list[int], size: int) -> None:
+    assert all(p and p % size == 0 for p in pages), "DMA addresses not page aligned"
+    assert len(set(pages)) == len(pages), "two pages share a DMA address"
+
+
+# ------------------------------------------------------------------ page lists
+
+
+def test_module_caps() -> None:
+    with Hub() as hub:
+        caps = hub.info().caps
+    assert uapi.Cap.DMABUF_IMPORT in caps and uapi.Cap.DMABUF_EXPORT in caps
+    assert uapi.Cap.NVIDIA_P2P_BUILT in caps
+
+
+def test_vgem_page_list(target: str, iommu: bool) -> None:
+    with Hub() as hub, VgemBuffer(1 * MiB) as buf:
+        with hub.register_dmabuf(buf.fd, device=target) as reg:
+            assert (reg.provider, reg.page_size, reg.length) == (Provider.DMABUF, 4096, MiB)
+            pages = reg.dma_pages(target)
+            assert len(pages) == 256
+            _aligned_distinct(pages, 4096)
+            info = reg.info()
+            assert (info.state, info.nr_devices, info.length) == (RegState.LIVE, 1, MiB)
+            assert reg.dma_pages(target) == pages      # cached, stable
+            with hub.register_dmabuf(buf.fd, offset=64 * KiB, length=128 * KiB) as win:
+                wpages = win.dma_pages(target)
+                assert len(wpages) == 32
+                _aligned_distinct(wpages, 4096)
+                if not iommu:   # bus address = physical: the same pages
+                    assert wpages == pages[16:48]
+
+
+def test_udmabuf_page_list_is_iova_under_iommu(lab: dict[str, str], target: str,
+                                               iommu: bool) -> None:
+    if lab["kernel_release"].startswith("6.1."):
+        assert not Path("/dev/udmabuf").exists()
+        pytest.skip("Debian 6.1 has no udmabuf (CONFIG_UDMABUF off)")
+    with Hub() as hub, Udmabuf(2 * MiB) as buf:
+        m = buf.mmap()
+        m.write(b"\xa5" * buf.size)                 # make every page resident
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        phys = ru.phys_addrs(addr, buf.size)
+        with hub.register_dmabuf(buf.fd, device=target) as reg:
+            pages = reg.dma_pages(target)
+            assert len(pages) == 512 and reg.page_size == 4096
+            _aligned_distinct(pages, 4096)
+            if iommu:
+                assert pages != phys, "with the IOMMU on, addresses must be IOVAs"
+                assert not set(pages) & set(phys) or len(set(pages) & set(phys)) < 8
+            else:
+                assert pages == phys
+        del addr
+        m.close()
+
+
+def test_fakegpu_dmabuf_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
+    q = gpu.query()
+    off, length = 1 * MiB, 1 * MiB
+    fd = gpu.export_dmabuf(off, length)
+    try:
+        with Hub() as hub, hub.register_dmabuf(fd, device=target) as reg:
+            pages = reg.dma_pages(target)
+            assert len(pages) == 256 and reg.page_size == 4096
+            _aligned_distinct(pages, 4096)
+            bus = [q.bar_addr + off + i * 4096 for i in range(256)]
+            assert (pages != bus) if iommu else (pages == bus)
+            # One pin from p2phub; without CONFIG_DMABUF_MOVE_NOTIFY the core pins again per map.
+            assert gpu.query().pins >= q.pins + 1
+    finally:
+        os.close(fd)
+    assert gpu.query().attachments == 0 and gpu.query().pins == 0
+
+
+def test_nvidia_p2p_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
+    q = gpu.query()
+    off, length = 4 * MiB, 1 * MiB
+    with Hub() as hub, hub.register_nvidia(gpu.va(off), length, device=target) as reg:
+        assert (reg.provider, reg.page_size) == (Provider.NVIDIA, 64 * KiB)
+        pages = reg.dma_pages(target)
+        assert len(pages) == 16
+        _aligned_distinct(pages, 64 * KiB)
+        bus = [q.bar_addr + off + i * 64 * KiB for i in range(16)]
+        assert (pages != bus) if iommu else (pages == bus)
+        small = reg.dma_pages(target, page_size=4096)
+        assert len(small) == 256
+        assert small[::16] == pages and small[1] == pages[0] + 4096
+        assert gpu.query().page_tables == q.page_tables + 1
+    c = gpu.query()
+    assert (c.page_tables, c.dma_mappings) == (0, 0)
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_export_vgem_reimport(target: str) -> None:
+    with Hub() as hub, VgemBuffer(256 * KiB) as buf:
+        reg = hub.register_dmabuf(buf.fd, device=target)
+        pages = reg.dma_pages(target)
+        fd = reg.dmabuf_fd
+        assert os.lseek(fd, 0, os.SEEK_END) == 256 * KiB
+        assert fg.dmabuf_info(fd)["exp_name"] == "p2phub"
+        with hub.register_dmabuf(fd, device=target) as again:
+            assert again.dma_pages(target) == pages
+            info = reg.info()
+            assert (info.nr_exports, info.nr_attached) == (1, 1)
+            with pytest.raises(P2PHubOSError) as ei:
+                reg.close()
+            assert ei.value.errno == errno.EBUSY
+        reg.close()
+
+
+def test_export_nvidia_reimport(gpu: fg.FakeGpu, target: str) -> None:
+    with Hub() as hub, hub.register_nvidia(gpu.va(8 * MiB), 512 * KiB) as reg:
+        pages4k = reg.dma_pages(target, page_size=4096)
+        with hub.register_dmabuf(reg.dmabuf_fd, device=target) as again:
+            assert again.provider == Provider.DMABUF
+            assert again.dma_pages(target) == pages4k
+
+
+def test_export_fd_close_drops_the_export(target: str) -> None:
+    with Hub() as hub, VgemBuffer(64 * KiB) as buf, hub.register_dmabuf(buf.fd) as reg:
+        fd = reg.export()
+        os.close(fd)
+        assert reg.info().nr_exports == 0 or ru.wait_until(lambda: reg.info().nr_exports == 0)
+
+
+# -------------------------------------------------------------- revocation
+
+
+def test_dmabuf_revoke(gpu: fg.FakeGpu, target: str) -> None:
+    fd = gpu.export_dmabuf(2 * MiB, 256 * KiB)
+    try:
+        with Hub() as hub:
+            reg = hub.register_dmabuf(fd, device=target)
+            gen = reg.info().generation
+            exported = reg.dmabuf_fd
+            again = hub.register_dmabuf(exported, device=target)
+            rev = gpu.revoke(fd)
+            assert rev.mappings_left == 0, "p2phub kept a mapping after move_notify"
+            info = reg.info()
+            assert info.revoked and info.generation == gen + 1
+            with pytest.raises(RevokedError):
+                reg.dma_pages(target)
+            with pytest.raises(RevokedError):
+                reg.export()
+            # The export's importer hears of it too (from a work item).
+            assert ru.wait_until(lambda: again.info().revoked)
+            with pytest.raises(RevokedError):
+                again.dma_pages(target)
+            again.close()
+            reg.close()
+    finally:
+        os.close(fd)
+    c = gpu.query()
+    assert (c.attachments, c.pins, c.mappings) == (0, 0, 0)
+
+
+def test_nvidia_free_callback_revokes(gpu: fg.FakeGpu, target: str) -> None:
+    va = gpu.va(12 * MiB)
+    with Hub() as hub:
+        reg = hub.register_nvidia(va, 1 * MiB, device=target)
+        unmapped = hub.register_nvidia(gpu.va(16 * MiB), 1 * MiB)   # no device yet
+        gen = reg.info().generation
+        assert gpu.free_va(va, 1 * MiB) == 1
+        info = reg.info()
+        assert info.revoked and info.generation == gen + 1
+        with pytest.raises(RevokedError):
+            reg.dma_pages(target)
+        assert gpu.free_va(gpu.va(16 * MiB), 1 * MiB) == 1
+        with pytest.raises(RevokedError):
+            unmapped.dma_pages(target)
+        reg.close()
+        unmapped.close()
+    c = gpu.query()
+    assert (c.page_tables, c.dma_mappings, c.callbacks_unacked, c.misuse) == (0, 0, 0, 0)
+
+
+# -------------------------------------------------------------------- leaks
+
+
+def test_1000_cycles_leave_nothing(gpu: fg.FakeGpu, target: str) -> None:
+    fds0 = ru.fd_count()
+    rev0 = ru.counters()["revocations"]
+    gfd = gpu.export_dmabuf(20 * MiB, 64 * KiB)
+    try:
+        with Hub() as hub, VgemBuffer(64 * KiB) as buf:
+            for i in range(1000):
+                with hub.register_dmabuf(buf.fd, device=target) as reg:
+                    assert len(reg.dma_pages(target)) == 16
+                with hub.register_dmabuf(gfd, device=target):
+                    pass
+                with hub.register_nvidia(gpu.va(24 * MiB), 64 * KiB, device=target):
+                    pass
+            assert int(fg.dmabuf_info(buf.fd)["count"]) == 1, "a file reference on the vgem buffer leaked"
+            assert int(fg.dmabuf_info(gfd)["count"]) == 1
+            c = gpu.query()
+            assert (c.attachments, c.pins, c.mappings, c.page_tables, c.dma_mappings) == (0,) * 5
+    finally:
+        os.close(gfd)
+    assert ru.fd_count() == fds0
+    assert ru.counters()["revocations"] == rev0
+
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = [{top!r}, {tests!r}]
+    from p2phub.hub import Hub
+    from p2phub.hostmem import VgemBuffer
+    import fakegpu as fg
+    target = {target!r}
+    gpu = fg.FakeGpu()
+    hub = Hub()
+    buf = VgemBuffer(1 << 20)
+    gfd = gpu.export_dmabuf(32 << 20, 1 << 20)
+    keep = [hub.register_dmabuf(buf.fd, device=target),
+            hub.register_nvidia(gpu.va(40 << 20), 1 << 20, device=target)]
+    keep.append(hub.register_dmabuf(keep[1].dmabuf_fd, device=target))
+    keep.append(hub.register_dmabuf(gfd, device=target))
+    print("ready", flush=True)
+    while True:   # killed somewhere in here, between and inside registrations
+        r = hub.register_dmabuf(buf.fd, device=target)
+        e = hub.register_dmabuf(r.dmabuf_fd, device=target)
+        n = hub.register_nvidia(gpu.va(48 << 20), 256 << 10, device=target)
+        n.dma_pages(target, 4096)
+        e.close(); r.close(); n.close()
+""")
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
+def test_killed_process_leaves_nothing(gpu: fg.FakeGpu, target: str, delay: float) -> None:
+    code = CHILD.format(top=str(TOP), tests=str(TOP / "tests" / "lab"), target=target)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        assert ru.counters()["regs"] >= 4
+        time.sleep(delay)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+    c = gpu.query()
+    assert (c.attachments, c.pins, c.mappings, c.page_tables, c.dma_mappings) == (0,) * 5
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _errno_of(fn) -> int:
+    with pytest.raises(P2PHubOSError) as ei:
+        fn()
+    return ei.value.errno
+
+
+def _register(hub: Hub, **kw) -> None:
+    a = uapi.Register.new(**kw)
+    hub.device.ioctl(uapi.REGISTER, a, "P2PHUB_REGISTER")
+
+
+def test_bad_register_input(target: str) -> None:
+    D = uapi.REGISTER_F_DMABUF
+    with Hub() as hub, VgemBuffer(64 * KiB) as buf, open("/dev/null") as null:
+        fd = buf.fd
+        closed = os.dup(fd)
+        os.close(closed)
+        cases = {
+            "not a dma-buf": (dict(flags=D, fd=null.fileno(), length=4096), errno.EINVAL),
+            "closed fd": (dict(flags=D, fd=closed, length=4096), errno.EBADF),
+            "unaligned offset": (dict(flags=D, fd=fd, offset=512, length=4096), errno.EINVAL),
+            "unaligned length": (dict(flags=D, fd=fd, length=4097), errno.EINVAL),
+            "zero length": (dict(flags=D, fd=fd, length=0), errno.EINVAL),
+            "overflow": (dict(flags=D, fd=fd, offset=(1 << 64) - 4096, length=8192), errno.EOVERFLOW),
+            "past the end": (dict(flags=D, fd=fd, offset=32 * KiB, length=64 * KiB), errno.ERANGE),
+            "no provider": (dict(flags=0, fd=fd, length=4096), errno.EINVAL),
+            "both providers": (dict(flags=D | uapi.REGISTER_F_NVIDIA, fd=fd, length=4096), errno.EINVAL),
+            "unknown flag": (dict(flags=D | (1 << 9), fd=fd, length=4096), errno.EINVAL),
+            "reserved": (dict(flags=D, fd=fd, length=4096, reserved=(1, 0)), errno.EINVAL),
+            "reserved0": (dict(flags=D, fd=fd, length=4096, __reserved0=1), errno.EINVAL),
+            "out field set": (dict(flags=D, fd=fd, length=4096, out_handle=7), errno.EINVAL),
+            "nv unaligned va": (dict(flags=uapi.REGISTER_F_NVIDIA, fd=-1, va=fg.VA_BASE + 4096,
+                                     length=64 * KiB), errno.EINVAL),
+            "no such device": (dict(flags=D | uapi.REGISTER_F_DEVICE, fd=fd, length=4096,
+                                    domain=0, bus=0xfe, devfn=0xff), errno.ENODEV),
+        }
+        for name, (kw, want) in cases.items():
+            got = _errno_of(lambda: _register(hub, **kw))
+            assert got == want, f"{name}: {errno.errorcode[got]} != {errno.errorcode[want]}"
+        # argsz too small
+        a = uapi.Register.new(flags=D, fd=fd, length=4096)
+        a.argsz = 16
+        assert _errno_of(lambda: hub.device.ioctl(uapi.REGISTER, a, "short")) == errno.EINVAL
+        assert ru.counters()["regs"] == 0
+
+
+def test_bad_handles_and_page_requests(target: str) -> None:
+    with Hub() as hub, Hub() as other, VgemBuffer(64 * KiB) as buf:
+        theirs = other.register_dmabuf(buf.fd)
+        for req, cls in ((uapi.UNREGISTER, uapi.Unregister), (uapi.REG_INFO, uapi.RegInfo)):
+            for handle in (0, 12345, theirs.handle, 1 << 40):   # unknown, foreign
+                a = cls.new(handle=handle)
+                assert _errno_of(lambda: hub.device.ioctl(req, a, "bad handle")) == errno.ENOENT
+        reg = hub.register_dmabuf(buf.fd)
+        h = reg.handle
+
+        def pages(**kw) -> None:
+            arr = (ctypes.c_uint64 * 64)()
+            args = dict(handle=h, domain=0, count=16, addrs=ctypes.addressof(arr))
+            args.update(kw)
+            bdf = target.split(":")
+            args.setdefault("bus", int(bdf[1], 16))
+            args.setdefault("devfn", (int(bdf[2].split(".")[0], 16) << 3) | int(bdf[2].split(".")[1]))
+            hub.device.ioctl(uapi.DMA_PAGES, uapi.DmaPages.new(**args), "P2PHUB_DMA_PAGES")
+
+        pages()  # the good one
+        assert _errno_of(lambda: pages(count=uapi.DMA_PAGES_MAX + 1)) == errno.E2BIG
+        assert _errno_of(lambda: pages(first=16)) == errno.ERANGE
+        assert _errno_of(lambda: pages(page_size=3000)) == errno.EINVAL
+        assert _errno_of(lambda: pages(page_size=64 * KiB)) == errno.EINVAL
+        assert _errno_of(lambda: pages(addrs=0)) == errno.EINVAL
+        assert _errno_of(lambda: pages(addrs=8)) == errno.EFAULT
+        assert _errno_of(lambda: pages(reserved=(0, 1))) == errno.EINVAL
+        assert _errno_of(lambda: pages(bus=0xfe, devfn=0xff)) == errno.ENODEV
+        assert _errno_of(lambda: pages(handle=theirs.handle + 100)) == errno.ENOENT
+        a = uapi.Export.new(handle=h, reserved=(1, 0))
+        assert _errno_of(lambda: hub.device.ioctl(uapi.EXPORT, a, "export")) == errno.EINVAL
+        reg.close()
+        a = uapi.Unregister.new(handle=h)
+        assert _errno_of(lambda: hub.device.ioctl(uapi.UNREGISTER, a, "twice")) == errno.ENOENT
+        theirs.close()
