@@ -133,13 +133,21 @@ def _bench_register(args: argparse.Namespace) -> dict:
     if not args.device:
         raise P2PHubError("no --device given and no lab environment to take the NVMe target from")
     device = PciAddress.parse(args.device)
-    kind = args.source
-    if kind == "auto":
-        kind = "udmabuf" if Path("/dev/udmabuf").exists() else "vgem"
+    def source_for(size: int) -> str:
+        if args.source != "auto":
+            return args.source
+        # udmabuf caps one buffer at its size_limit_mb parameter (default 64).
+        limit = Path("/sys/module/udmabuf/parameters/size_limit_mb")
+        if Path("/dev/udmabuf").exists() and (
+                not limit.exists() or size <= int(limit.read_text()) << 20):
+            return "udmabuf"
+        return "vgem"
+
     access = venums.IBV_ACCESS_LOCAL_WRITE | venums.IBV_ACCESS_REMOTE_WRITE | venums.IBV_ACCESS_REMOTE_READ
     results = []
     with Hub() as hub, vdev.Context(name=args.rdma_dev) as ctx, PD(ctx) as pd:
         for size in (_parse_size(s) for s in args.sizes.split(",")):
+            kind = source_for(size)
             src = _Source(kind, size)
             try:
                 def p2p() -> None:
@@ -154,7 +162,7 @@ def _bench_register(args: argparse.Namespace) -> dict:
                 src.close()
             results.append({"size": size, "p2phub": asdict(tp), "ibv_reg_mr": asdict(tv),
                             "ratio": round(tp.median_us / tv.median_us, 3),
-                            "same_memory": src.same_memory})
+                            "source": kind, "same_memory": src.same_memory})
     lab = _lab_env()
     return {
         "schema": SCHEMA,
@@ -163,7 +171,7 @@ def _bench_register(args: argparse.Namespace) -> dict:
         "iommu": lab.get("iommu"),
         "accel": lab.get("accel"),
         "cpus": os.cpu_count(),
-        "source": kind,
+        "source": args.source,
         "device": str(device),
         "rdma_dev": args.rdma_dev,
         "p2phub": "REGISTER(F_DMABUF|F_DEVICE) + UNREGISTER",
@@ -180,12 +188,12 @@ def _render(report: dict) -> None:
     t = Table(title=f"register + unregister, {report['source']} for {report['device']} "
                     f"vs ibv_reg_mr on {report['rdma_dev']} ({report['kernel']}, "
                     f"iommu={report['iommu']})")
-    for col in ("size", "p2phub median", "p2phub min", "ibv_reg_mr median", "ibv_reg_mr min",
+    for col in ("size", "source", "p2phub median", "p2phub min", "ibv_reg_mr median", "ibv_reg_mr min",
                 "ratio", "iters"):
         t.add_column(col, justify="right")
     for r in report["results"]:
         p, v = r["p2phub"], r["ibv_reg_mr"]
-        t.add_row(_fmt_size(r["size"]), f"{p['median_us']:.0f} us", f"{p['min_us']:.0f} us",
+        t.add_row(_fmt_size(r["size"]), r["source"], f"{p['median_us']:.0f} us", f"{p['min_us']:.0f} us",
                   f"{v['median_us']:.0f} us", f"{v['min_us']:.0f} us", f"{r['ratio']:.2f}",
                   f"{p['iters']}/{v['iters']}")
     Console().print(t)
