@@ -99,6 +99,9 @@ class Registration:
         self.what = what
         self._dmabuf_fd = -1
         self._closed = False
+        self.source: object = None       # what was registered, kept alive until close()
+        self._owns_source = False         # close() closes it too (hub.alloc_host)
+        self._mrs: "weakref.WeakSet" = weakref.WeakSet()  # live p2phub.rdma.MemoryRegion
 
     # ----------------------------------------------------------- queries
 
@@ -166,12 +169,39 @@ class Registration:
             self._dmabuf_fd = self.export()
         return self._dmabuf_fd
 
+    def mr(self, pd: object, access: int | None = None):  # -> p2phub.rdma.MemoryRegion
+        """An RDMA memory region of this registration, by the best path the NIC supports.
+
+        `pd` is a p2phub.rdma.ProtectionDomain; ``mr.path`` says which path was taken
+        (dma-buf MR, peer-memory VA MR, CPU-mapped VA MR). The MR keeps this registration
+        from closing until it is closed itself.
+        """
+        from .rdma.mr import register_mr
+        if self._closed:
+            raise UsageError(f"{self} is closed")
+        mr = register_mr(self, pd, access)
+        self._mrs.add(mr)
+        return mr
+
+    @property
+    def live_mrs(self) -> int:
+        return sum(1 for mr in self._mrs if not mr.closed)
+
     # ----------------------------------------------------------- lifetime
 
-    def close(self) -> None:
-        """Unregister. Raises P2PHubOSError(EBUSY) while an importer is attached to an export."""
+    def close(self, force: bool = False) -> None:
+        """Unregister. Raises P2PHubOSError(EBUSY) while an importer is attached to an export,
+        or while RDMA memory regions of it are alive (with force=True they are closed first).
+        """
         if self._closed:
             return
+        live = [mr for mr in self._mrs if not mr.closed]
+        if live and not force:
+            raise P2PHubOSError(errno.EBUSY, f"close {self}",
+                                f"{len(live)} RDMA memory region(s) still use it; close them "
+                                "or call close(force=True)")
+        for mr in live:
+            mr.close()
         if self._dmabuf_fd >= 0:
             os.close(self._dmabuf_fd)
             self._dmabuf_fd = -1
@@ -179,6 +209,8 @@ class Registration:
         self._hub.device.ioctl(uapi.UNREGISTER, a, f"P2PHUB_UNREGISTER handle {self.handle}")
         self._closed = True
         self._hub._forget(self)
+        if self._owns_source and hasattr(self.source, "close"):
+            self.source.close()  # type: ignore[union-attr]
 
     @property
     def closed(self) -> bool:
@@ -217,6 +249,20 @@ class Hub:
             return {}
         pci = PciAddress.parse(device)
         return {"domain": pci.domain, "bus": pci.bus, "devfn": pci.devfn}
+
+    def register(self, obj: object, offset: int = 0, length: int | None = None,
+                 device: "str | PciAddress | None" = None) -> Registration:
+        """Register anything p2phub can pin, with one call (see p2phub.register)."""
+        from .register import register
+        return register(self, obj, offset, length, device)
+
+    def alloc_host(self, size: int, device: "str | PciAddress | None" = None) -> Registration:
+        """Allocate `size` bytes of host memory as a dma-buf and register it.
+
+        The CPU view is ``reg.source.mmap()``; the same pages serve NVMe and RDMA.
+        """
+        from .register import alloc_host
+        return alloc_host(self, size, device)
 
     def register_dmabuf(self, fd: int, offset: int = 0, length: int | None = None,
                         device: "str | PciAddress | None" = None) -> Registration:

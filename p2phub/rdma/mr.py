@@ -1,0 +1,197 @@
+"""Memory regions of p2phub registrations, on the best path the NIC supports.
+
+Paths, best first:
+  DMABUF    ibv_reg_dmabuf_mr on the registration's dma-buf, at the buffer's own address;
+  PEERMEM   a VA MR on GPU memory, resolved by nvidia_peermem;
+  HOST_VA   a VA MR on a CPU mapping of host-backed memory (udmabuf, vgem);
+and otherwise an error that names why and the doctor check that explains it.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import mmap
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..backend import GpuRange
+from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
+from . import verbs
+
+if TYPE_CHECKING:
+    from ..hub import Registration
+
+DOCTOR_CHECK = "nic.dmabuf_mr"
+
+
+class MrPath(enum.Enum):
+    DMABUF = "dma-buf MR"
+    PEERMEM = "peer-memory VA MR"
+    HOST_VA = "CPU-mapped VA MR"
+
+
+_probe_cache: dict[str, tuple[bool, str]] = {}
+
+
+def dmabuf_mr_support(device: str) -> tuple[bool, str]:
+    """(supported, evidence) for dma-buf MRs on RDMA device `device`; probed once per device."""
+    if device not in _probe_cache:
+        pd = verbs.VerbsPd.open(device)
+        try:
+            _probe_cache[device] = pd.probe_dmabuf()
+        finally:
+            pd.close()
+    return _probe_cache[device]
+
+
+class ProtectionDomain:
+    """A pyverbs Context and PD on one RDMA device, known by name (for the probe)."""
+
+    def __init__(self, device: str) -> None:
+        from pyverbs.device import Context
+        from pyverbs.pd import PD
+
+        self.device = device
+        self.ctx = Context(name=device)
+        self.pd = PD(self.ctx)
+        self._verbs_pd: verbs.VerbsPd | None = None
+
+    def verbs_pd(self) -> verbs.VerbsPd:
+        """The same kernel PD, imported into libibverbs for the calls pyverbs lacks."""
+        if self._verbs_pd is None:
+            self._verbs_pd = verbs.VerbsPd.import_from(self.ctx.cmd_fd, self.pd.handle)
+        return self._verbs_pd
+
+    def close(self) -> None:
+        if self._verbs_pd is not None:
+            self._verbs_pd.close()
+            self._verbs_pd = None
+        self.pd.close()
+        self.ctx.close()
+
+    def __enter__(self) -> "ProtectionDomain":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MemoryRegion:
+    """An MR over a whole registration. ``addr`` is the address peers use in RDMA requests."""
+
+    def __init__(self, reg: "Registration", pd: ProtectionDomain, path: MrPath, addr: int,
+                 lkey: int, rkey: int, reason: str, keep: list[Any], release) -> None:
+        self.registration = reg
+        self.pd = pd
+        self.path = path
+        self.addr = addr
+        self.length = reg.length
+        self.lkey = lkey
+        self.rkey = rkey
+        self.reason = reason      # why this path was chosen
+        self._keep = keep         # the pyverbs MR / mapping the MR depends on
+        self._release = release
+        self._closed = False
+
+    def check(self) -> None:
+        """Raise RevokedError when the registration's memory was revoked (the MR is dead)."""
+        if self._closed:
+            raise UsageError(f"{self} is closed")
+        if self.registration.closed:
+            raise UsageError(f"{self}: its registration is closed")
+        if self.registration.info().revoked:
+            self.close()
+            raise RevokedError(f"{self}: the registration's memory was revoked; the MR is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        self._keep.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "MemoryRegion":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<MemoryRegion {self.path.value} on {self.pd.device} addr={self.addr:#x} "
+                f"len={self.length} lkey={self.lkey:#x} rkey={self.rkey:#x}>")
+
+
+def _peermem_loaded() -> bool:
+    return Path("/sys/module/nvidia_peermem").exists()
+
+
+def register_mr(reg: "Registration", pd: ProtectionDomain, access: int | None) -> MemoryRegion:
+    if not isinstance(pd, ProtectionDomain):
+        raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
+    if access is None:
+        access = verbs.ACCESS_ALL
+    if reg.info().revoked:
+        raise RevokedError(f"{reg}: revoked; cannot make an MR of it")
+
+    ok, evidence = dmabuf_mr_support(pd.device)
+    gpu = reg.source if isinstance(reg.source, GpuRange) else None
+    reasons = [f"dma-buf MR: {evidence}"]
+
+    if ok:
+        vpd = pd.verbs_pd()
+        fd = reg.dmabuf_fd
+        iova = gpu.ptr if gpu is not None else 0
+        cmr = vpd.reg_dmabuf_mr(0, reg.length, iova, fd, access)
+        return MemoryRegion(reg, pd, MrPath.DMABUF, iova, cmr.lkey, cmr.rkey, reasons[0], [],
+                            lambda: verbs.VerbsPd.dereg_mr(cmr))
+
+    from pyverbs.mr import MR
+
+    if gpu is not None:
+        if gpu.backend == "cuda" and _peermem_loaded():
+            mr = MR(pd.pd, reg.length, access, address=gpu.ptr)
+            return MemoryRegion(reg, pd, MrPath.PEERMEM, gpu.ptr, mr.lkey, mr.rkey,
+                                reasons[0] + "; nvidia_peermem is loaded", [mr], mr.close)
+        reasons.append("peer-memory MR: nvidia_peermem is not loaded")
+        raise P2PHubError(f"{reg}: no RDMA path to this GPU memory on {pd.device}: "
+                          f"{'; '.join(reasons)} (see `p2phub doctor --explain {DOCTOR_CHECK}`)")
+
+    # Host-backed memory: map it for the CPU and register that mapping.
+    try:
+        if hasattr(reg.source, "mmap"):
+            m = reg.source.mmap()  # type: ignore[union-attr]
+        else:
+            src_fd = getattr(reg.source, "fd", -1)
+            m = mmap.mmap(src_fd if src_fd >= 0 else reg.dmabuf_fd, reg.length,
+                          mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise P2PHubOSError(exc.errno or errno.EIO, f"mmap the dma-buf of {reg}",
+                            "the exporter gives no CPU mapping, so no VA MR either "
+                            f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
+    import ctypes
+
+    from pyverbs.pyverbs_error import PyverbsRDMAError
+
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    try:
+        mr = MR(pd.pd, reg.length, access, address=addr)
+    except PyverbsRDMAError as exc:
+        m.close()
+        err = exc.error_code or errno.EIO
+        raise P2PHubOSError(err, f"VA MR on the CPU mapping of {reg}",
+                            f"{reasons[0]}; and the NIC cannot pin this mapping (the exporter "
+                            "maps it without pinnable pages, as vgem does); use hub.alloc_host() "
+                            "memory on a kernel with udmabuf "
+                            f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
+
+    def release() -> None:
+        mr.close()
+        m.close()
+
+    return MemoryRegion(reg, pd, MrPath.HOST_VA, addr, mr.lkey, mr.rkey,
+                        reasons[0] + "; host-backed memory, CPU-mapped", [mr, m], release)
