@@ -25,6 +25,7 @@
 #include <linux/anon_inodes.h>
 #include <linux/build_bug.h>
 #include <linux/capability.h>
+#include <linux/completion.h>
 #include <linux/debugfs.h>
 #include <linux/delay.h>
 #include <linux/dma-mapping.h>
@@ -42,7 +43,6 @@
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 #include <linux/version.h>
-#include <linux/wait.h>
 #include <linux/xarray.h>
 
 #include "p2phub_priv.h"
@@ -96,7 +96,12 @@ struct p2phub_nvme_ctrl {
 	struct mutex lock;		/* owner, dying */
 	struct p2phub_nvme_handle *owner;
 	bool dying;
-	wait_queue_head_t owner_gone;
+	/*
+	 * Done while nobody owns the controller. The owner's release signals
+	 * it as its very last access to this struct, so remove() may free the
+	 * struct as soon as it returns.
+	 */
+	struct completion released;
 };
 
 /* One DMA-coherent allocation, owned by a handle. */
@@ -193,6 +198,7 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
 	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
+	struct pci_dev *pdev = ctrl->pdev;	/* our reference outlives ctrl */
 	struct p2phub_nvme_buf *b;
 	unsigned long id;
 	int i;
@@ -215,9 +221,9 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 	mutex_lock(&ctrl->lock);
 	ctrl->owner = NULL;
 	mutex_unlock(&ctrl->lock);
-	wake_up_all(&ctrl->owner_gone);
+	complete_all(&ctrl->released);	/* last access to ctrl */
 
-	pci_dev_put(ctrl->pdev);
+	pci_dev_put(pdev);
 	kfree(h);
 	atomic_dec(&p2phub_nvme_live_handles);
 	return 0;
@@ -515,6 +521,7 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg)
 		goto err_free_handle;
 	}
 	ctrl->owner = h;
+	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;
 	mutex_unlock(&ctrl->lock);
 	device_unlock(&pdev->dev);
@@ -546,7 +553,7 @@ err_disown:
 	mutex_lock(&ctrl->lock);
 	ctrl->owner = NULL;
 	mutex_unlock(&ctrl->lock);
-	wake_up_all(&ctrl->owner_gone);
+	complete_all(&ctrl->released);
 err_free_handle:
 	xa_destroy(&h->bufs);
 	mutex_destroy(&h->lock);
@@ -573,7 +580,8 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 		return -ENOMEM;
 	ctrl->pdev = pdev;
 	mutex_init(&ctrl->lock);
-	init_waitqueue_head(&ctrl->owner_gone);
+	init_completion(&ctrl->released);
+	complete_all(&ctrl->released);		/* nobody owns it yet */
 
 	ret = pci_enable_device_mem(pdev);
 	if (ret)
@@ -645,8 +653,7 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 	 * The owner maps BAR0 and programs the controller: it must let go
 	 * before the device can change hands. Like VFIO, wait for it.
 	 */
-	while (!wait_event_timeout(ctrl->owner_gone, !READ_ONCE(ctrl->owner),
-				   10 * HZ))
+	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ))
 		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
 
 	pci_free_irq_vectors(pdev);

@@ -136,7 +136,7 @@ def bench_fio(dev: str, qds: list[int], bs: int, seconds: float, warmup: float, 
     for qd in qds:
         cmd = [fio, f"--name=qd{qd}", f"--filename={dev}", "--ioengine=io_uring", "--hipri",
                "--fixedbufs", "--registerfiles", "--direct=1", "--rw=randread", f"--bs={bs}",
-               f"--iodepth={qd}", f"--iodepth_batch_submit={qd}", "--iodepth_batch_complete_min=1",
+               f"--iodepth={qd}",
                "--time_based", f"--runtime={seconds:g}", f"--ramp_time={warmup:g}",
                f"--cpus_allowed={cpu}", "--norandommap", "--randrepeat=0", "--lat_percentiles=1",
                "--clat_percentiles=0", "--percentile_list=50:90:99:99.9", "--output-format=json"]
