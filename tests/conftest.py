@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 TOP = Path(__file__).resolve().parent.parent
-if str(TOP) not in sys.path:
-    sys.path.insert(0, str(TOP))
+# The checkout and its vendor backends, importable without an install (GPU machine).
+for _p in (TOP, TOP / "backends" / "cuda", TOP / "backends" / "rocm"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 TIER_DIRS = {"unit": "unit", "lab": "lab", "gpu": "gpu", "labrunner": "labrunner"}
 

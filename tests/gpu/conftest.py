@@ -27,7 +27,7 @@ def cuda_reason() -> str | None:
     return _cuda_reason()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _needs_cuda(cuda_reason: str | None) -> None:
     if cuda_reason:
         pytest.skip(f"gpu tier: {cuda_reason}")

@@ -150,7 +150,7 @@ class CudaBackend:
             raise UsageError(f"{what}: dma-buf export needs a range aligned to {HOST_PAGE} "
                              f"bytes (ptr={ptr:#x}, length={length:#x})")
         err, fd = cu.cuMemGetHandleForAddressRange(
-            cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ptr, length, 0)
+            ptr, length, cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
         _check(err, f"cuMemGetHandleForAddressRange({ptr:#x}, {length:#x})")
         return int(fd)
 
