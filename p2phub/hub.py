@@ -302,10 +302,14 @@ class Hub:
         if self.device.closed:
             return
         for reg in list(self._regs):
+            for mr in list(reg._mrs):
+                mr.close()  # an MR must not outlive the pin it maps
             if reg._dmabuf_fd >= 0:
                 os.close(reg._dmabuf_fd)
                 reg._dmabuf_fd = -1
             reg._closed = True
+            if reg._owns_source and hasattr(reg.source, "close"):
+                reg.source.close()  # type: ignore[union-attr]
         self._regs.clear()
         self.device.close()
 

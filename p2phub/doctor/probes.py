@@ -9,11 +9,13 @@ import ctypes.util
 import errno
 from typing import Any
 
+from .. import uapi as _uapi
 from .sysroot import SysRoot
 
 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED = 116
-CAP_NAMES = {0: "DMABUF_IMPORT", 1: "NVIDIA_P2P_BUILT", 2: "NVIDIA_P2P_LIVE", 3: "DMABUF_EXPORT", 4: "NVME"}
+# Capability bit -> name, from the UAPI mirror (one source of truth).
+CAP_NAMES = {int(c).bit_length() - 1: str(c.name) for c in _uapi.Cap}
 
 
 def _from_capture(sr: SysRoot, name: str) -> dict[str, Any] | None:
@@ -117,7 +119,7 @@ def ibv_dmabuf(sr: SysRoot) -> dict[str, Any]:
 
 
 def kmod_info(sr: SysRoot) -> dict[str, Any]:
-    """p2phub.ko's GET_INFO through p2phub.uapi (imported lazily; it may not exist yet)."""
+    """p2phub.ko's GET_INFO through p2phub.device (imported lazily)."""
     if not sr.live:
         cap = (sr.meta.get("probes") or {}).get("kmod_info")
         if cap:
@@ -126,11 +128,11 @@ def kmod_info(sr: SysRoot) -> dict[str, Any]:
     if not sr.exists("/dev/p2phub"):
         return {"skip": "/dev/p2phub absent (module not loaded)"}
     try:
-        from .. import uapi  # type: ignore[attr-defined]
+        from .. import device, uapi
     except ImportError as exc:
-        return {"error": f"p2phub.uapi unavailable ({exc})"}
+        return {"error": f"p2phub.device unavailable ({exc})"}
     try:
-        info = uapi.get_info()
+        info = device.get_info()
     except Exception as exc:  # noqa: BLE001 - any failure here is a finding, not a crash
         return {"error": f"{type(exc).__name__}: {exc}"}
     caps = int(getattr(info, "caps", 0) or 0)

@@ -192,3 +192,16 @@ def test_register_rejects_what_it_cannot_pin(hub: Hub, tmp_path) -> None:
         hub.register(object())
     with pytest.raises(UsageError, match="multiple of 4096"):
         hub.alloc_host(1000)
+
+
+def test_closing_the_hub_closes_mrs_and_host_buffers(pds) -> None:
+    hub = Hub()
+    reg = hub.alloc_host(64 << 10)
+    src = reg.source
+    try:
+        mr = reg.mr(pds[0])
+    except P2PHubOSError:  # vgem memory cannot be VA-registered (6.1): nothing to close
+        mr = None
+    hub.close()
+    assert reg.closed and src.closed
+    assert mr is None or mr.closed
