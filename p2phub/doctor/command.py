@@ -23,7 +23,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show every check and its evidence")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing; the exit code is the answer")
     parser.add_argument("--active", action="store_true",
-                        help="confirm each pair with a small real DMA and a checksum (needs p2phub.ko)")
+                        help="confirm a GPU<->NVMe pair with a small real DMA and a checksum (needs p2phub.ko, "
+                             "root and --active-nvme)")
+    parser.add_argument("--active-nvme", metavar="BDF",
+                        help="the NVMe controller --active may take from the kernel nvme driver for the test "
+                             "(refused when a namespace is mounted, swapped on or held)")
+    parser.add_argument("--active-gpu", metavar="ID|BDF", help="the GPU to test with (default: the first that pairs)")
+    parser.add_argument("--active-lba", metavar="LBA", type=int,
+                        help="first LBA of namespace 1 to use (default 0; required with --active-write)")
+    parser.add_argument("--active-bytes", metavar="N", type=int, default=64 << 10,
+                        help="bytes to move (default 65536, at most 4 MiB)")
+    parser.add_argument("--active-write", action="store_true",
+                        help="also write: GPU -> SSD over the --active-lba range (declared scratch; its contents "
+                             "are restored afterwards), then read it back")
     parser.add_argument("--explain", metavar="CHECK_ID", help="print what a check means and exit")
     parser.add_argument("--no-color", action="store_true", help="no colours (NO_COLOR is honoured too)")
 
@@ -58,6 +70,20 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         print(text)
         return 0
+    opts = None
+    if args.active_nvme or args.active_write or args.active_lba is not None or args.active_gpu:
+        if not args.active:
+            print("p2phub doctor: --active-* options need --active", file=sys.stderr)
+            return EXIT_USAGE
+    if args.active:
+        from .active import ActiveOptions, ActiveUsageError
+        opts = ActiveOptions(nvme=args.active_nvme, gpu=args.active_gpu, lba=args.active_lba,
+                             nbytes=args.active_bytes, write=args.active_write)
+        try:
+            opts.validate()
+        except ActiveUsageError as exc:
+            print(f"p2phub doctor: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     tmp = None
     try:
         root = "/"
@@ -68,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"p2phub doctor: --root {args.root}: not a directory or tarball ({exc})", file=sys.stderr)
                 return EXIT_USAGE
         sr = SysRoot(root)
-        rep = diagnose(sr, active=args.active)
+        rep = diagnose(sr, active=args.active, active_opts=opts)
         code = rep.exit_code(strict=args.strict)
         if args.quiet:
             return code

@@ -104,9 +104,9 @@ class Report:
         }
 
 
-def diagnose(sr: SysRoot, active: bool = False) -> Report:
+def diagnose(sr: SysRoot, active: bool = False, active_opts: Any = None) -> Report:
     top = discover(sr)
-    ctx = Context(sys=sr, top=top, active=active)
+    ctx = Context(sys=sr, top=top, active=active, active_opts=active_opts)
     ctx.cmdline = sr.read("/proc/cmdline") or ""
     load_kconfig(ctx)
     rep = Report(sys=sr, top=top, ctx=ctx)

@@ -20,8 +20,12 @@ VENDORS = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x1022: "AMD", 0x8086: "Intel", 0x15
            0x1CC1: "ADATA", 0x15AD: "VMware", 0x1234: "QEMU"}
 
 GPU_VENDORS = {0x10DE: "nvidia", 0x1002: "amd"}
-# QEMU's ivshmem: the lab's stand-in GPU (a BAR backed by host memory, exported as device memory)
+# The lab's stand-in GPU: QEMU's ivshmem-plain (a BAR backed by host memory). It counts as a GPU only
+# while the test-only driver p2phub_fakegpu.ko is bound to it (that driver exports the BAR as dma-bufs,
+# as a GPU driver exports its memory); an ivshmem device without it is an ordinary PCI function.
 IVSHMEM = (0x1AF4, 0x1110)
+STANDIN_DRIVER = "p2phub_fakegpu"
+STANDIN_VENDOR = "p2phub stand-in"
 
 
 @dataclass
@@ -242,8 +246,8 @@ def _find_gpus(sr: SysRoot, top: Topology) -> None:
         flavour = None
         if base == 0x03 and d.vendor in GPU_VENDORS:
             flavour = GPU_VENDORS[d.vendor]
-        elif (d.vendor, d.device) == IVSHMEM:
-            flavour = "ivshmem"
+        elif (d.vendor, d.device) == IVSHMEM and d.driver == STANDIN_DRIVER:
+            flavour = "standin"
         if flavour is None:
             continue
         info: dict[str, Any] = {"flavour": flavour, "numa_node": d.numa_node}
@@ -257,9 +261,10 @@ def _find_gpus(sr: SysRoot, top: Topology) -> None:
             b = f"{PCI_DEVICES}/{bdf}"
             info["vram_total"] = sr.read_int(f"{b}/mem_info_vram_total", 10)
             info["vis_vram_total"] = sr.read_int(f"{b}/mem_info_vis_vram_total", 10)
-        name = {"nvidia": "NVIDIA", "amd": "AMD", "ivshmem": "ivshmem (lab stand-in GPU)"}[flavour]
+        name = {"nvidia": "NVIDIA", "amd": "AMD", "standin": "lab stand-in GPU (ivshmem)"}[flavour]
+        vendor = STANDIN_VENDOR if flavour == "standin" else d.vendor_name
         top.gpus.append(Device(f"GPU{n}", "gpu", f"{name} {d.vendor:04x}:{d.device:04x}", bdf,
-                               d.vendor_name, d.driver, info))
+                               vendor, d.driver, info))
         n += 1
 
 

@@ -29,7 +29,7 @@ def _iommu_overlay(ctx: Context, map_type: str, bdfs: list[str]) -> str:
 def _gpu_gate(ctx: Context, gpu: Any, kind: str) -> tuple[bool | None, str | None, str | None]:
     """(ok, reason, check id) for the GPU driver side of a pair."""
     fl = gpu.info.get("flavour")
-    if fl == "ivshmem":
+    if fl == "standin":
         return True, None, None
     if fl == "amd":
         r = ctx.results.get("amd.large_bar")
@@ -279,6 +279,5 @@ def _active(ctx: Context) -> CheckResult:
         return R(SKIP, "not requested (use --active)")
     if not ctx.sys.live:
         return R(SKIP, "--active needs the live system, not a captured tree")
-    if not ctx.sys.exists("/dev/p2phub"):
-        return R(SKIP, "needs p2phub.ko loaded (/dev/p2phub absent)")
-    return R(SKIP, "needs p2phub.ko registration support (the module does not offer the DMA test yet)")
+    from .active import ActiveOptions, run_active
+    return run_active(ctx, ctx.active_opts or ActiveOptions())

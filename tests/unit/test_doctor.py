@@ -195,6 +195,32 @@ def test_live_system_does_not_crash() -> None:
 
 
 def test_active_is_a_clear_skip() -> None:
-    rep = diagnose(SysRoot("/"), active=True)
+    rep = diagnose(SysRoot("/"), active=True)  # no p2phub.ko on the development machine
     c = rep.check("pair.active")
     assert c.status == "SKIP" and ("p2phub.ko" in c.summary)
+
+
+def test_active_skips_on_a_captured_tree() -> None:
+    from p2phub.doctor.active import ActiveOptions
+    rep = diagnose(SysRoot(fx("epyc-rome-gpp")), active=True, active_opts=ActiveOptions(nvme="0000:42:00.0"))
+    c = rep.check("pair.active")
+    assert c.status == "SKIP" and "live system" in c.summary
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--active-nvme", "0000:01:00.0"], "need --active"),
+    (["--active", "--active-write", "--active-nvme", "0000:01:00.0"], "needs --active-lba"),
+    (["--active", "--active-nvme", "nonsense"], "not a PCI address"),
+    (["--active", "--active-nvme", "0000:01:00.0", "--active-bytes", "0"], "--active-bytes"),
+    (["--active", "--active-nvme", "0000:01:00.0", "--active-lba", "-1"], "--active-lba"),
+])
+def test_active_usage_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = run_cli("doctor", "--root", fx("epyc-rome-gpp"), *argv)
+    assert rc == 4 and out == ""
+    assert msg in capsys.readouterr().err
+
+
+def test_active_options_accept_a_short_bdf() -> None:
+    from p2phub.doctor.active import ActiveOptions, _norm
+    ActiveOptions(nvme="01:00.0").validate()
+    assert _norm("01:00.0") == "0000:01:00.0"
