@@ -272,9 +272,10 @@ def _pairs_nic(ctx: Context) -> CheckResult:
 
 @check("pair.active", "Active P2P DMA test", phase="pairs")
 def _active(ctx: Context) -> CheckResult:
-    """With p2phub.ko loaded, --active moves a small buffer between each pair with a real DMA and
-    compares checksums: it catches routes that the capability checks call OK but that silently drop
-    data (translated IOMMU, broken root complex forwarding)."""
+    """With p2phub.ko loaded, --active --active-nvme BDF moves a small buffer between a GPU and that
+    NVMe controller with a real DMA and compares checksums with the kernel driver's read: it catches
+    routes that the capability checks call OK but that silently drop data, and confirms routes p2phub.ko
+    can use that the kernel's P2PDMA model rejects. Read-only unless --active-write."""
     if not ctx.active:
         return R(SKIP, "not requested (use --active)")
     if not ctx.sys.live:

@@ -224,3 +224,22 @@ def test_active_options_accept_a_short_bdf() -> None:
     from p2phub.doctor.active import ActiveOptions, _norm
     ActiveOptions(nvme="01:00.0").validate()
     assert _norm("01:00.0") == "0000:01:00.0"
+
+
+# ---------------------------------------------------------------------------- the lab's stand-in GPU
+STANDIN = "sys/devices/pci0000:00/0000:00:0a.0/0000:01:00.0/0000:02:01.0/0000:04:00.0"
+
+
+def test_stand_in_gpu_is_a_gpu_only_with_p2phub_fakegpu_bound(tmp_path) -> None:
+    rep = diagnose(SysRoot(fx("lab-switch-6.12")))
+    [g] = rep.top.gpus
+    assert (g.bdf, g.kind, g.vendor, g.driver, g.info["flavour"]) == \
+        ("0000:04:00.0", "gpu", "p2phub stand-in", "p2phub_fakegpu", "standin")
+    root = tmp_path / "tree"
+    shutil.copytree(fx("lab-switch-6.12"), root, symlinks=True)
+    os.unlink(root / STANDIN / "driver")  # ivshmem with no driver: an ordinary PCI function
+    rep = diagnose(SysRoot(str(root)))
+    assert rep.top.gpus == [] and rep.pairs == []
+    assert rep.check("topology.peers").status == "FAIL"
+    os.symlink("../../../../../../bus/pci/drivers/uio_pci_generic", root / STANDIN / "driver")
+    assert diagnose(SysRoot(str(root))).top.gpus == []
