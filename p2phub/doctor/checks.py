@@ -7,6 +7,7 @@ prints. Checks run in the order they are defined; the pair-level checks (``pcie.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def check(cid: str, title: str, phase: str = "host") -> Callable[[Callable[..., 
             r.id, r.title = cid, title
             return r
         REGISTRY.append((cid, title, run, phase))
-        EXPLAIN[cid] = f"{cid}: {title}\n\n" + (fn.__doc__ or "").strip()
+        EXPLAIN[cid] = f"{cid}: {title}\n\n" + inspect.cleandoc(fn.__doc__ or "")
         return run
     return deco
 
