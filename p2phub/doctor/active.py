@@ -282,6 +282,10 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
                  "take from the kernel nvme driver for a moment (read-only unless --active-write)")
     bdf = _norm(opts.nvme)
     nvme = next((d for d in ctx.top.nvmes if d.bdf == bdf), None)
+    pd = ctx.top.pci.get(bdf)
+    if nvme is None and pd is not None and pd.cls == 0x010802 and pd.driver != "nvme":
+        return R(SKIP, f"{bdf} is bound to {pd.driver or 'no driver'}, not the kernel nvme driver: the test "
+                 "compares with the kernel driver's read of the same LBAs", "p2phub nvme unbind " + bdf)
     if nvme is None:
         return R(FAIL, f"--active-nvme {bdf}: not a PCIe NVMe controller known to the kernel nvme driver",
                  "name a controller listed under nvme.controllers")
@@ -337,6 +341,7 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
          ev: dict[str, Any]) -> tuple[str, str, str | None]:
     from ..hub import Hub
     from ..nvme import bind
+    from ..nvme.errors import ControllerBusyError
 
     off = lba * lbs
     before = _kernel_read(dev, off, n)
@@ -372,6 +377,8 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
                 ctrl.close()
                 bind.unbind(bdf)
                 given_back = True
+    except ControllerBusyError as exc:  # claimed between the check above and the bind
+        return SKIP, f"refused: {exc}", None
     except Exception as exc:  # noqa: BLE001 - reported as the check's result
         if not given_back and bind.current_driver(bdf) != "nvme":
             try:
