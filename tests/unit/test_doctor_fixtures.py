@@ -250,7 +250,99 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                 'pair.active': 'SKIP'},
                      'pairs': {'GPU0<->NVMe0': ('PIX', 4, 'BUS_ADDR', 'BLOCKED'),
                                'GPU0<->NVMe1': ('PHB', 6, 'NOT_SUPPORTED', 'BLOCKED')},
-                     'exit': 1}}
+                     'exit': 1},
+ 'lab-rootports-6.1': {'checks': {'host.arch': 'PASS',
+                                  'host.cpu': 'INFO',
+                                  'host.virt': 'INFO',
+                                  'host.container': 'INFO',
+                                  'host.privilege': 'PASS',
+                                  'kernel.version': 'PASS',
+                                  'kernel.p2pdma': 'FAIL',
+                                  'kernel.zone_device': 'PASS',
+                                  'kernel.dmabuf': 'INFO',
+                                  'kernel.iommu_default': 'INFO',
+                                  'kernel.cmdline': 'INFO',
+                                  'iommu.present': 'INFO',
+                                  'iommu.domain': 'PASS',
+                                  'iommu.groups': 'SKIP',
+                                  'pcie.ats': 'INFO',
+                                  'pcie.link': 'WARN',
+                                  'pcie.numa': 'INFO',
+                                  'gpu.bar': 'PASS',
+                                  'nvidia.driver': 'SKIP',
+                                  'nvidia.flavour': 'SKIP',
+                                  'nvidia.params': 'SKIP',
+                                  'nvidia.p2pmem': 'SKIP',
+                                  'nvidia.dmabuf': 'SKIP',
+                                  'nvidia.peermem': 'SKIP',
+                                  'amd.kfd_links': 'SKIP',
+                                  'amd.large_bar': 'SKIP',
+                                  'amd.p2p_config': 'SKIP',
+                                  'nvme.controllers': 'PASS',
+                                  'nvme.multipath': 'INFO',
+                                  'nvme.safety': 'PASS',
+                                  'nic.devices': 'INFO',
+                                  'nic.dmabuf_mr': 'SKIP',
+                                  'kmod.loaded': 'PASS',
+                                  'kmod.devnode': 'PASS',
+                                  'kmod.abi': 'PASS',
+                                  'kmod.caps': 'INFO',
+                                  'kmod.loadable': 'PASS',
+                                  'topology.peers': 'PASS',
+                                  'pcie.acs': 'PASS',
+                                  'pcie.host_bridge': 'FAIL',
+                                  'pairs.gpu_nvme': 'FAIL',
+                                  'pairs.gpu_nic': 'SKIP',
+                                  'pair.active': 'SKIP'},
+                       'pairs': {'GPU0<->NVMe0': ('PHB', 4, 'NOT_SUPPORTED', 'BLOCKED'),
+                                 'GPU0<->NVMe1': ('PHB', 4, 'NOT_SUPPORTED', 'BLOCKED')},
+                       'exit': 1},
+ 'lab-rootports-iommu-6.12': {'checks': {'host.arch': 'PASS',
+                                         'host.cpu': 'INFO',
+                                         'host.virt': 'INFO',
+                                         'host.container': 'INFO',
+                                         'host.privilege': 'PASS',
+                                         'kernel.version': 'PASS',
+                                         'kernel.p2pdma': 'FAIL',
+                                         'kernel.zone_device': 'PASS',
+                                         'kernel.dmabuf': 'INFO',
+                                         'kernel.iommu_default': 'INFO',
+                                         'kernel.cmdline': 'INFO',
+                                         'iommu.present': 'INFO',
+                                         'iommu.domain': 'WARN',
+                                         'iommu.groups': 'INFO',
+                                         'pcie.ats': 'INFO',
+                                         'pcie.link': 'WARN',
+                                         'pcie.numa': 'INFO',
+                                         'gpu.bar': 'PASS',
+                                         'nvidia.driver': 'SKIP',
+                                         'nvidia.flavour': 'SKIP',
+                                         'nvidia.params': 'SKIP',
+                                         'nvidia.p2pmem': 'SKIP',
+                                         'nvidia.dmabuf': 'SKIP',
+                                         'nvidia.peermem': 'SKIP',
+                                         'amd.kfd_links': 'SKIP',
+                                         'amd.large_bar': 'SKIP',
+                                         'amd.p2p_config': 'SKIP',
+                                         'nvme.controllers': 'PASS',
+                                         'nvme.multipath': 'INFO',
+                                         'nvme.safety': 'PASS',
+                                         'nic.devices': 'INFO',
+                                         'nic.dmabuf_mr': 'SKIP',
+                                         'kmod.loaded': 'PASS',
+                                         'kmod.devnode': 'PASS',
+                                         'kmod.abi': 'PASS',
+                                         'kmod.caps': 'INFO',
+                                         'kmod.loadable': 'PASS',
+                                         'topology.peers': 'PASS',
+                                         'pcie.acs': 'FAIL',
+                                         'pcie.host_bridge': 'FAIL',
+                                         'pairs.gpu_nvme': 'FAIL',
+                                         'pairs.gpu_nic': 'SKIP',
+                                         'pair.active': 'SKIP'},
+                              'pairs': {'GPU0<->NVMe0': ('PHB', 4, 'NOT_SUPPORTED', 'BLOCKED'),
+                                        'GPU0<->NVMe1': ('PHB', 4, 'NOT_SUPPORTED', 'BLOCKED')},
+                              'exit': 1}}
 
 
 def fixture_names() -> list[str]:
@@ -288,3 +380,56 @@ def test_pairs(name: str) -> None:
 def test_exit_code(name: str) -> None:
     rep = diagnose(SysRoot(os.path.join(FIXTURES, name)))
     assert rep.exit_code() == EXPECTED[name]["exit"]
+
+
+# ---------------------------------------------------------------------------- the lab captures, in detail
+def _lab(name: str):
+    return diagnose(SysRoot(os.path.join(FIXTURES, name)))
+
+
+@pytest.mark.parametrize("name", ["lab-switch-6.12", "lab-rootports-6.1", "lab-rootports-iommu-6.12"])
+def test_lab_devices(name: str) -> None:
+    rep = _lab(name)
+    assert [(g.id, g.vendor, g.driver, g.info["flavour"], g.info["bar_bytes"]) for g in rep.top.gpus] == \
+        [("GPU0", "p2phub stand-in", "p2phub_fakegpu", "standin", 64 << 20)]
+    assert [(n.id, n.driver) for n in rep.top.nvmes] == [("NVMe0", "nvme"), ("NVMe1", "nvme")]
+    assert [(n.name, n.bdf, n.info["soft"]) for n in rep.top.nics] == [("rxe-a", None, True), ("rxe-b", None, True)]
+    assert all(p.kind == "gpu-nvme" for p in rep.pairs)  # soft-RoCE devices are never paired
+    assert rep.top.host_bridge_ids == {"pci0000:00": (0x8086, 0x29C0)}
+    assert rep.check("kernel.p2pdma").status == "FAIL"  # Debian's 6.1 and 6.12 kernels: CONFIG_PCI_P2PDMA off
+    assert rep.check("kmod.loaded").status == "PASS"
+    assert "pairs.gpu_nvme: GPU<->NVMe: no usable pair" in " ".join(rep.why_not())
+
+
+def test_lab_switch_pix_pair_is_direct_but_for_the_kernel() -> None:
+    rep = _lab("lab-switch-6.12")
+    p = {x.client: x for x in rep.pairs}
+    pix = p["NVMe0"]
+    assert (pix.lca, pix.acs_blockers, pix.iommu) == ("0000:01:00.0", [], "bypassed")
+    assert pix.path == ["0000:02:01.0", "0000:01:00.0", "0000:02:00.0"]
+    assert pix.because == ["kernel.p2pdma"]  # only the kernel's missing P2PDMA blocks it
+    phb = p["NVMe1"]
+    assert phb.lca is None and phb.host_bridge and "8086:29c0" in " ".join(phb.reasons)
+    assert "pcie.host_bridge" in phb.because
+
+
+def test_lab_rootports_without_iommu_has_no_acs_blockers() -> None:
+    rep = _lab("lab-rootports-6.1")
+    assert rep.top.cpu["kernel"].startswith("6.1.")
+    assert rep.check("pcie.acs").status == "PASS"
+    assert {(x.client, x.cls, x.iommu, tuple(x.acs_blockers)) for x in rep.pairs} == \
+        {("NVMe0", "PHB", "none", ()), ("NVMe1", "PHB", "none", ())}
+
+
+def test_lab_iommu_root_ports_redirect_and_translate() -> None:
+    rep = _lab("lab-rootports-iommu-6.12")
+    assert rep.check("iommu.present").status == "INFO" and "dmar0" in rep.check("iommu.present").summary
+    assert rep.check("iommu.domain").status == "WARN"
+    assert {rep.top.pci[d.bdf].iommu_type for d in rep.top.devices if d.bdf} == {"DMA"}
+    acs = rep.check("pcie.acs")
+    assert acs.status == "FAIL" and "ReqRedir+ CmpltRedir+" in acs.summary
+    for x in rep.pairs:
+        # the kernel checks ACS on the provider's side only when the devices share no bridge
+        assert (x.iommu, x.acs_blockers, x.map_type) == ("iova", ["0000:00:0b.0"], "NOT_SUPPORTED")
+        assert "ACS redirect is set on 0000:00:0b.0" in x.reasons
+        assert any("disable_acs_redir=" in f for f in x.fixes)
