@@ -1,0 +1,163 @@
+"""The NVMe ioctls of p2phub.ko, raw: every documented errno, and what closing releases."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from p2phub import uapi
+from p2phub.device import Device
+from p2phub.nvme import bind
+
+pytestmark = pytest.mark.lab
+
+DEBUGFS = Path("/sys/kernel/debug/p2phub_nvme")
+
+
+def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:
+    try:
+        fcntl.ioctl(fd, request, arg, True)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
+
+
+def _open_arg(bdf: str, **kw: int) -> uapi.NvmeOpen:
+    dom, bus, devfn = bind.split_bdf(bdf)
+    return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn, **kw)
+
+
+@pytest.fixture(scope="module")
+def bdf(lab: dict[str, str]) -> Iterator[str]:
+    b = lab["nvme_target"]
+    bind.bind(b)
+    yield b
+    bind.unbind(b)
+
+
+@pytest.fixture
+def dev() -> Iterator[Device]:
+    with Device() as d:
+        yield d
+
+
+@pytest.fixture
+def handle(bdf: str, dev: Device) -> Iterator[int]:
+    fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
+    yield fd
+    os.close(fd)
+    assert int((DEBUGFS / "live_handles").read_text()) == 0
+    assert int((DEBUGFS / "live_dma_buffers").read_text()) == 0
+
+
+def test_open_errors(bdf: str, dev: Device, lab: dict[str, str]) -> None:
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(bdf, flags=1)) == errno.EINVAL
+    a = _open_arg(bdf)
+    a.reserved[1] = 1
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, a) == errno.EINVAL
+    a = _open_arg(bdf, out_bar0_size=1)
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, a) == errno.EINVAL
+    a = _open_arg(bdf)
+    a.argsz = 16
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, a) == errno.EINVAL
+    # The kernel-driven twin is not ours; a slot with no device is nobody's.
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(lab["nvme_baseline"])) == errno.ENXIO
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg("0000:7f:1f.7")) == errno.ENODEV
+
+
+def test_one_owner(bdf: str, dev: Device, handle: int) -> None:
+    assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(bdf)) == errno.EBUSY
+
+
+def test_dma_alloc_free_mmap(handle: int) -> None:
+    for size in (0, 100, uapi.NVME_DMA_MAX_BUF + 4096):
+        assert _errno_of(handle, uapi.NVME_DMA_ALLOC, uapi.NvmeDmaAlloc.new(size=size)) == errno.EINVAL
+    assert _errno_of(handle, uapi.NVME_DMA_ALLOC, uapi.NvmeDmaAlloc.new(size=4096, flags=2)) == errno.EINVAL
+    a = uapi.NvmeDmaAlloc.new(size=8192)
+    assert _errno_of(handle, uapi.NVME_DMA_ALLOC, a) == 0
+    assert a.out_dma_addr % 4096 == 0 and a.out_mmap_offset == (a.out_id + 1) << uapi.NVME_MMAP_DMA_SHIFT
+    assert int((DEBUGFS / "live_dma_buffers").read_text()) == 1
+    with pytest.raises(OSError) as e:  # larger than the buffer
+        mmap.mmap(handle, 3 * 4096, mmap.MAP_SHARED, offset=a.out_mmap_offset)
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:  # private
+        mmap.mmap(handle, 4096, mmap.MAP_PRIVATE, offset=a.out_mmap_offset)
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:  # no such buffer
+        mmap.mmap(handle, 4096, mmap.MAP_SHARED, offset=(a.out_id + 9) << uapi.NVME_MMAP_DMA_SHIFT)
+    assert e.value.errno == errno.EINVAL
+    m = mmap.mmap(handle, 8192, mmap.MAP_SHARED, offset=a.out_mmap_offset)
+    m[:5] = b"hello"
+    # Mapped: refused; unmapped: freed.
+    assert _errno_of(handle, uapi.NVME_DMA_FREE, uapi.NvmeDmaFree.new(id=a.out_id)) == errno.EBUSY
+    m.close()
+    assert _errno_of(handle, uapi.NVME_DMA_FREE, uapi.NvmeDmaFree.new(id=a.out_id)) == 0
+    assert _errno_of(handle, uapi.NVME_DMA_FREE, uapi.NvmeDmaFree.new(id=a.out_id)) == errno.ENOENT
+    assert int((DEBUGFS / "live_dma_buffers").read_text()) == 0
+
+
+def test_dma_free_refused_while_controller_enabled(handle: int) -> None:
+    bar = mmap.mmap(handle, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+    regs = memoryview(bar).cast("I")
+    a = uapi.NvmeDmaAlloc.new(size=4096)
+    assert _errno_of(handle, uapi.NVME_DMA_ALLOC, a) == 0
+    q = uapi.NvmeDmaAlloc.new(size=4096)
+    assert _errno_of(handle, uapi.NVME_DMA_ALLOC, q) == 0
+    # Enable with a one-page admin queue pair (no commands).
+    regs[0x14 // 4] = 0
+    regs[0x24 // 4] = (1 << 16) | 1
+    regs[0x28 // 4], regs[0x2C // 4] = q.out_dma_addr & 0xFFFFFFFF, q.out_dma_addr >> 32
+    regs[0x30 // 4], regs[0x34 // 4] = a.out_dma_addr & 0xFFFFFFFF, a.out_dma_addr >> 32
+    regs[0x14 // 4] = (4 << 20) | (6 << 16) | 1
+    for _ in range(10000):
+        if regs[0x1C // 4] & 1:
+            break
+    assert regs[0x1C // 4] & 1, "controller did not become ready"
+    assert _errno_of(handle, uapi.NVME_DMA_FREE, uapi.NvmeDmaFree.new(id=a.out_id)) == errno.EBUSY
+    regs.release()
+    bar.close()
+    # Closing the handle (fixture) disables the controller, then frees both buffers.
+
+
+def test_bar_mmap_bounds(handle: int) -> None:
+    m = mmap.mmap(handle, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+    vs = memoryview(m).cast("I")[2]
+    assert vs >= 0x10000  # NVMe version register: 1.x or later
+    with pytest.raises(OSError) as e:
+        mmap.mmap(handle, 64 << 20, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+    assert e.value.errno == errno.EINVAL
+    m.close()
+
+
+def test_irq_set_errors(handle: int) -> None:
+    assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=uapi.NVME_MAX_IRQS, eventfd=-1)) \
+        == errno.EINVAL
+    r, w = os.pipe()
+    try:
+        assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=0, eventfd=r)) == errno.EINVAL
+    finally:
+        os.close(r)
+        os.close(w)
+    assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=0, eventfd=-5)) == errno.EBADF
+    efd = os.eventfd(0)
+    try:
+        assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=0, eventfd=efd)) == 0
+        assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=0, eventfd=efd)) == 0  # replace
+        assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=0, eventfd=-1)) == 0  # detach
+        assert _errno_of(handle, uapi.NVME_IRQ_SET, uapi.NvmeIrqSet.new(vector=1, eventfd=efd)) == 0
+        # Left attached: closing the handle frees the vector.
+    finally:
+        os.close(efd)
+
+
+def test_unknown_ioctl_on_handle(handle: int) -> None:
+    with pytest.raises(OSError) as e:
+        fcntl.ioctl(handle, uapi.GET_INFO, uapi.Info.new(), True)
+    assert e.value.errno == errno.ENOTTY
