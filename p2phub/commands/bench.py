@@ -50,11 +50,16 @@ def _fmt_size(n: int) -> str:
 def _lab_env() -> dict[str, str]:
     path = os.environ.get("P2PHUB_LAB_ENV")
     env: dict[str, str] = {}
-    if path and Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            k, sep, v = line.partition("=")
-            if sep:
-                env[k] = v
+    if not path:
+        return env
+    try:
+        text = Path(path).read_text()
+    except OSError:  # absent, or unreadable to this user (unprivileged runs in the lab)
+        return env
+    for line in text.splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            env[k] = v
     return env
 
 
