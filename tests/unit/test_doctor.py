@@ -243,3 +243,10 @@ def test_stand_in_gpu_is_a_gpu_only_with_p2phub_fakegpu_bound(tmp_path) -> None:
     assert rep.check("topology.peers").status == "FAIL"
     os.symlink("../../../../../../bus/pci/drivers/uio_pci_generic", root / STANDIN / "driver")
     assert diagnose(SysRoot(str(root))).top.gpus == []
+
+
+def test_doctor_survives_an_unreadable_lab_env(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # in the lab an unprivileged user cannot read $P2PHUB_LAB_ENV; other commands' parsers read it
+    monkeypatch.setenv("P2PHUB_LAB_ENV", str(tmp_path))  # a directory: read_text() raises like EACCES
+    rc, out = run_cli("doctor", "--root", fx("lab-switch-6.12"), "--json")
+    assert rc == 1 and json.loads(out)["schema"] == SCHEMA
