@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from p2phub.doctor import core  # noqa: F401  (importing it registers the pair-level checks)
 from p2phub.doctor.checks import REGISTRY
 
 import fakegpu as fg
