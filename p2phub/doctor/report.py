@@ -121,8 +121,8 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
     ct.add_column("id")
     ct.add_column("finding", overflow="fold")
     for c in rep.checks:
-        if not verbose and c.status in (PASS, SKIP):
-            continue
+        if not verbose and c.status in (PASS, SKIP) and not (c.id == "pair.active" and rep.ctx.active):
+            continue  # (the outcome of an --active test is always shown when one was asked for)
         ct.add_row(f"[{STYLE[c.status]}]{c.status}[/]", c.id, escape(c.summary))
         if verbose and c.evidence:
             ev = "; ".join(f"{e['path']}={e.get('value', e.get('error'))}" for e in c.evidence[:6])

@@ -200,6 +200,14 @@ def test_active_is_a_clear_skip() -> None:
     assert c.status == "SKIP" and ("p2phub.ko" in c.summary)
 
 
+def test_active_outcome_is_shown_in_the_text_report() -> None:
+    rc, out = run_cli("doctor", "--root", fx("lab-switch-6.12"), "--no-color")
+    assert "pair.active" not in out
+    rc, out = run_cli("doctor", "--root", fx("lab-switch-6.12"), "--no-color", "--active",
+                      "--active-nvme", "0000:03:00.0")
+    assert "pair.active" in out and "live system" in out
+
+
 def test_active_skips_on_a_captured_tree() -> None:
     from p2phub.doctor.active import ActiveOptions
     rep = diagnose(SysRoot(fx("epyc-rome-gpp")), active=True, active_opts=ActiveOptions(nvme="0000:42:00.0"))
