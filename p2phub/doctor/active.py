@@ -83,6 +83,7 @@ class GpuMemory:
 
     fd: int = -1
     describe: str = ""
+    bus_address: int | None = None  # where peers reach the buffer without an IOMMU, when known
 
     def write(self, data: bytes) -> None:
         raise NotImplementedError
@@ -131,7 +132,8 @@ class StandinMemory(GpuMemory):
             e = _FakeGpuExport(argsz=ctypes.sizeof(_FakeGpuExport), offset=self.offset, length=self.length, fd=-1)
             fcntl.ioctl(self.dev, (_FAKEGPU_TYPE << 8) | (_FAKEGPU_BASE + 1), e)
             self.fd = int(e.fd)
-            self.describe = f"stand-in GPU BAR2 [{self.offset:#x}, +{self.length:#x}) (bus {q.bar_addr + self.offset:#x})"
+            self.bus_address = q.bar_addr + self.offset
+            self.describe = f"stand-in GPU BAR2 [{self.offset:#x}, +{self.length:#x}) (bus {self.bus_address:#x})"
         except BaseException:
             os.close(self.dev)
             raise
@@ -362,6 +364,9 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
                     pages = reg.dma_pages(bdf)
                     ev["dma_addresses"] = [f"{a:#x}" for a in pages[:8]]
                     ev["dma_pages"] = len(pages)
+                    if mem.bus_address is not None and pages:
+                        # an IOVA (not the BAR's bus address): the controller's DMA goes through the IOMMU
+                        ev["dma_translated"] = pages[0] != mem.bus_address
                     ns = ctrl.namespace(NSID)
                     if ns.lba_size != lbs:
                         return FAIL, f"namespace LBA size {ns.lba_size} != kernel's {lbs}", None

@@ -100,6 +100,8 @@ def test_read_only_dma_matches_the_kernel_driver(target: str, standin: None, lab
     sha = hashlib.sha256(data).hexdigest()
     assert d["sha256_expected"] == d["sha256_gpu"] == d["sha256_kernel_after"] == sha
     assert d["dma_pages"] >= 1 and d["dma_addresses"] and all(a.startswith("0x") for a in d["dma_addresses"])
+    # with the emulated IOMMU p2phub.ko maps an IOVA for the controller, without it the BAR's bus address
+    assert d["dma_translated"] is (lab["iommu"] == "1")
     pair = next(p for p in rep["pairs"] if p["active"])
     assert pair["active"]["status"] == "PASS" and pair["client"] == d["nvme"]
     # the controller is back with the kernel, its data untouched; the stand-in's BAR bytes were restored
