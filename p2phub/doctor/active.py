@@ -384,6 +384,9 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
                 given_back = True
     except ControllerBusyError as exc:  # claimed between the check above and the bind
         return SKIP, f"refused: {exc}", None
+    except ImportError as exc:  # raised before anything was bound
+        return SKIP, f"no exporter for {gpu.id}'s memory: {exc} (NVIDIA: needs cuda-python and p2phub_cuda " \
+            "from backends/cuda)", "pip install backends/cuda"
     except Exception as exc:  # noqa: BLE001 - reported as the check's result
         if not given_back and bind.current_driver(bdf) != "nvme":
             try:
