@@ -385,8 +385,8 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
     except ControllerBusyError as exc:  # claimed between the check above and the bind
         return SKIP, f"refused: {exc}", None
     except ImportError as exc:  # raised before anything was bound
-        return SKIP, f"no exporter for {gpu.id}'s memory: {exc} (NVIDIA: needs cuda-python and p2phub_cuda " \
-            "from backends/cuda)", "pip install backends/cuda"
+        return SKIP, f"no exporter for {gpu.id}'s memory: {exc} (NVIDIA: the CUDA backend p2phub_cuda " \
+            "needs cuda-python)", "install cuda-python (cuda.bindings) in p2phub's environment"
     except Exception as exc:  # noqa: BLE001 - reported as the check's result
         if not given_back and bind.current_driver(bdf) != "nvme":
             try:
