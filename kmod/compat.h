@@ -8,6 +8,7 @@
 #ifndef _P2PHUB_COMPAT_H
 #define _P2PHUB_COMPAT_H
 
+#include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/version.h>
 
@@ -29,6 +30,29 @@
  * rule serves both: hold dmabuf->resv around pin/map/unmap/unpin, never
  * around dma_buf_dynamic_attach()/dma_buf_detach(), which lock it
  * themselves. No #ifdef is needed for that; this note keeps the reason.
+ */
+
+/*
+ * vma->vm_flags became read-only in 6.3 ("mm: introduce vma->vm_flags
+ * wrapper functions"): set flags with vm_flags_set() (mmap_lock held for
+ * write, as in an mmap handler). 6.1 writes the field.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+#define p2phub_vm_flags_set(vma, flags)	vm_flags_set(vma, flags)
+#else
+static inline void p2phub_vm_flags_set(struct vm_area_struct *vma,
+				       unsigned long flags)
+{
+	vma->vm_flags |= flags;
+}
+#endif
+
+/*
+ * dma_buf_ops.mmap is called without the dma-buf's reservation lock on
+ * 6.1 and again since 6.5 ("dma-buf: Change locking policy for mmap()");
+ * 6.2-6.4 held it, which p2phub's lock order (p2phub_reg.lock is outside
+ * an exported dma-buf's dma_resv) does not allow. The lab kernels are
+ * outside that window; no #ifdef, this note keeps the reason.
  */
 
 #endif /* _P2PHUB_COMPAT_H */

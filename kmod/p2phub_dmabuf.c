@@ -15,6 +15,7 @@
 
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
+#include <linux/mm.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
 
@@ -85,15 +86,62 @@ static int p2phub_dmabuf_flatten(struct p2phub_reg *reg,
 	return 0;
 }
 
-/* Attach for map->pdev, pin, map, flatten. Called with reg->lock held. */
+/*
+ * The struct pages of the window, for the CPU map (see p2phub_dmabuf_cpu_pages()).
+ * -ENODEV when the exporter gave bus addresses without pages (a GPU BAR).
+ */
+static int p2phub_dmabuf_pages(struct p2phub_reg *reg,
+			       struct p2phub_reg_map *map,
+			       struct sg_table *sgt)
+{
+	u64 first = reg->db.offset >> PAGE_SHIFT, n = 0, idx = 0;
+	struct scatterlist *sg;
+	unsigned int i;
+
+	/* Check the CPU side of every entry before walking its pages. */
+	for_each_sgtable_sg(sgt, sg, i) {
+		if (!sg_page(sg) || sg->offset || !PAGE_ALIGNED(sg->length)) {
+			pr_info_ratelimited("registration %u: exporter %s gave no struct pages (or unaligned ones); its export cannot be mmapped\n",
+					    reg->handle, reg->db.dmabuf->exp_name);
+			return -ENODEV;
+		}
+	}
+	for_each_sgtable_sg(sgt, sg, i) {
+		u64 j, cnt = sg->length >> PAGE_SHIFT;
+
+		for (j = 0; j < cnt && n < reg->npages; j++, idx++) {
+			if (idx >= first)
+				map->db.pages[n++] = nth_page(sg_page(sg), j);
+		}
+	}
+	if (n != reg->npages) {
+		pr_err_ratelimited("registration %u: exporter %s gave %llu of %llu pages\n",
+				   reg->handle, reg->db.dmabuf->exp_name, n,
+				   reg->npages);
+		return -EIO;
+	}
+	return 0;
+}
+
+/* The device a map is made for: its PCI function, or p2phub's own (CPU). */
+static struct device *p2phub_dmabuf_map_dev(struct p2phub_reg_map *map)
+{
+	return map->pdev ? &map->pdev->dev : p2phub_device;
+}
+
+/*
+ * Attach for the map's device, pin, map, then flatten (a PCI device) or
+ * collect the pages (the CPU map). Called with reg->lock held.
+ */
 static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 {
+	struct device *dev = p2phub_dmabuf_map_dev(map);
 	struct dma_buf *dmabuf = reg->db.dmabuf;
 	struct dma_buf_attachment *attach;
 	struct sg_table *sgt;
 	int ret;
 
-	attach = dma_buf_dynamic_attach(dmabuf, &map->pdev->dev,
+	attach = dma_buf_dynamic_attach(dmabuf, dev,
 					&p2phub_dmabuf_importer_ops, map);
 	if (IS_ERR(attach))
 		return PTR_ERR(attach);
@@ -114,7 +162,10 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	}
 	map->db.sgt = sgt;
 	map->db.mapping = false;
-	ret = p2phub_dmabuf_flatten(reg, map, sgt);
+	if (map->pdev)
+		ret = p2phub_dmabuf_flatten(reg, map, sgt);
+	else
+		ret = p2phub_dmabuf_pages(reg, map, sgt);
 	if (ret)
 		goto err_unmap;
 	dma_resv_unlock(dmabuf->resv);
@@ -126,7 +177,7 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	 */
 	if (dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_KERNEL, false,
 				  10 * HZ) <= 0)
-		dev_warn_ratelimited(&map->pdev->dev,
+		dev_warn_ratelimited(dev,
 				     "p2phub: registration %u: exporter %s still busy after 10 s\n",
 				     reg->handle, dmabuf->exp_name);
 	return 0;
@@ -144,8 +195,8 @@ err_unlock:
 	dma_buf_detach(dmabuf, attach);
 	atomic_dec(&p2phub_stats.dmabuf_attachments);
 	map->db.attach = NULL;
-	if (ret != -EOPNOTSUPP)
-		dev_info_ratelimited(&map->pdev->dev,
+	if (ret != -EOPNOTSUPP && ret != -ENODEV)
+		dev_info_ratelimited(dev,
 				     "p2phub: registration %u: cannot map dma-buf (%s) for this device: %d\n",
 				     reg->handle, dmabuf->exp_name, ret);
 	return ret;
@@ -173,6 +224,56 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 	map->db.attach = NULL;
 }
 
+static void p2phub_dmabuf_cpu_map_free(struct p2phub_reg_map *map)
+{
+	kvfree(map->db.pages);
+	kfree(map);
+	atomic_dec(&p2phub_stats.dev_maps);
+}
+
+/*
+ * The pages of the window, through an attachment of p2phub's own device
+ * made on the first mmap of an export and kept, pinned, until teardown.
+ * Called with reg->lock held. -ENODEV: the exporter has no struct pages
+ * (a GPU BAR) or refuses a non-PCI importer; nothing is kept then.
+ */
+static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
+				   struct page ***pages)
+{
+	struct p2phub_reg_map *map = reg->db.cpu;
+	int ret;
+
+	lockdep_assert_held(&reg->lock);
+	if (map) {
+		*pages = map->db.pages;
+		return 0;
+	}
+	if (!p2phub_device)
+		return -ENODEV;
+	map = kzalloc(sizeof(*map), GFP_KERNEL);
+	if (!map)
+		return -ENOMEM;
+	atomic_inc(&p2phub_stats.dev_maps);
+	map->reg = reg;
+	INIT_LIST_HEAD(&map->node);	/* never on reg->maps */
+	map->db.pages = kvmalloc_array(reg->npages, sizeof(*map->db.pages),
+				       GFP_KERNEL);
+	if (!map->db.pages) {
+		ret = -ENOMEM;
+		goto err_free;
+	}
+	ret = p2phub_dmabuf_map(reg, map);
+	if (ret)
+		goto err_free;
+	reg->db.cpu = map;
+	*pages = map->db.pages;
+	return 0;
+
+err_free:
+	p2phub_dmabuf_cpu_map_free(map);
+	return ret == -EOPNOTSUPP || ret == -EINVAL ? -ENODEV : ret;
+}
+
 static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 				  struct list_head *maps)
 {
@@ -181,6 +282,12 @@ static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 	list_for_each_entry(map, maps, node)
 		p2phub_dmabuf_unmap(reg, map);
 	p2phub_reg_maps_free(maps);
+	/* No export is mapped any more: each mapping holds a reference. */
+	if (reg->db.cpu) {
+		p2phub_dmabuf_unmap(reg, reg->db.cpu);
+		p2phub_dmabuf_cpu_map_free(reg->db.cpu);
+		reg->db.cpu = NULL;
+	}
 	dma_buf_put(reg->db.dmabuf);
 	reg->db.dmabuf = NULL;
 }
@@ -189,6 +296,7 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.id	= P2PHUB_PROVIDER_DMABUF,
 	.name	= "dma-buf",
 	.map	= p2phub_dmabuf_map,
+	.cpu_pages = p2phub_dmabuf_cpu_pages,
 	.release = p2phub_dmabuf_release,
 };
 

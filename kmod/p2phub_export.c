@@ -4,21 +4,53 @@
  * dma-buf import or the NVIDIA P2P API), handed out as a new dma-buf, so a
  * NIC can ibv_reg_dmabuf_mr() memory that came in through nvidia_p2p_*.
  *
- * The buffer has no struct pages and no CPU mapping: importers must allow
+ * Importers get bus addresses without struct pages: they must allow
  * peer-to-peer, must be attached to a PCI device (the registration is
  * mapped for it, with the IOMMU when there is one) and must be dynamic, so
  * that a revocation reaches them through move_notify. Pinning is accepted
  * and costs nothing: the memory stays pinned by its source for as long as
  * an importer is attached (UNREGISTER is refused meanwhile).
+ *
+ * mmap: where the source's memory has struct pages (a dma-buf source whose
+ * sg_table carries them: vgem, udmabuf), the export can be mapped by the
+ * CPU, so that a NIC without dma-buf MRs (soft-RoCE) can take a VA MR on
+ * it: pin_user_pages() needs normal pages in a VMA that is neither
+ * VM_PFNMAP nor VM_IO, which is what the source's own mapping (vgem's) is
+ * not. The pages come from an attachment of p2phub's own device to the
+ * source (the CPU map, pinned, kept until teardown); faults insert them
+ * with vm_insert_page() into a VM_MIXEDMAP VMA. Memory without pages (a
+ * GPU BAR export, NVIDIA P2P) refuses mmap with -ENODEV.
+ *
+ * Page references: each PTE holds a reference on its page (taken by
+ * vm_insert_page(), dropped by the zap or munmap), on top of the source's
+ * pin through the CPU map. A get_user_pages()/pin_user_pages() user, an
+ * RDMA MR in particular, takes its own reference or pin on each page and
+ * keeps it after the VMA is unmapped or zapped, until it lets go itself
+ * (ib_dereg_mr): p2phub cannot take those back. So a revocation stops CPU
+ * access through p2phub's mappings and new pins, not an MR that already
+ * holds pages; that MR must be torn down by its owner (p2phub's Python
+ * side closes MRs of a revoked registration on next use). The source's
+ * pages cannot be freed under any of these references, only left unused.
+ *
+ * Each VMA counts as a user of the registration, like an attached
+ * importer: UNREGISTER is refused with -EBUSY while one exists, and the
+ * VMA holds the dma-buf file, hence the export and its reference on the
+ * registration. When the registration stops being live (revoked, or its
+ * file closed), the notify work zaps every export's mappings under
+ * p2phub_reg.lock; faults take that lock and check the state, so no PTE
+ * is inserted after the zap.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
+#include <linux/fs.h>
+#include <linux/mm.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 
+#include "compat.h"
 #include "p2phub_reg.h"
 
 #define P2PHUB_EXPORT_MAX_SEG	SZ_1G	/* bytes per scatterlist entry */
@@ -167,6 +199,118 @@ static void p2phub_export_release(struct dma_buf *dmabuf)
 	p2phub_reg_put(reg);	/* may release the pin */
 }
 
+/* ------------------------------------------------------------------ mmap */
+
+static void p2phub_export_vm_open(struct vm_area_struct *vma)
+{
+	struct p2phub_export_buf *exp = vma->vm_private_data;
+	struct p2phub_reg *reg = exp->reg;
+
+	/* A split or a fork: one more VMA, counted whatever the state. */
+	spin_lock(&reg->state_lock);
+	reg->export_mmaps++;
+	spin_unlock(&reg->state_lock);
+	atomic_inc(&p2phub_stats.export_mmaps);
+}
+
+static void p2phub_export_vm_close(struct vm_area_struct *vma)
+{
+	struct p2phub_export_buf *exp = vma->vm_private_data;
+	struct p2phub_reg *reg = exp->reg;
+
+	spin_lock(&reg->state_lock);
+	if (!WARN_ON_ONCE(!reg->export_mmaps))
+		reg->export_mmaps--;
+	spin_unlock(&reg->state_lock);
+	atomic_dec(&p2phub_stats.export_mmaps);
+}
+
+static vm_fault_t p2phub_export_vm_fault(struct vm_fault *vmf)
+{
+	struct vm_area_struct *vma = vmf->vma;
+	struct p2phub_export_buf *exp = vma->vm_private_data;
+	struct p2phub_reg *reg = exp->reg;
+	struct page **pages = NULL;
+	vm_fault_t ret = VM_FAULT_SIGBUS;
+	int err;
+
+	/* Serialized with the zap in p2phub_export_notify(). */
+	mutex_lock(&reg->lock);
+	if (reg->torn_down || !p2phub_export_live(reg) ||
+	    vmf->pgoff >= reg->npages)
+		goto out_unlock;
+	err = reg->provider->cpu_pages(reg, &pages);
+	if (err) {
+		ret = err == -ENOMEM ? VM_FAULT_OOM : VM_FAULT_SIGBUS;
+		goto out_unlock;
+	}
+	err = vm_insert_page(vma, vmf->address & PAGE_MASK, pages[vmf->pgoff]);
+	if (!err || err == -EBUSY)	/* -EBUSY: another fault won */
+		ret = VM_FAULT_NOPAGE;
+	else if (err == -ENOMEM)
+		ret = VM_FAULT_OOM;
+out_unlock:
+	mutex_unlock(&reg->lock);
+	return ret;
+}
+
+static const struct vm_operations_struct p2phub_export_vm_ops = {
+	.open	= p2phub_export_vm_open,
+	.close	= p2phub_export_vm_close,
+	.fault	= p2phub_export_vm_fault,
+};
+
+/*
+ * Called with the mm's mmap_lock held for write and without the dma-buf's
+ * reservation lock (see compat.h). The dma-buf core checked the range
+ * against the buffer's size; the registration's length is the same, but
+ * check it here too, so the fault handler's index is known to be sound.
+ */
+static int p2phub_export_mmap(struct dma_buf *dmabuf,
+			      struct vm_area_struct *vma)
+{
+	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_reg *reg = exp->reg;
+	unsigned long npages = vma_pages(vma);
+	struct page **pages = NULL;
+	u64 end;
+	int ret;
+
+	if (!(vma->vm_flags & VM_SHARED))
+		return -EINVAL;		/* a private (COW) copy makes no sense */
+	if (check_add_overflow((u64)vma->vm_pgoff, (u64)npages, &end) ||
+	    end > reg->length >> PAGE_SHIFT)
+		return -EINVAL;
+	if (!reg->provider->cpu_pages || reg->page_shift != PAGE_SHIFT) {
+		pr_info_ratelimited("registration %u (%s): memory without struct pages; its export cannot be mmapped\n",
+				    reg->handle, reg->provider->name);
+		return -ENODEV;
+	}
+
+	mutex_lock(&reg->lock);
+	if (reg->torn_down || !p2phub_export_live(reg)) {
+		ret = -ENODEV;
+		goto out_unlock;
+	}
+	/* Learn the pages now, so that memory without them fails here. */
+	ret = reg->provider->cpu_pages(reg, &pages);
+	if (ret)
+		goto out_unlock;
+
+	/*
+	 * VM_MIXEDMAP: PTEs of normal, refcounted pages that GUP accepts
+	 * (not VM_PFNMAP, not VM_IO); DONTEXPAND: mremap cannot grow it past
+	 * what was checked above.
+	 */
+	p2phub_vm_flags_set(vma, VM_MIXEDMAP | VM_DONTEXPAND | VM_DONTDUMP);
+	vma->vm_ops = &p2phub_export_vm_ops;
+	vma->vm_private_data = exp;
+	p2phub_export_vm_open(vma);	/* the core calls open only on copies */
+out_unlock:
+	mutex_unlock(&reg->lock);
+	return ret;
+}
+
 static const struct dma_buf_ops p2phub_export_ops = {
 	.attach		= p2phub_export_attach,
 	.detach		= p2phub_export_detach,
@@ -174,6 +318,7 @@ static const struct dma_buf_ops p2phub_export_ops = {
 	.unpin		= p2phub_export_unpin,
 	.map_dma_buf	= p2phub_export_map,
 	.unmap_dma_buf	= p2phub_export_unmap,
+	.mmap		= p2phub_export_mmap,
 	.release	= p2phub_export_release,
 };
 
@@ -223,8 +368,9 @@ err_put_reg:
 
 /*
  * Tell the importers of every export of @reg that its memory is gone
- * (revoked, unregistered or closed). Runs from a work item, so it never
- * nests inside another dma-buf's reservation lock.
+ * (revoked, unregistered or closed), and take away CPU mappings of the
+ * exports. Runs from a work item, so it never nests inside another
+ * dma-buf's reservation lock.
  */
 void p2phub_export_notify(struct p2phub_reg *reg)
 {
@@ -235,6 +381,13 @@ void p2phub_export_notify(struct p2phub_reg *reg)
 		dma_resv_lock(exp->dmabuf->resv, NULL);
 		dma_buf_move_notify(exp->dmabuf);
 		dma_resv_unlock(exp->dmabuf->resv);
+		/*
+		 * Each dma-buf has its own inode, so this reaches exactly the
+		 * VMAs of this export. Under reg->lock, after the state left
+		 * LIVE: a fault either inserted before (zapped now) or sees
+		 * the state and fails with SIGBUS.
+		 */
+		unmap_mapping_range(exp->dmabuf->file->f_mapping, 0, 0, 1);
 	}
 	mutex_unlock(&reg->lock);
 }

@@ -9,6 +9,7 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/build_bug.h>
+#include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/miscdevice.h>
 #include <linux/module.h>
@@ -146,6 +147,25 @@ static struct miscdevice p2phub_misc = {
 	.mode	= 0660,
 };
 
+struct device *p2phub_device;
+
+/*
+ * Give /dev/p2phub's device a DMA mask, as any importer needs one: it
+ * attaches to the sources of mmapped exports, only to learn their pages
+ * (see p2phub_export.c). Without it those mmaps fail with -ENODEV.
+ */
+static void p2phub_device_setup(struct device *dev)
+{
+	int ret = dma_coerce_mask_and_coherent(dev, DMA_BIT_MASK(64));
+
+	if (ret) {
+		pr_warn("no DMA mask for /dev/%s (%d): exports cannot be mmapped\n",
+			P2PHUB_DEVICE_NAME, ret);
+		return;
+	}
+	p2phub_device = dev;
+}
+
 static int __init p2phub_init(void)
 {
 	int ret;
@@ -159,6 +179,7 @@ static int __init p2phub_init(void)
 		p2phub_reg_exit();
 		return ret;
 	}
+	p2phub_device_setup(p2phub_misc.this_device);
 	ret = p2phub_nvme_init();
 	if (ret) {
 		pr_err("cannot register the p2phub-nvme PCI driver: %d\n", ret);
@@ -174,6 +195,7 @@ static int __init p2phub_init(void)
 static void __exit p2phub_exit(void)
 {
 	p2phub_nvme_exit();
+	p2phub_device = NULL;
 	misc_deregister(&p2phub_misc);
 	p2phub_reg_exit();
 }

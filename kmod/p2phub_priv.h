@@ -55,6 +55,10 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
  *   p2phub_file.lock -> p2phub_reg.lock -> dma_resv of the source dma-buf
  *                                        -> dma_resv of an exported dma-buf
  *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere.
+ * mmap of an exported dma-buf (called without its dma_resv on 6.1 and
+ * since 6.5) and its page faults run under the mm's mmap_lock and take
+ * p2phub_reg.lock: mmap_lock -> p2phub_reg.lock. Zapping those mappings
+ * (unmap_mapping_range, i_mmap_rwsem) happens under p2phub_reg.lock.
  * Callbacks: the source's move_notify runs under the source's dma_resv and
  * takes only state_lock; the exported dma-buf's map/unmap/pin/unpin run
  * under its dma_resv and take only state_lock; its attach/detach/release
@@ -81,6 +85,7 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
  */
 struct p2phub_reg;
 struct pci_dev;
+struct device;
 
 struct p2phub_dma_list {
 	const dma_addr_t *addrs;	/* npages entries, one per page */
@@ -96,6 +101,13 @@ int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation);
 void p2phub_reg_io_end(struct p2phub_reg *reg);
 bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation);
+
+/*
+ * /dev/p2phub's struct device, given a 64-bit DMA mask at load: the
+ * importing device of the CPU attachment through which mmap of an export
+ * finds the source's struct pages. NULL when that setup failed.
+ */
+extern struct device *p2phub_device;
 
 /* Hooks for p2phub_main.c. */
 extern struct dentry *p2phub_debugfs_dir;	/* /sys/kernel/debug/p2phub */

@@ -331,7 +331,7 @@ static bool p2phub_reg_kill(struct p2phub_reg *reg, bool force)
 	bool busy;
 
 	spin_lock(&reg->state_lock);
-	busy = reg->io_holds || reg->export_attached;
+	busy = reg->io_holds || reg->export_attached || reg->export_mmaps;
 	if (!busy || force) {
 		reg->state = P2PHUB_REG_DEAD;
 		reg->generation++;
@@ -691,6 +691,7 @@ int p2phub_reg_init(void)
 		{ "dmabuf_pins", &p2phub_stats.dmabuf_pins },
 		{ "exports", &p2phub_stats.exports },
 		{ "export_attachments", &p2phub_stats.export_attachments },
+		{ "export_mmaps", &p2phub_stats.export_mmaps },
 		{ "nv_page_tables", &p2phub_stats.nv_page_tables },
 		{ "nv_dma_mappings", &p2phub_stats.nv_dma_mappings },
 		{ "revocations", &p2phub_stats.revocations },

@@ -17,6 +17,7 @@
 
 struct dma_buf;
 struct dma_buf_attachment;
+struct page;
 struct sg_table;
 
 enum p2phub_reg_state {
@@ -25,7 +26,10 @@ enum p2phub_reg_state {
 	P2PHUB_REG_DEAD,		/* unregistered or its file closed */
 };
 
-/* The registration mapped for one PCI device. */
+/*
+ * The registration mapped for one PCI device; or, for a dma-buf source, the
+ * CPU map (pdev and addrs NULL, pages set; reg->db.cpu, not on reg->maps).
+ */
 struct p2phub_reg_map {
 	struct list_head node;		/* on p2phub_reg.maps */
 	struct p2phub_reg *reg;
@@ -35,6 +39,7 @@ struct p2phub_reg_map {
 		struct {
 			struct dma_buf_attachment *attach;
 			struct sg_table *sgt;	/* under the source's dma_resv */
+			struct page **pages;	/* CPU map: reg->npages */
 			bool pinned;
 			bool mapping;	/* pin/map in progress: ignore moves */
 		} db;
@@ -51,6 +56,12 @@ struct p2phub_provider {
 	const char *name;
 	/* Fill map->addrs for map->pdev. Called with reg->lock held. */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	/*
+	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
+	 * for mmap of its exports; valid until release(). NULL, or -ENODEV,
+	 * when the memory has none. Called with reg->lock held.
+	 */
+	int (*cpu_pages)(struct p2phub_reg *reg, struct page ***pages);
 	/*
 	 * Release the pin and every mapping on @maps (already off reg->maps);
 	 * no callback of the provider runs for @reg afterwards. Called once,
@@ -72,6 +83,7 @@ struct p2phub_reg {
 	u64 generation;
 	u32 io_holds;
 	u32 export_attached;
+	u32 export_mmaps;		/* VMAs mapping one of its exports */
 
 	struct mutex lock;		/* protects the block below */
 	struct list_head maps;		/* struct p2phub_reg_map */
@@ -86,6 +98,7 @@ struct p2phub_reg {
 		struct {
 			struct dma_buf *dmabuf;	/* reference held */
 			u64 offset;
+			struct p2phub_reg_map *cpu;	/* under lock */
 		} db;
 		struct {
 			u64 va;
@@ -103,6 +116,7 @@ struct p2phub_reg_stats {
 	atomic_t dmabuf_pins;
 	atomic_t exports;		/* exported dma-bufs alive */
 	atomic_t export_attachments;	/* importers attached to them */
+	atomic_t export_mmaps;		/* VMAs mapping them */
 	atomic_t nv_page_tables;	/* NVIDIA page tables held */
 	atomic_t nv_dma_mappings;
 	atomic_t revocations;		/* total, not a leak counter */

@@ -3,7 +3,9 @@
 Paths, best first:
   DMABUF    ibv_reg_dmabuf_mr on the registration's dma-buf, at the buffer's own address;
   PEERMEM   a VA MR on GPU memory, resolved by nvidia_peermem;
-  HOST_VA   a VA MR on a CPU mapping of host-backed memory (udmabuf, vgem);
+  HOST_VA   a VA MR on a CPU mapping of host-backed memory: the source's own (a udmabuf's
+            memfd), else p2phub's mmap of the registration's export (vgem and any other
+            dma-buf with struct pages);
 and otherwise an error that names why and the doctor check that explains it.
 """
 
@@ -161,17 +163,20 @@ def register_mr(reg: "Registration", pd: ProtectionDomain, access: int | None) -
         raise P2PHubError(f"{reg}: no RDMA path to this GPU memory on {pd.device}: "
                           f"{'; '.join(reasons)} (see `p2phub doctor --explain {DOCTOR_CHECK}`)")
 
-    # Host-backed memory: map it for the CPU and register that mapping.
+    # Host-backed memory: map it for the CPU and register that mapping. A source with a
+    # mapping of its own (a udmabuf's memfd) keeps it; otherwise map p2phub's export of the
+    # registration, whose pages pin_user_pages() accepts (a vgem dma-buf's own mapping is
+    # PFN-mapped, which the NIC cannot pin).
     try:
         if hasattr(reg.source, "mmap"):
             m = reg.source.mmap()  # type: ignore[union-attr]
         else:
-            src_fd = getattr(reg.source, "fd", -1)
-            m = mmap.mmap(src_fd if src_fd >= 0 else reg.dmabuf_fd, reg.length,
-                          mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            m = mmap.mmap(reg.dmabuf_fd, reg.length, mmap.MAP_SHARED,
+                          mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
-        raise P2PHubOSError(exc.errno or errno.EIO, f"mmap the dma-buf of {reg}",
-                            "the exporter gives no CPU mapping, so no VA MR either "
+        raise P2PHubOSError(exc.errno or errno.EIO, f"mmap the dma-buf export of {reg}",
+                            f"{reasons[0]}; and this memory has no CPU mapping p2phub can give "
+                            "(no struct pages behind it), so no VA MR either "
                             f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
     import ctypes
 
@@ -184,9 +189,7 @@ def register_mr(reg: "Registration", pd: ProtectionDomain, access: int | None) -
         m.close()
         err = exc.error_code or errno.EIO
         raise P2PHubOSError(err, f"VA MR on the CPU mapping of {reg}",
-                            f"{reasons[0]}; and the NIC cannot pin this mapping (the exporter "
-                            "maps it without pinnable pages, as vgem does); use hub.alloc_host() "
-                            "memory on a kernel with udmabuf "
+                            f"{reasons[0]}; and the NIC cannot pin this CPU mapping "
                             f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
 
     def release() -> None:

@@ -11,7 +11,7 @@ DEBUGFS = Path("/sys/kernel/debug/p2phub")
 
 # Counters that must return to zero once everything is released.
 LEAK_COUNTERS = ("regs", "dev_maps", "dmabuf_attachments", "dmabuf_pins", "exports",
-                 "export_attachments", "nv_page_tables", "nv_dma_mappings")
+                 "export_attachments", "export_mmaps", "nv_page_tables", "nv_dma_mappings")
 
 
 def counters() -> dict[str, int]:

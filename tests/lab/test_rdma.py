@@ -7,12 +7,17 @@ byte crosses that pair. Bytes are checked on the receiving side's own CPU view.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
+import signal
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
 
+from p2phub import uapi
 from p2phub.errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
@@ -20,6 +25,7 @@ from p2phub.nvme import bind
 from p2phub.rdma import MrPath, ProtectionDomain, dmabuf_mr_support
 
 import fakegpu as fg
+import regutil as ru
 from rdmautil import connected_pair
 
 MiB = 1 << 20
@@ -40,10 +46,10 @@ def hub() -> Iterator[Hub]:
 
 
 def _cpu_view(reg):
+    """The source's own CPU view (not p2phub's export mapping, which the MR uses)."""
     src = reg.source
     if hasattr(src, "mmap"):
         return src.mmap()
-    import mmap
     return mmap.mmap(src.fd, reg.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
@@ -53,47 +59,135 @@ def test_dmabuf_mr_probe_reports_unsupported_on_rxe(lab: dict[str, str]) -> None
     assert "EOPNOTSUPP" in evidence
 
 
-HAVE_UDMABUF = os.path.exists("/dev/udmabuf")
-
-
-def test_vgem_memory_cannot_be_va_registered_and_says_why(hub: Hub, pds) -> None:
-    with hub.register(VgemBuffer(64 << 10)) as reg:
-        with pytest.raises(P2PHubOSError) as exc:
-            reg.mr(pds[0])
-        assert exc.value.errno == errno.EFAULT
-        assert "EOPNOTSUPP" in str(exc.value) and "nic.dmabuf_mr" in str(exc.value)
-        assert reg.live_mrs == 0
-
-
-@pytest.mark.skipif(not HAVE_UDMABUF, reason="host memory for VA MRs needs udmabuf (Linux 6.12 lab)")
-def test_host_memory_write_then_read_between_nodes(hub: Hub, pds) -> None:
+def _write_read_between_nodes(reg_a, reg_b, pds) -> None:
+    """RDMA WRITE A->B then READ B<-A, each checked on the other side's own CPU view."""
     pd_a, pd_b = pds
-    with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b:
-        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
-        assert mr_a.path is MrPath.HOST_VA and "EOPNOTSUPP" in mr_a.reason
-        ea, eb = connected_pair(pd_a, pd_b)
+    mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
+    assert mr_a.path is MrPath.HOST_VA and "EOPNOTSUPP" in mr_a.reason
+    assert mr_b.path is MrPath.HOST_VA
+    ea, eb = connected_pair(pd_a, pd_b)
+    try:
+        va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
+        payload = random.randbytes(256 << 10)
+        va[:len(payload)] = payload
+        ea.write(mr_a, mr_b, len(payload), roff=64 << 10)
+        assert vb[64 << 10:(64 << 10) + len(payload)] == payload
+        assert vb[:64 << 10] == bytes(64 << 10)  # nothing outside the target range
+
+        back = random.randbytes(128 << 10)
+        va[512 << 10:(512 << 10) + len(back)] = back
+        eb.read(mr_b, mr_a, len(back), loff=0, roff=512 << 10)
+        assert vb[:len(back)] == back
+        va.close()
+        vb.close()
+    finally:
+        ea.close()
+        eb.close()
+        mr_a.close()
+        mr_b.close()
+
+
+def test_vgem_memory_write_then_read_between_nodes(hub: Hub, pds) -> None:
+    """vgem's own mapping is PFN-mapped (the NIC cannot pin it): the MR goes on p2phub's
+    mmap of the registration's export, and the bytes land in vgem's pages."""
+    with hub.register(VgemBuffer(MiB)) as reg_a, hub.register(VgemBuffer(MiB)) as reg_b:
+        _write_read_between_nodes(reg_a, reg_b, pds)
+        assert ru.counters()["export_mmaps"] == 0  # the MRs' mappings went with them
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_stand_in_gpu_export_cannot_be_mmapped(hub: Hub, lab) -> None:
+    """A GPU BAR export has no struct pages: mmap of p2phub's export fails with ENODEV."""
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu:
+        fd = gpu.export_dmabuf(0, 1 * MiB)
         try:
-            va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
-            payload = random.randbytes(256 << 10)
-            va[:len(payload)] = payload
-            ea.write(mr_a, mr_b, len(payload), roff=64 << 10)
-            assert vb[64 << 10:(64 << 10) + len(payload)] == payload
-            assert vb[:64 << 10] == bytes(64 << 10)  # nothing outside the target range
-
-            back = random.randbytes(128 << 10)
-            va[512 << 10:(512 << 10) + len(back)] = back
-            eb.read(mr_b, mr_a, len(back), loff=0, roff=512 << 10)
-            assert vb[:len(back)] == back
-            va.close()
-            vb.close()
+            with hub.register(fd) as reg:
+                with pytest.raises(OSError) as exc:
+                    mmap.mmap(reg.dmabuf_fd, reg.length, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+                assert exc.value.errno == errno.ENODEV
+                assert ru.counters()["export_mmaps"] == 0
         finally:
-            ea.close()
-            eb.close()
-            mr_a.close()
-            mr_b.close()
+            os.close(fd)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
 
 
-@pytest.mark.skipif(not HAVE_UDMABUF, reason="host memory for VA MRs needs udmabuf (Linux 6.12 lab)")
+def _unregister_errno(reg) -> int:
+    try:
+        reg._hub.device.ioctl(uapi.UNREGISTER, uapi.Unregister.new(handle=reg.handle),
+                              "P2PHUB_UNREGISTER")
+    except P2PHubOSError as exc:
+        return exc.errno
+    return 0
+
+
+def test_mapped_export_pins_the_registration(hub: Hub) -> None:
+    """Like an attached importer, a mapping of the export makes UNREGISTER fail with EBUSY."""
+    src = VgemBuffer(64 << 10)
+    reg = hub.register(src)
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    fd = reg.dmabuf_fd
+    with pytest.raises(OSError) as exc:  # a private copy of device memory makes no sense
+        mmap.mmap(fd, reg.length, mmap.MAP_PRIVATE, rw)
+    assert exc.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as exc:  # past the registration's end
+        mmap.mmap(fd, 4096, mmap.MAP_SHARED, rw, offset=reg.length)
+    assert exc.value.errno == errno.EINVAL
+
+    m = mmap.mmap(fd, reg.length, mmap.MAP_SHARED, rw)
+    tail = mmap.mmap(fd, 8192, mmap.MAP_SHARED, rw, offset=reg.length - 8192)
+    assert ru.counters()["export_mmaps"] == 2
+    m[:5] = b"hello"
+    tail[-5:] = b"world"
+    own = mmap.mmap(src.fd, reg.length, mmap.MAP_SHARED, rw)  # vgem's own view: same pages
+    assert own[:5] == b"hello" and own[-5:] == b"world"
+    own[100:103] = b"abc"
+    assert m[100:103] == b"abc"
+    own.close()
+
+    assert _unregister_errno(reg) == errno.EBUSY
+    m.close()
+    assert _unregister_errno(reg) == errno.EBUSY
+    tail.close()
+    assert ru.counters()["export_mmaps"] == 0
+    reg.close()
+    src.close()
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+_ZAP_CHILD = r"""
+import mmap, sys, time
+from p2phub.hostmem import VgemBuffer
+from p2phub.hub import Hub
+hub = Hub()
+reg = hub.register(VgemBuffer(64 << 10))
+m = mmap.mmap(reg.dmabuf_fd, reg.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+m[:4] = b"live"
+assert m[:4] == b"live"
+hub.close()          # the registration dies with the file: its mappings are zapped
+time.sleep(1.0)      # the zap runs from a work item
+print("touching", flush=True)
+m[0]                 # SIGBUS: no PTE comes back for a registration that is not live
+print("still mapped", flush=True)
+"""
+
+
+def test_closing_the_owner_zaps_export_mappings() -> None:
+    """vgem memory cannot be revoked, so the zap is shown by the other way a registration
+    stops being live while mapped: its /dev/p2phub file closes."""
+    r = subprocess.run([sys.executable, "-c", _ZAP_CHILD], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr)
+    assert "touching" in r.stdout and "still mapped" not in r.stdout
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_host_memory_write_then_read_between_nodes(hub: Hub, pds) -> None:
+    """hub.alloc_host(): udmabuf where there is one (6.12), vgem otherwise (6.1)."""
+    with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b:
+        _write_read_between_nodes(reg_a, reg_b, pds)
+
+
 def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
                                                                lab: dict[str, str]) -> None:
     """Node A reads a region from the SSD into its registration, then RDMA-writes it to B."""
@@ -198,10 +292,6 @@ def test_closing_the_hub_closes_mrs_and_host_buffers(pds) -> None:
     hub = Hub()
     reg = hub.alloc_host(64 << 10)
     src = reg.source
-    try:
-        mr = reg.mr(pds[0])
-    except P2PHubOSError:  # vgem memory cannot be VA-registered (6.1): nothing to close
-        mr = None
+    mr = reg.mr(pds[0])
     hub.close()
-    assert reg.closed and src.closed
-    assert mr is None or mr.closed
+    assert reg.closed and src.closed and mr.closed
