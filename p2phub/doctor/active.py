@@ -334,7 +334,8 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
         # p2phub.ko maps the GPU's dma-buf for the controller itself; the static verdict models the
         # kernel's P2PDMA routing, which this path does not go through. Say so rather than hide either.
         summary += f" (the static verdict for this pair is {pair.verdict}: " + "; ".join(pair.reasons) + \
-            "; it models the kernel's P2PDMA routing, which p2phub.ko's dma-buf path does not use)"
+            "; it models the kernel's P2PDMA routing, while this DMA used the GPU driver's dma-buf mapping " \
+            "through p2phub.ko)"
     pair.active = {"status": status, "summary": summary, **ev}
     return R(status, f"{gpu.id}<->{nvme.id}: {summary}", fix, **ev)
 
