@@ -51,11 +51,13 @@ class PairVerdict:
     reasons: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
     active: dict[str, Any] = field(default_factory=dict)
+    acs_unknown: list[str] = field(default_factory=list)   # ports of the path whose ACS could not be read
 
     def as_dict(self) -> dict[str, Any]:
         return {"provider": self.provider, "client": self.client, "kind": self.kind, "class": self.cls,
                 "distance": self.distance, "lca": self.lca, "path": self.path,
                 "kernel": {"map_type": self.map_type, "source": "emulated", "acs_blockers": self.acs_blockers,
+                           "acs_unknown": self.acs_unknown,
                            "host_bridge": self.host_bridge},
                 "iommu": self.iommu, "min_link_gbps": self.gbps, "numa_aligned": self.numa_aligned,
                 "gates": self.gates, "verdict": self.verdict, "because": self.because,

@@ -138,7 +138,7 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
             out.append(PairVerdict(gpu.id, peer.id, kind, pr.cls, pr.distance, pr.lca, pr.path, pr.map_type,
                                    pr.acs_blockers, hb, iommu, gbps, numa_aligned, gates, verdict,
                                    list(dict.fromkeys(because)), [r for r in reasons if r],
-                                   list(dict.fromkeys(fixes))))
+                                   list(dict.fromkeys(fixes)), acs_unknown=list(pr.acs_unknown)))
     return out
 
 
@@ -209,6 +209,12 @@ def _acs(ctx: Context) -> CheckResult:
         return R(FAIL if blocked_by_acs else WARN, "ACS redirect set: " + desc, fix, ev, list(ports), ports=ports)
     if any(pv.map_type == MAP_UNKNOWN and "host.privilege" in pv.because for pv in ctx.pairs):
         return R(UNKNOWN, "ACS control unreadable on the P2P paths (config space needs root)", "run as root")
+    unread = sorted({b for pv in ctx.pairs for b in pv.acs_unknown})
+    if unread:
+        # the map type did not depend on them (e.g. no common bridge and a host bridge that is not
+        # allowed), but "no ACS redirect" would be a guess
+        return R(UNKNOWN, "ACS control unreadable on " + ", ".join(unread) + " (config space needs root)",
+                 "run as root", ctx.ev(*(f"/sys/bus/pci/devices/{b}/config" for b in unread)), unread)
     return R(PASS, "no ACS redirect on any pair's path", evidence=ev)
 
 
