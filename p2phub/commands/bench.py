@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .. import labenv
 from ..errors import P2PHubError
 from ..hostmem import Udmabuf, VgemBuffer
 from ..hub import Hub, PciAddress
@@ -48,19 +49,7 @@ def _fmt_size(n: int) -> str:
 
 
 def _lab_env() -> dict[str, str]:
-    path = os.environ.get("P2PHUB_LAB_ENV")
-    env: dict[str, str] = {}
-    if not path:
-        return env
-    try:
-        text = Path(path).read_text()
-    except OSError:  # absent, or unreadable to this user (unprivileged runs in the lab)
-        return env
-    for line in text.splitlines():
-        k, sep, v = line.partition("=")
-        if sep:
-            env[k] = v
-    return env
+    return labenv.read()
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -23,24 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import labenv
+
 SCHEMA = "p2phub.bench.nvme/1"
 PCTS = (50.0, 90.0, 99.0, 99.9)
 
 
 def _lab_env() -> dict[str, str]:
-    path = os.environ.get("P2PHUB_LAB_ENV")
-    env: dict[str, str] = {}
-    if not path:
-        return env
-    try:
-        text = Path(path).read_text()
-    except OSError:  # absent, or unreadable to this user (unprivileged runs in the lab)
-        return env
-    for line in text.splitlines():
-        k, sep, v = line.partition("=")
-        if sep:
-            env[k] = v
-    return env
+    return labenv.read()
 
 
 def add_parser(sub: Any) -> None:

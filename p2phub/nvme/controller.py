@@ -29,14 +29,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from .. import uapi
 from ..device import Device
 from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from . import bind as _bind
 from . import prp, spec
-from .errors import ControllerResetError, NvmeError, NvmeTimeoutError
+from .errors import ControllerResetError, NvmeError
 from .queue import CommandFuture, QueuePair, reset_error, timeout_error
 
 DEFAULT_IO_QUEUES = 4

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2phub import klog
+from p2phub import klog, labenv
 
 
 def _read_env() -> dict[str, str]:
@@ -18,12 +18,7 @@ def _read_env() -> dict[str, str]:
             "`tools/lab run -- python -m pytest -m lab tests/lab`",
             pytrace=False,
         )
-    env: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            env[key.strip()] = value.strip()
-    return env
+    return labenv.read(path)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def test_target_nvme_has_two_namespaces(lab: dict[str, str]) -> None:
     assert (PCI / lab["nvme_target"] / "vendor").read_text().strip() == "0x1b36"
     ctrl = lab["nvme_target_ctrl"]
     if (PCI / lab["nvme_target"] / "driver").resolve().name == "nvme":
-        blocks = {p.name for p in Path(f"/sys/class/nvme/{ctrl}").glob(f"nvme*n*")}
+        blocks = {p.name for p in Path(f"/sys/class/nvme/{ctrl}").glob("nvme*n*")}
         sizes = sorted(int(Path(f"/sys/class/nvme/{ctrl}/{b}/queue/logical_block_size").read_text())
                        for b in blocks)
         assert sizes == [512, 4096]
