@@ -17,6 +17,10 @@ import stat as _stat
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+# Keeps an empty directory of a captured tree in git (which stores no empty directories);
+# an empty holders/ or lib/modules/ means something. Never a sysfs name.
+KEEP_MARKER = ".p2phub-keep"
+
 CAPTURE_META = "p2phub-capture.json"
 MAX_TEXT = 1 << 20  # a sysfs attribute is at most a page; procfs files we read are small too
 
@@ -205,7 +209,7 @@ class SysRoot:
 
     def listdir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(self.host(path)))
+            return sorted(n for n in os.listdir(self.host(path)) if n != KEEP_MARKER)
         except OSError:
             return []
 

@@ -433,3 +433,10 @@ def test_lab_iommu_root_ports_redirect_and_translate() -> None:
         assert (x.iommu, x.acs_blockers, x.map_type) == ("iova", ["0000:00:0b.0"], "NOT_SUPPORTED")
         assert "ACS redirect is set on 0000:00:0b.0" in x.reasons
         assert any("disable_acs_redir=" in f for f in x.fixes)
+
+
+def test_fixture_trees_keep_their_empty_directories() -> None:
+    # git stores no empty directory; an empty holders/ or lib/modules/ is evidence, so each
+    # one carries a .p2phub-keep marker that SysRoot.listdir() never reports.
+    empty = [d for d, subdirs, files in os.walk(FIXTURES) if not subdirs and not files]
+    assert empty == [], "add an empty .p2phub-keep file to: " + ", ".join(empty[:5])
