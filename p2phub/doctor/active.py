@@ -215,54 +215,16 @@ def gpu_memory(gpu: Any, length: int) -> GpuMemory:
 # --------------------------------------------------------------------------- kernel-driver side
 
 
-def _kernel_dev(bdf: str, nsid: int) -> str | None:
-    from ..nvme import bind
-    for dev in bind.block_devices(bdf):
-        name = os.path.basename(dev)
-        try:
-            with open(f"/sys/class/block/{name}/nsid") as f:
-                if int(f.read()) == nsid:
-                    return dev
-        except OSError:
-            continue
-    return None
-
-
 def _lba_size(dev: str) -> int:
     with open(f"/sys/class/block/{os.path.basename(dev)}/queue/logical_block_size") as f:
         return int(f.read())
 
 
-def _kernel_read(dev: str, offset: int, n: int) -> bytes:
-    buf = mmap.mmap(-1, n)
-    fd = os.open(dev, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    try:
-        got = os.preadv(fd, [buf], offset)
-        if got != n:
-            raise OSError(f"short read from {dev}: {got} of {n} bytes")
-        return bytes(buf)
-    finally:
-        os.close(fd)
-        buf.close()
-
-
-def _kernel_write(dev: str, offset: int, data: bytes) -> None:
-    buf = mmap.mmap(-1, len(data))
-    buf[:] = data
-    fd = os.open(dev, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-    try:
-        if os.pwritev(fd, [buf], offset) != len(data):
-            raise OSError(f"short write to {dev}")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        buf.close()
-
-
 def _wait_dev(bdf: str, nsid: int, timeout_s: float = 30.0) -> str | None:
+    from ..nvme import kernel_io
     deadline = time.monotonic() + timeout_s
     while True:
-        dev = _kernel_dev(bdf, nsid)
+        dev = kernel_io.namespace_device(bdf, nsid)
         if dev and os.path.exists(dev) or time.monotonic() > deadline:
             return dev
         time.sleep(0.1)
@@ -296,7 +258,7 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
     if nvme.driver != "nvme":
         return R(SKIP, f"{bdf} is bound to {nvme.driver or 'no driver'}, not the kernel nvme driver: the test "
                  "compares with the kernel driver's read of the same LBAs")
-    from ..nvme import bind
+    from ..nvme import bind, kernel_io
     reasons = bind.busy_reasons(bdf)
     if reasons:
         return R(SKIP, f"refused: {bdf} is in use: " + "; ".join(reasons),
@@ -313,7 +275,7 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
                  + (f" (--active-gpu {opts.gpu})" if opts.gpu else ""))
     pair = cands[0]
     gpu = gpus[pair.provider]
-    dev = _kernel_dev(bdf, NSID)
+    dev = kernel_io.namespace_device(bdf, NSID)
     if dev is None:
         return R(SKIP, f"{bdf} has no namespace {NSID} block device")
     lbs = _lba_size(dev)
@@ -343,11 +305,11 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
 def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
          ev: dict[str, Any]) -> tuple[str, str, str | None]:
     from ..hub import Hub
-    from ..nvme import bind
+    from ..nvme import bind, kernel_io
     from ..nvme.errors import ControllerBusyError
 
     off = lba * lbs
-    before = _kernel_read(dev, off, n)
+    before = kernel_io.read(dev, off, n)
     ev["sha256_kernel_before"] = sha256(before)
     expected = os.urandom(n) if write else before
     poison = bytes(b ^ 0xFF for b in expected)
@@ -400,10 +362,10 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
         if mem is not None:
             mem.close()
     dev2 = _wait_dev(bdf, NSID) or dev
-    after = _kernel_read(dev2, off, n)
+    after = kernel_io.read(dev2, off, n)
     if write:
-        _kernel_write(dev2, off, before)  # restore the scratch range
-        ev["restored"] = sha256(_kernel_read(dev2, off, n)) == sha256(before)
+        kernel_io.write(dev2, off, before)  # restore the scratch range
+        ev["restored"] = sha256(kernel_io.read(dev2, off, n)) == sha256(before)
     ev["sha256_expected"] = sha256(expected)
     ev["sha256_gpu"] = sha256(got)
     ev["sha256_kernel_after"] = sha256(after)

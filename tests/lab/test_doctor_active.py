@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from p2phub.nvme import bind
+from p2phub.nvme import bind, kernel_io
 
 import fakegpu as fg
 
@@ -40,34 +39,6 @@ def active_check(rep: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in rep["checks"] if c["id"] == "pair.active")
 
 
-def kernel_dev(bdf: str, nsid: int) -> str:
-    for dev in bind.block_devices(bdf):
-        if int(Path(f"/sys/class/block/{os.path.basename(dev)}/nsid").read_text()) == nsid:
-            return dev
-    raise AssertionError(f"no block device for nsid {nsid} of {bdf}")
-
-
-def kread(dev: str, offset: int, n: int) -> bytes:
-    buf = mmap.mmap(-1, n)
-    fd = os.open(dev, os.O_RDONLY | os.O_DIRECT)
-    try:
-        assert os.preadv(fd, [buf], offset) == n
-    finally:
-        os.close(fd)
-    return bytes(buf)
-
-
-def kwrite(dev: str, offset: int, data: bytes) -> None:
-    buf = mmap.mmap(-1, len(data))
-    buf[:] = data
-    fd = os.open(dev, os.O_WRONLY | os.O_DIRECT)
-    try:
-        assert os.pwritev(fd, [buf], offset) == len(data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture(scope="module")
 def target(lab: dict[str, str]) -> Iterator[str]:
     b = lab["nvme_target"]
@@ -85,9 +56,9 @@ def standin(lab: dict[str, str]) -> Iterator[None]:
 
 
 def test_read_only_dma_matches_the_kernel_driver(target: str, standin: None, lab: dict[str, str]) -> None:
-    dev = kernel_dev(target, 1)
+    dev = kernel_io.require_namespace_device(target, 1)
     data = os.urandom(64 * KiB)
-    kwrite(dev, 0, data)
+    kernel_io.write(dev, 0, data)
     gpu = fg.GpuFile(lab["gpu_file"])
     tail = os.path.getsize(lab["gpu_file"]) - 64 * KiB  # the doctor borrows the end of the BAR
     gpu_before = gpu.read(tail, 64 * KiB)
@@ -106,17 +77,17 @@ def test_read_only_dma_matches_the_kernel_driver(target: str, standin: None, lab
     assert pair["active"]["status"] == "PASS" and pair["client"] == d["nvme"]
     # the controller is back with the kernel, its data untouched; the stand-in's BAR bytes were restored
     assert bind.current_driver(target) == "nvme"
-    assert kread(kernel_dev(target, 1), 0, 64 * KiB) == data
+    assert kernel_io.read(kernel_io.require_namespace_device(target, 1), 0, 64 * KiB) == data
     assert gpu.read(tail, 64 * KiB) == gpu_before
     with fg.FakeGpu() as g:
         assert g.query().bufs == 0
 
 
 def test_write_mode_moves_gpu_bytes_to_the_ssd_and_restores_the_range(target: str, standin: None) -> None:
-    dev = kernel_dev(target, 1)
+    dev = kernel_io.require_namespace_device(target, 1)
     lba, n = 4096, 128 * KiB
     old = os.urandom(n)
-    kwrite(dev, lba * 512, old)
+    kernel_io.write(dev, lba * 512, old)
     rc, rep, _ = doctor("--active", "--active-nvme", target, "--active-write", "--active-lba", str(lba),
                         "--active-bytes", str(n))
     c = active_check(rep)
@@ -126,11 +97,11 @@ def test_write_mode_moves_gpu_bytes_to_the_ssd_and_restores_the_range(target: st
     assert d["sha256_expected"] == d["sha256_gpu"] == d["sha256_kernel_after"] != hashlib.sha256(old).hexdigest()
     assert d["sha256_kernel_before"] == hashlib.sha256(old).hexdigest()
     assert bind.current_driver(target) == "nvme"
-    assert kread(kernel_dev(target, 1), lba * 512, n) == old
+    assert kernel_io.read(kernel_io.require_namespace_device(target, 1), lba * 512, n) == old
 
 
 def test_refuses_a_controller_with_a_mounted_namespace(target: str, standin: None, tmp_path: Path) -> None:
-    ns2 = kernel_dev(target, 2)
+    ns2 = kernel_io.require_namespace_device(target, 2)
     subprocess.run(["mkfs.ext4", "-q", "-F", ns2], check=True)
     mnt = tmp_path / "mnt"
     mnt.mkdir()

@@ -24,7 +24,7 @@ from p2phub import nvme
 from p2phub.errors import RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
-from p2phub.nvme import bind, spec
+from p2phub.nvme import bind, kernel_io, spec
 from p2phub.nvme.errors import ControllerBusyError, NvmeStatusError, NvmeTimeoutError
 
 import fakegpu as fg
@@ -40,35 +40,6 @@ DEBUGFS = Path("/sys/kernel/debug/p2phub_nvme")
 
 def _counter(name: str) -> int:
     return int((DEBUGFS / name).read_text())
-
-
-def _kernel_dev(bdf: str, nsid: int) -> str:
-    """/dev/nvmeXnY of namespace nsid while the kernel nvme driver has the controller."""
-    for dev in bind.block_devices(bdf):
-        if int(Path(f"/sys/class/block/{os.path.basename(dev)}/nsid").read_text()) == nsid:
-            return dev
-    raise AssertionError(f"no block device for nsid {nsid} of {bdf}: {bind.block_devices(bdf)}")
-
-
-def _kernel_read(dev: str, offset: int, length: int) -> bytes:
-    buf = mmap.mmap(-1, length)
-    fd = os.open(dev, os.O_RDONLY | os.O_DIRECT)
-    try:
-        assert os.preadv(fd, [buf], offset) == length
-    finally:
-        os.close(fd)
-    return bytes(buf)
-
-
-def _kernel_write(dev: str, offset: int, data: bytes) -> None:
-    buf = mmap.mmap(-1, len(data))
-    buf[:] = data
-    fd = os.open(dev, os.O_WRONLY | os.O_DIRECT)
-    try:
-        assert os.pwritev(fd, [buf], offset) == len(data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _give_back(bdf: str) -> None:
@@ -118,8 +89,8 @@ def test_bind_refuses_busy_namespaces_and_says_why(lab: dict[str, str], tmp_path
     b = lab["nvme_target"]
     if bind.current_driver(b) != "nvme":
         bind.unbind(b)
-    ns2 = _kernel_dev(b, 2)
-    ns1 = _kernel_dev(b, 1)
+    ns2 = kernel_io.require_namespace_device(b, 2)
+    ns1 = kernel_io.require_namespace_device(b, 1)
     subprocess.run(["mkfs.ext4", "-q", "-F", ns2], check=True)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -198,8 +169,8 @@ def test_write_from_vgem_then_kernel_reads_it(bdf: str, hub: Hub) -> None:
     finally:
         v.close()
     _give_back(bdf)
-    assert _kernel_read(_kernel_dev(bdf, 1), (2048 + 7) * 512, size) == data
-    assert _kernel_read(_kernel_dev(bdf, 2), 100 * 4096, size) == data
+    assert kernel_io.read(kernel_io.require_namespace_device(bdf, 1), (2048 + 7) * 512, size) == data
+    assert kernel_io.read(kernel_io.require_namespace_device(bdf, 2), 100 * 4096, size) == data
 
 
 def test_kernel_writes_then_engine_reads_into_vgem(bdf: str, hub: Hub) -> None:
@@ -207,8 +178,8 @@ def test_kernel_writes_then_engine_reads_into_vgem(bdf: str, hub: Hub) -> None:
         bind.unbind(bdf)
     size = 1 * MiB + 8 * KiB
     d1, d2 = os.urandom(size), os.urandom(size)
-    _kernel_write(_kernel_dev(bdf, 1), 77 * 512 * 8, d1)
-    _kernel_write(_kernel_dev(bdf, 2), 3000 * 4096, d2)
+    kernel_io.write(kernel_io.require_namespace_device(bdf, 1), 77 * 512 * 8, d1)
+    kernel_io.write(kernel_io.require_namespace_device(bdf, 2), 3000 * 4096, d2)
     with nvme.open(bdf) as c:
         v = Vgem(hub, bdf, 2 * MiB + 32 * KiB)
         try:

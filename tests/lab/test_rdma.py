@@ -21,7 +21,7 @@ from p2phub import uapi
 from p2phub.errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
-from p2phub.nvme import bind
+from p2phub.nvme import bind, kernel_io
 from p2phub.rdma import MrPath, ProtectionDomain, dmabuf_mr_support
 
 import fakegpu as fg
@@ -194,14 +194,7 @@ def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
     pd_a, pd_b = pds
     bdf = lab["nvme_target"]
     pattern = random.randbytes(512 << 10)
-    dev = bind.block_devices(bdf)
-    ns1 = next(d for d in dev if d.endswith("n1"))
-    fd = os.open(ns1, os.O_WRONLY)
-    try:
-        os.pwrite(fd, pattern, 8 * MiB)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    kernel_io.write(kernel_io.require_namespace_device(bdf, 1), 8 * MiB, pattern)
 
     with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b:
         ctrl = hub.nvme(bdf)
@@ -210,12 +203,15 @@ def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
         finally:
             ctrl.close()
             bind.unbind(bdf)
+        va = _cpu_view(reg_a)
+        assert va[:len(pattern)] == pattern, "node A's memory does not hold the SSD's bytes"
+        va.close()
         mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
         ea, eb = connected_pair(pd_a, pd_b)
         try:
             ea.write(mr_a, mr_b, len(pattern))
             vb = _cpu_view(reg_b)
-            assert vb[:len(pattern)] == pattern
+            assert vb[:len(pattern)] == pattern, "node B's memory does not hold node A's bytes"
             vb.close()
         finally:
             ea.close()
