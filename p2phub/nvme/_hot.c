@@ -354,6 +354,29 @@ int p2h_forget(struct p2h_qp *q, uint16_t cid)
 	return 0;
 }
 
+/*
+ * True once commands are in flight and nothing has completed for timeout_ns.
+ * *idle_since is when the current completion-less stretch began (0: none).
+ */
+static inline int p2h_stalled(uint64_t *idle_since, int got, int inflight,
+			      uint64_t timeout_ns)
+{
+	uint64_t now;
+
+	if (got) {
+		*idle_since = 0;
+		return 0;
+	}
+	if (!inflight)
+		return 0;
+	now = p2h_now_ns();
+	if (!*idle_since) {
+		*idle_since = now;
+		return 0;
+	}
+	return now - *idle_since > timeout_ns;
+}
+
 int p2h_run(struct p2h_qp *q, const struct p2h_io *ios, int n, int qd,
 	    uint64_t timeout_ns, uint16_t *status_out, uint32_t *lat_out)
 {
@@ -393,16 +416,8 @@ int p2h_run(struct p2h_qp *q, const struct p2h_io *ios, int n, int qd,
 		}
 		done += got;
 		inflight -= got;
-		if (got) {
-			idle_since = 0;
-		} else if (inflight) {
-			uint64_t now = p2h_now_ns();
-
-			if (!idle_since)
-				idle_since = now;
-			else if (now - idle_since > timeout_ns)
-				return done;
-		}
+		if (p2h_stalled(&idle_since, got, inflight, timeout_ns))
+			return done;
 	}
 	return done;
 }
@@ -464,16 +479,8 @@ int p2h_bench_rand(struct p2h_qp *q, const struct p2h_io *tmpl,
 		}
 		done += got;
 		inflight -= got;
-		if (got) {
-			idle_since = 0;
-		} else if (inflight) {
-			uint64_t now = p2h_now_ns();
-
-			if (!idle_since)
-				idle_since = now;
-			else if (now - idle_since > timeout_ns)
-				return done;
-		}
+		if (p2h_stalled(&idle_since, got, inflight, timeout_ns))
+			return done;
 	}
 	return done;
 }
