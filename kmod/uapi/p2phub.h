@@ -237,13 +237,23 @@ struct p2phub_export {
  * P2PHUB_NVME_OPEN - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 16)
  *
  * On /dev/p2phub: become the one owner of a controller bound to
- * p2phub-nvme. Needs CAP_SYS_RAWIO.
- * In: argsz, flags (0), domain, bus, devfn. Out: out_nr_irqs, out_bar0_size.
+ * p2phub-nvme. Needs CAP_SYS_RAWIO, a kernel not locked down for PCI
+ * access, and an IOMMU that confines the controller (a translated DMA
+ * domain, a viable group, isolated MSI) unless the module parameter
+ * allow_unsafe_noiommu is set (which taints the kernel).
+ * In: argsz, flags (0), domain, bus, devfn.
+ * Out: out_nr_irqs, out_bar0_size, out_bar0_mmap_size (BAR0 up to the first
+ * page holding the MSI-X table or PBA: the doorbells and registers).
+ *
+ * The controller fd keeps the /dev/p2phub file it was opened from alive:
+ * registrations of that file are torn down only after every controller fd
+ * made from it has been closed, and so quiesced.
  *
  * Return: the new controller fd (O_CLOEXEC) on success; -ENODEV no such PCI
  * device; -ENXIO not bound to p2phub-nvme; -EBUSY another fd owns it or it
- * is being unbound; -EPERM without CAP_SYS_RAWIO; -EINVAL bad argsz, flags
- * or nonzero reserved/out fields; -ENOMEM; -EFAULT.
+ * is being unbound; -EPERM without CAP_SYS_RAWIO, or locked down;
+ * -EXDEV no IOMMU confinement (see above); -EINVAL bad argsz, flags or
+ * nonzero reserved/out fields; -ENOMEM; -EFAULT.
  */
 struct p2phub_nvme_open {
 	__u32	argsz;
@@ -255,7 +265,8 @@ struct p2phub_nvme_open {
 	__u32	out_nr_irqs;		/* out: MSI-X vectors, 0..P2PHUB_NVME_MAX_IRQS-1 */
 	__u32	__reserved1;		/* must be 0 */
 	__aligned_u64 out_bar0_size;	/* out: BAR0 length in bytes */
-	__aligned_u64 reserved[2];	/* must be 0 */
+	__aligned_u64 out_bar0_mmap_size; /* out: bytes of BAR0 that may be mmapped */
+	__aligned_u64 reserved[1];	/* must be 0 */
 };
 
 /**
@@ -314,9 +325,125 @@ struct p2phub_nvme_irq_set {
 	__aligned_u64 reserved[1];	/* must be 0 */
 };
 
+/*
+ * Registrations the controller may DMA to. P2PHUB_NVME_MAP_REG takes a hold
+ * on a registration of the /dev/p2phub file the controller was opened from
+ * and maps it for this controller; while held, UNREGISTER of it fails with
+ * -EBUSY and closing that file keeps the pin until the controller fd is
+ * closed (after the controller is quiesced). If the memory's owner revokes
+ * it, the kernel first turns the controller's bus mastering off and sets
+ * P2PHUB_NVME_ST_FENCED and the slot's word to 0 in the status page, and
+ * only then lets the memory go.
+ *
+ * The status page (mmap P2PHUB_NVME_MMAP_STATUS, one page, read-only) lets
+ * the engine check, with plain loads and no system call, before every
+ * doorbell write: state == 0 and reg_gen[slot] == the generation MAP_REG
+ * returned.
+ */
+#define P2PHUB_NVME_MAX_MAPS		256
+#define P2PHUB_NVME_MMAP_STATUS		(1ULL << 31)
+#define P2PHUB_NVME_STATUS_ABI		1
+
+#define P2PHUB_NVME_ST_FENCED		(1U << 0)	/* bus mastering off: a mapped registration was revoked */
+#define P2PHUB_NVME_ST_REMOVING		(1U << 1)	/* the device is going away: close the fd */
+#define P2PHUB_NVME_ST_ERROR		(1U << 2)	/* a PCI error was reported: bus mastering off */
+
+struct p2phub_nvme_status {
+	__u32	abi;			/* P2PHUB_NVME_STATUS_ABI */
+	__u32	state;			/* P2PHUB_NVME_ST_* */
+	__aligned_u64 events;		/* counts changes of state and of reg_gen */
+	__aligned_u64 reg_gen[P2PHUB_NVME_MAX_MAPS]; /* 0: slot unused or revoked */
+};
+
+/**
+ * P2PHUB_NVME_MAP_REG - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 20)
+ *
+ * On a controller fd: hold registration `handle` and copy `count` DMA
+ * addresses of it (in units of page_size, 0 = the registration's page size,
+ * starting at entry `first`) into the u64 array at `addrs`. Calling it again
+ * for a held registration only copies addresses.
+ * Out: out_total (entries in the whole list), out_generation, out_slot.
+ *
+ * Return: 0; -ENOENT unknown handle; -ESTALE the registration was revoked;
+ * -ENOSPC P2PHUB_NVME_MAX_MAPS held already; -ERANGE first past the end;
+ * -E2BIG count > P2PHUB_DMA_PAGES_MAX; -EIO the controller is fenced or
+ * being removed; -EINVAL bad argsz, flags, page_size or reserved fields;
+ * -EFAULT.
+ */
+struct p2phub_nvme_map_reg {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 handle;		/* on the /dev/p2phub file of NVME_OPEN */
+	__aligned_u64 addrs;		/* user pointer to u64[count] */
+	__aligned_u64 first;
+	__u32	count;
+	__u32	page_size;		/* 0, or a power of two >= 4096 */
+	__aligned_u64 out_total;
+	__aligned_u64 out_generation;
+	__u32	out_slot;		/* index into p2phub_nvme_status.reg_gen */
+	__u32	__reserved;		/* must be 0 */
+	__aligned_u64 reserved[2];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_NVME_UNMAP_REG - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 21)
+ *
+ * On a controller fd: drop the hold MAP_REG took. The caller states that no
+ * command it submitted still references the registration; p2phub's engine
+ * calls it only once every such command has completed.
+ *
+ * Return: 0; -ENOENT not held; -EINVAL; -EFAULT.
+ */
+struct p2phub_nvme_unmap_reg {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 handle;
+	__aligned_u64 reserved[1];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_NVME_RESUME - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 22)
+ *
+ * On a controller fd: after P2PHUB_NVME_ST_FENCED or _ERROR, turn bus
+ * mastering back on and clear those bits. The controller must be disabled
+ * (CC.EN = 0 and CSTS.RDY = 0, which the kernel reads), so nothing queued
+ * before the fence can run again.
+ *
+ * Return: 0; -EBUSY the controller is enabled; -ENODEV it is being removed
+ * or reads all ones; -EINVAL; -EFAULT.
+ */
+struct p2phub_nvme_resume {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__aligned_u64 reserved[1];	/* must be 0 */
+};
+
+/**
+ * P2PHUB_NVME_REQ_SET - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 23)
+ *
+ * On a controller fd: signal `eventfd` when the kernel needs the controller
+ * back (unbind, removal, a PCI error); P2PHUB_NVME_ST_* in the status page
+ * says which. The owner should close the fd; after a grace period the
+ * kernel quiesces the controller and revokes the BAR0 mapping itself.
+ * -1 detaches.
+ *
+ * Return: 0; -EBADF not an eventfd; -EINVAL; -EFAULT.
+ */
+struct p2phub_nvme_req_set {
+	__u32	argsz;
+	__u32	flags;			/* none defined, must be 0 */
+	__s32	eventfd;		/* -1 detaches */
+	__u32	__reserved;		/* must be 0 */
+	__aligned_u64 reserved[1];	/* must be 0 */
+};
+
 #define P2PHUB_NVME_OPEN	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 16)
 #define P2PHUB_NVME_DMA_ALLOC	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 17)
 #define P2PHUB_NVME_DMA_FREE	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 18)
 #define P2PHUB_NVME_IRQ_SET	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 19)
+#define P2PHUB_NVME_MAP_REG	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 20)
+#define P2PHUB_NVME_UNMAP_REG	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 21)
+#define P2PHUB_NVME_RESUME	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 22)
+#define P2PHUB_NVME_REQ_SET	_IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 23)
 
 #endif /* _UAPI_P2PHUB_H */
