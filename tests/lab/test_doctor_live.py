@@ -12,7 +12,7 @@ import pytest
 from p2phub.doctor import core  # noqa: F401  (importing it registers the pair-level checks)
 from p2phub.doctor.checks import REGISTRY
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 

@@ -24,7 +24,7 @@ from p2phub.errors import P2PHubOSError, RevokedError
 from p2phub.hostmem import Udmabuf, VgemBuffer
 from p2phub.hub import Hub, Provider, RegState
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 import regutil as ru
 
 MiB = 1 << 20
@@ -265,7 +265,7 @@ CHILD = textwrap.dedent("""
     sys.path[:0] = [{top!r}, {tests!r}]
     from p2phub.hub import Hub
     from p2phub.hostmem import VgemBuffer
-    import fakegpu as fg
+    import p2phub_fakegpu as fg
     target = {target!r}
     gpu = fg.FakeGpu()
     hub = Hub()
