@@ -82,11 +82,12 @@ class RegistrationUser(Protocol):
 
     Added with ``reg.add_user(user)``; before the registration is released, close() calls
     ``user.quiesce_registration(reg, timeout)``, which returns once nothing of the user's
-    is outstanding on `reg` (completed or cancelled, with the device stopped) and raises
-    (P2PHubOSError EBUSY, TimeoutError) if that cannot happen within `timeout` seconds.
+    is outstanding on `reg` (completed or cancelled, with the device stopped) and lets go
+    of it; if that cannot happen within `timeout` seconds it returns False or raises
+    (P2PHubOSError EBUSY, TimeoutError), and close() releases nothing.
     """
 
-    def quiesce_registration(self, reg: "Registration", timeout: float) -> None: ...
+    def quiesce_registration(self, reg: "Registration", timeout: float) -> bool | None: ...
 
 
 class _Pin:
@@ -149,7 +150,9 @@ class _Pin:
             return
         deadline = time.monotonic() + (DRAIN_TIMEOUT_S if timeout is None else timeout)
         for user, view in list(self.users.items()):
-            user.quiesce_registration(view, max(0.0, deadline - time.monotonic()))
+            if user.quiesce_registration(view, max(0.0, deadline - time.monotonic())) is False:
+                raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
+                                    f"{user!r} still has I/O outstanding on it; nothing was released")
 
     def release(self, *, kernel: bool, force: bool, timeout: float | None) -> None:
         """The one way out: drain users, close dependents, UNREGISTER, close an owned source.
