@@ -57,6 +57,9 @@ class RegState(enum.IntEnum):
     REVOKED = uapi.REG_STATE_REVOKED
 
 
+_PROVIDERS = {int(p): p for p in Provider}
+
+
 @dataclass(frozen=True)
 class RegInfo:
     """What P2PHUB_REG_INFO reports about one registration."""
@@ -98,8 +101,8 @@ class _Pin:
         self.handle = int(a.out_handle)
         self.length = int(a.length)
         self.page_size = int(a.out_page_size)
-        self.provider = Provider(a.out_provider)
-        self.what = src.what
+        self.provider = _PROVIDERS.get(a.out_provider) or Provider(a.out_provider)
+        self._src = src
         self.source = src.keep
         self.owns_source = src.owned
         self.key = src.key
@@ -111,6 +114,10 @@ class _Pin:
         self.dependents: "weakref.WeakSet[Any] | None" = None  # MRs: closed first
         self.users: "weakref.WeakKeyDictionary[Any, Registration] | None" = None
         self._info: uapi.RegInfo | None = None
+
+    @property
+    def what(self) -> str:
+        return self._src.what
 
     def ioctl(self, request: int, arg: ctypes.Structure, what: str) -> None:
         try:
@@ -174,8 +181,12 @@ class _Pin:
             os.close(self.dmabuf_fd)
             self.dmabuf_fd = -1
         if kernel and not self.hub.device.closed:
-            self.ioctl(uapi.UNREGISTER, uapi.Unregister.new(handle=self.handle),
-                       f"P2PHUB_UNREGISTER handle {self.handle}")
+            try:
+                fcntl.ioctl(self.hub.device.fd, uapi.UNREGISTER,
+                            uapi.Unregister.new(handle=self.handle), True)
+            except OSError as exc:
+                raise P2PHubOSError(exc.errno or errno.EIO,
+                                    f"P2PHUB_UNREGISTER handle {self.handle}") from None
         self.released = True
         self.hub._forget(self)
         if self.owns_source and hasattr(self.source, "close"):
@@ -405,11 +416,13 @@ class Hub(Resource):
         a = uapi.Register.new(flags=flags, fd=src.fd, offset=src.offset, va=src.va,
                               length=src.length, **fields)
         try:
-            self.device.ioctl(uapi.REGISTER, a, f"P2PHUB_REGISTER {src.what}")
-        except BaseException:
+            fcntl.ioctl(self.device.fd, uapi.REGISTER, a, True)
+        except BaseException as exc:
             src.finish()
             if src.owned and hasattr(src.keep, "close"):
                 src.keep.close()
+            if isinstance(exc, OSError):
+                raise P2PHubOSError(exc.errno or errno.EIO, f"P2PHUB_REGISTER {src.what}") from None
             raise
         src.finish()
         pin = _Pin(self, a, src)

@@ -39,7 +39,7 @@ class Source:
 
     kind: str                       # DMABUF or NVIDIA
     length: int
-    what: str                       # for messages: "dma-buf fd 5 [0x0, +0x10000)"
+    label: str = ""                 # what the caller passed, for messages (a type name)
     fd: int = -1                    # DMABUF: the dma-buf
     offset: int = 0                 # DMABUF: first byte in it
     va: int = 0                     # NVIDIA: GPU virtual address
@@ -47,6 +47,15 @@ class Source:
     owned: bool = False             # the registration closes `keep` when it goes (hub.alloc_host)
     key: Hashable | None = None     # registration-cache key; None: never shared
     done: list[Callable[[], None]] = field(default_factory=list)  # run once REGISTER returned
+
+    @property
+    def what(self) -> str:
+        """For messages: "dma-buf fd 5 [0x0, +0x10000)" (made only when needed)."""
+        if self.kind == DMABUF:
+            base = f"dma-buf fd {self.fd} [{self.offset:#x}, +{self.length:#x})"
+        else:
+            base = f"GPU VA {self.va:#x} +{self.length:#x}"
+        return f"{self.label} ({base})" if self.label else base
 
     def finish(self) -> None:
         """Drop what was needed only to register (an exported fd: the kernel holds its own)."""
@@ -109,13 +118,12 @@ def dmabuf(fd: int, offset: int = 0, length: int | None = None, keep: Any = None
             length = os.lseek(fd, 0, os.SEEK_END) - offset
         except OSError as exc:
             raise UsageError(f"fd={fd} is not an open dma-buf ({exc.strerror})") from None
-    return Source(DMABUF, length, f"dma-buf fd {fd} [{offset:#x}, +{length:#x})", fd=fd,
-                  offset=offset, keep=keep,
+    return Source(DMABUF, length, fd=fd, offset=offset, keep=keep,
                   key=_fd_key(fd, offset, length) if key is _UNSET else key)
 
 
 def nvidia(va: int, length: int, keep: Any = None) -> Source:
-    return Source(NVIDIA, length, f"GPU VA {va:#x} +{length:#x}", va=va, keep=keep)
+    return Source(NVIDIA, length, va=va, keep=keep)
 
 
 def resolve(obj: Any, offset: int = 0, length: int | None = None, caps: int = 0,
@@ -158,7 +166,7 @@ def resolve(obj: Any, offset: int = 0, length: int | None = None, caps: int = 0,
         rng.close()
         raise P2PHubError(f"{describe(obj)}: p2phub.ko can pin neither a dma-buf nor through "
                           "the NVIDIA P2P API here (see `p2phub doctor`, check kmod.caps)")
-    src.what = f"{describe(obj)} ({src.what})"
+    src.label = describe(obj)
     src.key = cache_key(obj, offset, length) if key is _UNSET else key
     src.done.append(rng.close)  # the registration holds its own reference to the dma-buf
     return src
