@@ -161,7 +161,8 @@ class _Pin:
                 raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
                                     f"{user!r} still has I/O outstanding on it; nothing was released")
 
-    def release(self, *, kernel: bool, force: bool, timeout: float | None) -> None:
+    def release(self, *, kernel: bool, force: bool, timeout: float | None,
+                drained: bool = False) -> None:
         """The one way out: drain users, close dependents, UNREGISTER, close an owned source.
 
         Raises (releasing nothing) while a user cannot quiesce, or while dependents live
@@ -169,7 +170,8 @@ class _Pin:
         """
         if self.released:
             return
-        self.drain(timeout)
+        if not drained:
+            self.drain(timeout)
         live = [d for d in self.dependents if not d.closed] if self.dependents else []
         if live and not force:
             raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
@@ -539,7 +541,7 @@ class Hub(Resource):
         _close_all(self._ctrls)  # 2. controllers: their fds hold pages in the kernel
         self._ctrls.clear()
         for pin in pins:  # 3. the one release path, the kernel side left to the close below
-            pin.release(kernel=False, force=True, timeout=0.0)
+            pin.release(kernel=False, force=True, timeout=0.0, drained=True)
         self._cache.clear()
         self.device.close()
 

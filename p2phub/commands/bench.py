@@ -153,12 +153,19 @@ def _bench_register(args: argparse.Namespace) -> dict:
                         hub.register_dmabuf(buf.fd, 0, size, device=device).close()
                     th = _time(hit, args.min_time, args.max_iters)
                     assert held.shared == 1
+                    # what a hit is made of: naming the memory (one fstat) and the
+                    # revocation check (one P2PHUB_REG_INFO)
+                    info_arg = uapi.RegInfo.new(handle=held.handle)
+                    tstat = _time(lambda: os.fstat(buf.fd), args.min_time, args.max_iters)
+                    tinfo = _time(lambda: fcntl.ioctl(dev_fd, uapi.REG_INFO, info_arg, True),
+                                  args.min_time, args.max_iters)
                 tv = _time(verbs, args.min_time, args.max_iters)
             finally:
                 cpu.close()
                 buf.close()
             results.append({"size": size, "source": "udmabuf", "same_memory": True,
                             "p2phub": asdict(tc), "ioctl": asdict(tb), "hit": asdict(th),
+                            "hit_fstat": asdict(tstat), "hit_reg_info": asdict(tinfo),
                             "ibv_reg_mr": asdict(tv),
                             "ratio": round(tc.median_us / tv.median_us, 3),
                             "ioctl_ratio": round(tb.median_us / tv.median_us, 3),
@@ -174,6 +181,8 @@ def _bench_register(args: argparse.Namespace) -> dict:
         "p2phub": "hub.register_dmabuf(fd, device=...).close(): REGISTER(F_DMABUF|F_DEVICE) + UNREGISTER",
         "ioctl": "the same REGISTER + UNREGISTER ioctls, bare",
         "hit": "the same call while a registration of the same pages is open (cache hit + release)",
+        "hit_fstat": "os.fstat of the dma-buf alone (how a hit names the memory)",
+        "hit_reg_info": "P2PHUB_REG_INFO alone (how a hit checks that the memory was not revoked)",
         "ibv_reg_mr": "ibv_reg_mr + ibv_dereg_mr over the same pages",
         "ratio": "p2phub median / ibv_reg_mr median",
         "results": results,

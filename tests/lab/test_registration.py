@@ -531,3 +531,21 @@ def test_a_forked_child_can_neither_use_nor_release_the_parents_registrations(ta
         info = reg.info()
         assert info.state == RegState.LIVE and len(reg.dma_pages(target)) == 16
         reg.close()
+
+
+# ------------------------------------------------------------- hub-owned controllers
+
+
+def test_the_hub_closes_the_controllers_it_opened(target: str) -> None:
+    from p2phub.nvme import bind
+    hub = Hub()
+    try:
+        ctrl = hub.nvme(target)
+        with VgemBuffer(64 * KiB) as buf:
+            reg = hub.register(buf, device=target)
+            ctrl.namespace(1).read(reg, lba=0, nbytes=4096)
+            hub.close()
+            assert ctrl.closed and reg.closed and hub.closed
+    finally:
+        hub.close()
+        bind.unbind(target)
