@@ -30,6 +30,7 @@ import enum
 import errno
 import fcntl
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -348,14 +349,25 @@ class Registration(Resource):
         if self._closed:
             return
         pin = self._pin
-        if pin.released:
-            pass
-        elif pin.hub.foreign:
-            pin.abandon()       # a forked child never releases the parent's memory
-        elif pin.refs > 1:
-            pass                # another handle still holds the pin
-        else:
-            pin.release(kernel=True, force=force, timeout=timeout)
+        hub = pin.hub
+        with hub._lock:
+            last = pin.refs == 1 and not pin.released
+            if last:
+                hub._uncache(pin)   # no new handle on a pin on its way out
+            else:
+                pin.refs -= 1       # another handle still holds the pin
+                self._closed = True
+                return
+        try:
+            if hub.foreign:
+                pin.abandon()       # a forked child never releases the parent's memory
+            else:
+                pin.release(kernel=True, force=force, timeout=timeout)
+        except BaseException:
+            with hub._lock:         # still registered: findable again
+                if pin.key is not None and not pin.revoked:
+                    hub._cache.setdefault(pin.key, pin)
+            raise
         pin.refs -= 1
         self._closed = True
 
@@ -380,6 +392,7 @@ class Hub(Resource):
         self._cache: dict[Hashable, _Pin] = {}
         self._ctrls: list[Any] = []
         self._caps: int | None = None
+        self._lock = threading.Lock()  # the cache and the pins' reference counts
 
     # ----------------------------------------------------------- registering
 
@@ -395,10 +408,13 @@ class Hub(Resource):
         self._check_owner()
 
     def _cached(self, key: Hashable | None) -> Registration | None:
-        pin = self._cache.get(key) if key is not None else None
-        if pin is None or not pin.check_live():
+        if key is None:
             return None
-        return Registration(pin)
+        with self._lock:
+            pin = self._cache.get(key)
+            if pin is None or not pin.check_live():
+                return None
+            return Registration(pin)
 
     def _register(self, src: sources.Source, device: "str | PciAddress | None",
                   cached: bool = True) -> Registration:
@@ -428,10 +444,11 @@ class Hub(Resource):
             raise
         src.finish()
         pin = _Pin(self, a, src)
-        self._pins.add(pin)
-        if src.key is not None:
-            self._cache[src.key] = pin
-        return Registration(pin)
+        with self._lock:
+            self._pins.add(pin)
+            if src.key is not None:
+                self._cache.setdefault(src.key, pin)  # a racing registration of it stays uncached
+            return Registration(pin)
 
     def register(self, obj: object, offset: int = 0, length: int | None = None,
                  device: "str | PciAddress | None" = None) -> Registration:
@@ -484,8 +501,9 @@ class Hub(Resource):
             del self._cache[pin.key]
 
     def _forget(self, pin: _Pin) -> None:
-        self._uncache(pin)
-        self._pins.discard(pin)
+        with self._lock:
+            self._uncache(pin)
+            self._pins.discard(pin)
 
     @property
     def registrations(self) -> int:
