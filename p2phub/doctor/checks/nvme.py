@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...blockuse import BlockDev, usage_reasons
 from ..model import FAIL, INFO, PASS, SKIP, WARN, CheckResult
 from . import Context, R, check
 
@@ -30,24 +31,18 @@ def _mpath(ctx: Context) -> CheckResult:
 
 
 def nvme_usage(ctx: Context) -> dict[str, list[str]]:
-    """Controller id -> reasons it is in use (mounted, holders, swap)."""
+    """Controller id -> reasons it is in use: the rule of ``p2phub.blockuse``, on what SysRoot reads."""
     sr = ctx.sys
     mounts = sr.read("/proc/mounts") or ""
     swaps = sr.read("/proc/swaps") or ""
-    mounted = {ln.split()[0].rsplit("/", 1)[-1]: ln.split()[1] for ln in mounts.splitlines() if len(ln.split()) > 1
-               and ln.startswith("/dev/")}
-    swapped = {ln.split()[0].rsplit("/", 1)[-1] for ln in swaps.splitlines()[1:] if ln.split()}
     use: dict[str, list[str]] = {}
     for c in ctx.top.nvmes:
-        reasons = []
+        devs = []
         for ns in c.info.get("namespaces", []):
+            held = ns.get("holders", {})
             for blk in [ns["name"]] + ns.get("partitions", []):
-                if blk in mounted:
-                    reasons.append(f"{blk} mounted on {mounted[blk]}")
-                if blk in swapped:
-                    reasons.append(f"{blk} is swap")
-            for blk, hs in ns.get("holders", {}).items():
-                reasons.append(f"{blk} held by {', '.join(hs)} (LVM/md/dm)")
+                devs.append(BlockDev(blk, holders=tuple((h, None) for h in held.get(blk, []))))
+        reasons = usage_reasons(devs, mounts=mounts, swaps=swaps)
         if reasons:
             use[c.id] = reasons
     return use
