@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..exitcodes import Exit
 from . import SCHEMA
 from . import pairs as _pairs
 from .checks import PHASES, REGISTRY, Context, cmdline_tokens, load_kconfig
@@ -12,7 +13,7 @@ from .discovery import Topology, discover
 from .model import BLOCKED, DEGRADED, FAIL, INFO, OK, PASS, SKIP, UNKNOWN, WARN, CheckResult, PairVerdict
 from .sysroot import SysRoot
 
-EXIT_OK, EXIT_FAIL, EXIT_WARN, EXIT_UNKNOWN, EXIT_USAGE = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAIL, EXIT_WARN, EXIT_UNKNOWN, EXIT_USAGE = Exit.OK, Exit.FAIL, Exit.WARN, Exit.UNKNOWN, Exit.USAGE
 # an UNKNOWN in one of these means the doctor could not tell whether P2P works
 KEY_CHECKS = {"kernel.p2pdma", "pcie.acs", "pcie.host_bridge", "pairs.gpu_nvme", "pairs.gpu_nic"}
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from .checks import Context
 from .checks.gpu import nvidia_params, nvidia_version
+from .checks.kernel import needs_p2pdma_core
 from .checks.nvme import nvme_usage
 from .model import BLOCKED, DEGRADED, FAIL, OK, UNKNOWN, PairVerdict
 from .pcie import (MAP_BUS_ADDR, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, classify)
@@ -97,13 +98,14 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
             if pr.acs_blockers:
                 fixes.append("pci=disable_acs_redir=" + ";".join(pr.acs_blockers) +
                              " (kernel command line; removes ACS isolation on those ports)")
-            # kernel support
-            if k_p2p is not None and k_p2p.status == FAIL:
+            # kernel support: only where p2phub's path for this GPU goes through the P2PDMA core
+            k_state = k_p2p.details.get("state") if k_p2p is not None else None
+            if needs_p2pdma_core(gpu) and k_state == "absent":
                 blocked = True
                 because.append("kernel.p2pdma")
-                reasons.append("the kernel has no PCI P2PDMA")
+                reasons.append("the kernel has no PCI P2PDMA, which this GPU's exporter needs")
                 fixes.append("boot a kernel with CONFIG_PCI_P2PDMA=y")
-            elif k_p2p is not None and k_p2p.status == UNKNOWN:
+            elif needs_p2pdma_core(gpu) and k_state == "unknown":
                 unknown = True
                 because.append("kernel.p2pdma")
             for name, (ok, why, cid) in (("gpu", _gpu_gate(ctx, gpu, kind)), ("peer", _peer_gate(ctx, peer, kind))):

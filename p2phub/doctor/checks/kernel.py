@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..model import FAIL, INFO, PASS, UNKNOWN, WARN, CheckResult
 from . import KALLSYMS_NEEDLES, Context, R, check, cmdline_tokens
@@ -38,27 +39,65 @@ def _kc_missing(ctx: Context) -> CheckResult | None:
     return None
 
 
+def p2pdma_state(ctx: Context) -> tuple[str, str]:
+    """("present" | "absent" | "unknown", how it was decided) for the kernel's PCI P2PDMA."""
+    syms = ctx.sys.grep("/proc/kallsyms", KALLSYMS_NEEDLES, limit=5)
+    v = ctx.kc("PCI_P2PDMA")
+    if v == "y":
+        return "present", "CONFIG_PCI_P2PDMA=y"
+    if syms:
+        return "present", "P2PDMA symbols present in kallsyms" + ("" if ctx.kconfig else " (no kernel config found)")
+    if ctx.kconfig:
+        return "absent", "CONFIG_PCI_P2PDMA " + ("is not set" if v == "n" else "absent from the kernel config")
+    if syms is not None and ctx.sys.euid == 0:
+        return "absent", "no kernel config and no P2PDMA symbols in kallsyms"
+    return "unknown", "no kernel config found, and kallsyms gave no answer (unprivileged)"
+
+
+def needs_p2pdma_core(gpu: Any) -> bool:
+    """Whether the path p2phub would use for this GPU's memory goes through the kernel's P2PDMA core.
+
+    amdgpu's dma-buf exporter asks the P2PDMA core (pci_p2pdma_distance) before it maps VRAM for a
+    peer, so AMD GPUs need CONFIG_PCI_P2PDMA. p2phub's NVIDIA path (the NVIDIA P2P API, and the open
+    driver's dma-buf exporter) and exporters that map peers themselves do not. A GPU backend plugin
+    may say which it is with ``p2pdma_core`` in its claim's info.
+    """
+    declared = gpu.info.get("p2pdma_core")
+    if declared is not None:
+        return bool(declared)
+    return gpu.info.get("flavour") == "amd"
+
+
 @check("kernel.p2pdma", "CONFIG_PCI_P2PDMA")
 def _p2pdma(ctx: Context) -> CheckResult:
-    """The kernel's PCI peer-to-peer DMA support: the P2P routing decision (ACS, host bridge allow
-    list), P2P pages for NVMe, and dma-buf peer mappings all need it. It is a bool option: enabling it
-    means booting another kernel."""
-    syms = ctx.sys.grep("/proc/kallsyms", KALLSYMS_NEEDLES, limit=5)
+    """The kernel's PCI peer-to-peer DMA support (a bool option: enabling it means booting another
+    kernel). It is needed for the kernel's own P2PDMA (NVMe CMB / p2pmem, GDS's P2PDMA mode, the
+    GPU as a P2PDMA provider) and for exporters that ask the P2PDMA core before mapping for a peer
+    (amdgpu). p2phub's NVIDIA path (the NVIDIA P2P API, and the open driver's dma-buf exporter) and
+    exporters that map peers themselves do not need it, so it is a FAIL only where a GPU here needs
+    it, and INFO where none does."""
+    state, how = p2pdma_state(ctx)
     ev = ctx.ev(ctx.kconfig_source or "", "/proc/kallsyms")
-    v = ctx.kc("PCI_P2PDMA")
     fix = "boot a kernel built with CONFIG_PCI_P2PDMA=y (needs ZONE_DEVICE, 64BIT)"
-    if v == "y":
-        return R(PASS, "CONFIG_PCI_P2PDMA=y", evidence=ev)
-    if v in ("n", None) and ctx.kconfig:
-        if syms:
-            return R(PASS, "P2PDMA symbols present in kallsyms", evidence=ev)
-        return R(FAIL, "the kernel has no PCI P2PDMA (CONFIG_PCI_P2PDMA " + ("is not set" if v == "n" else "absent")
-                 + "): GPU<->NVMe and GPU<->NIC peer-to-peer DMA cannot be set up by this kernel", fix, ev)
-    if syms:
-        return R(PASS, "P2PDMA symbols present in kallsyms (no kernel config found)", evidence=ev)
-    if syms is not None and ctx.sys.euid == 0:
-        return R(FAIL, "no kernel config and no P2PDMA symbols in kallsyms: P2PDMA is not built in", fix, ev)
-    return _kc_missing(ctx) or R(UNKNOWN, "P2PDMA state unknown", evidence=ev)
+    if state == "present":
+        return R(PASS, how, evidence=ev, state=state)
+    needing = [g.id for g in ctx.top.gpus if needs_p2pdma_core(g)]
+    others = [g.id for g in ctx.top.gpus if not needs_p2pdma_core(g)]
+    if state == "unknown" and not ctx.top.gpus:
+        return _kc_missing(ctx) or R(UNKNOWN, "P2PDMA state unknown", evidence=ev, state=state)
+    if needing:
+        what = "the kernel has no PCI P2PDMA" if state == "absent" else "P2PDMA state unknown"
+        return R(FAIL if state == "absent" else UNKNOWN,
+                 f"{what} ({how}): {', '.join(needing)} export through the P2PDMA core (amdgpu), so their "
+                 "peer-to-peer DMA cannot be set up by this kernel", fix, ev, needing, state=state, needing=needing)
+    if others:
+        return R(INFO, f"no PCI P2PDMA in this kernel ({how}): not needed by p2phub's path for "
+                       f"{', '.join(others)} (NVIDIA P2P API / an exporter that maps peers itself); the kernel's "
+                       "own P2PDMA users (NVMe CMB p2pmem, GDS P2PDMA mode) are unavailable" if state == "absent"
+                 else f"P2PDMA state unknown ({how}): not needed by p2phub's path for {', '.join(others)}",
+                 evidence=ev, state=state, needing=[])
+    return R(WARN, f"the kernel has no PCI P2PDMA ({how}); no GPU found, so whether p2phub's path needs it is "
+                   "unknown (AMD GPUs do)", fix, ev, state=state, needing=[])
 
 
 @check("kernel.zone_device", "CONFIG_ZONE_DEVICE")
