@@ -271,3 +271,18 @@ def test_unprivileged_acs_is_unknown_even_when_the_verdict_does_not_need_it(tmp_
     assert {(p.map_type, p.verdict) for p in rep.pairs} == {("NOT_SUPPORTED", "BLOCKED")}
     # the kernel also asks the provider itself (the stand-in GPU, 02:00.0 here)
     assert all(sorted(p.acs_unknown) == ["0000:00:0b.0", "0000:02:00.0"] for p in rep.pairs)
+
+
+def test_kmod_loadable_names_the_captured_kernel(tmp_path) -> None:
+    rep = diagnose(SysRoot(fx("broadwell-plx-acs")))
+    c = rep.check("kmod.loadable")
+    assert "the captured kernel 5.15.0-105-generic" in c.summary and c.details["kernel"] == "5.15.0-105-generic"
+    # a tree that does not record its kernel's release: say so, never "/lib/modules//build"
+    tree = tmp_path / "t"
+    shutil.copytree(fx("broadwell-plx-acs"), tree, symlinks=True)
+    meta = json.loads((tree / "p2phub-capture.json").read_text())
+    meta.pop("uname", None)
+    (tree / "p2phub-capture.json").write_text(json.dumps(meta))
+    (tree / "proc/sys/kernel/osrelease").unlink(missing_ok=True)
+    c = diagnose(SysRoot(str(tree))).check("kmod.loadable")
+    assert c.status == "UNKNOWN" and "release not recorded" in c.summary and "//" not in c.summary

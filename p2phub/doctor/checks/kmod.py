@@ -80,19 +80,19 @@ def _kmod_caps(ctx: Context) -> CheckResult:
 @check("kmod.loadable", "Module loadability")
 def _kmod_loadable(ctx: Context) -> CheckResult:
     """Lockdown, enforced module signatures (module.sig_enforce or CONFIG_MODULE_SIG_FORCE) and
-    kernel.modules_disabled stop an unsigned out-of-tree p2phub.ko from loading."""
+    kernel.modules_disabled stop an unsigned out-of-tree p2phub.ko from loading; building it needs
+    the kernel's headers. The verdict names the kernel it is about: on a captured tree, the captured
+    kernel (from the capture's uname or its /proc/sys/kernel/osrelease), never the host reading it."""
     sr = ctx.sys
     rel = sr.uname().get("release", "")
-    lock = sr.read("/sys/kernel/security/lockdown")
+    who = (f"the captured kernel {rel}" if not sr.live else f"kernel {rel}") if rel else \
+        ("the captured kernel (release not recorded)" if not sr.live else "this kernel (release unknown)")
     sig = sr.read("/sys/module/module/parameters/sig_enforce")
     dis = sr.read("/proc/sys/kernel/modules_disabled")
-    build = sr.exists(f"/lib/modules/{rel}/build")
+    build = sr.exists(f"/lib/modules/{rel}/build") if rel else None
     ev = ctx.ev("/sys/kernel/security/lockdown", "/sys/module/module/parameters/sig_enforce",
                 "/proc/sys/kernel/modules_disabled", ctx.kconfig_source or "")
-    lock_mode = None
-    if lock:
-        m = re.search(r"\[(\w+)\]", lock)
-        lock_mode = m.group(1) if m else lock
+    lock_mode = lockdown_mode(ctx)
     blockers = []
     if ctx.kc("MODULES") == "n":
         blockers.append("kernel built without module support (CONFIG_MODULES off)")
@@ -101,25 +101,37 @@ def _kmod_loadable(ctx: Context) -> CheckResult:
     if sig == "Y" or ctx.kc("MODULE_SIG_FORCE") == "y":
         src = "module.sig_enforce=Y" if sig == "Y" else "CONFIG_MODULE_SIG_FORCE=y"
         blockers.append(f"signed modules only ({src}): an unsigned p2phub.ko is refused")
-    if lock_mode is None and lock is None:
-        if ctx.kc("LOCK_DOWN_KERNEL_FORCE_CONFIDENTIALITY") == "y":
-            lock_mode = "confidentiality"
-        elif ctx.kc("LOCK_DOWN_KERNEL_FORCE_INTEGRITY") == "y":
-            lock_mode = "integrity"
-        if lock_mode:
-            lock_mode += " (forced by the kernel config; securityfs not mounted)"
     if lock_mode and lock_mode.split()[0] in ("integrity", "confidentiality"):
         blockers.append(f"kernel lockdown={lock_mode}: unsigned modules are refused")
-    d = dict(lockdown=lock_mode, sig_enforce=sig, modules_disabled=dis, headers=build)
+    d = dict(kernel=rel or None, lockdown=lock_mode, sig_enforce=sig, modules_disabled=dis, headers=build)
     loaded = ctx.status("kmod.loaded") == PASS
     if blockers and not loaded and ctx.kc("MODULES") == "n":
-        return R(FAIL, "; ".join(blockers), "boot a kernel built with CONFIG_MODULES=y", ev, **d)
+        return R(FAIL, f"{who}: " + "; ".join(blockers), "boot a kernel built with CONFIG_MODULES=y", ev, **d)
     if blockers and not loaded:
-        return R(FAIL, "; ".join(blockers), "sign p2phub.ko with a key the kernel trusts (enroll it with mokutil) "
-                 "or boot a kernel that accepts unsigned modules", ev, **d)
+        return R(FAIL, f"{who}: " + "; ".join(blockers), "sign p2phub.ko with a key the kernel trusts (enroll it "
+                 "with mokutil) or boot a kernel that accepts unsigned modules", ev, **d)
     if loaded:
-        return R(PASS, "already loaded" + (f" ({'; '.join(blockers)})" if blockers else ""), evidence=ev, **d)
+        return R(PASS, f"already loaded into {who}" + (f" ({'; '.join(blockers)})" if blockers else ""),
+                 evidence=ev, **d)
+    if build is None:
+        return R(UNKNOWN, f"unsigned modules can load into {who}; whether its headers are installed is unknown "
+                 "(no kernel release)", evidence=ev, **d)
     if not build:
-        return R(WARN, f"loadable, but no kernel headers at /lib/modules/{rel}/build to build it",
-                 f"install the headers for {rel}", ev, **d)
-    return R(PASS, "unsigned modules can load; kernel headers present", evidence=ev, **d)
+        return R(WARN, f"unsigned modules can load into {who}, but there are no headers at /lib/modules/{rel}/build "
+                 "to build p2phub.ko", f"install the headers for {rel} (linux-headers-{rel} on Debian)", ev, **d)
+    return R(PASS, f"unsigned modules can load into {who}; its headers are present", evidence=ev, **d)
+
+
+def lockdown_mode(ctx: Context) -> str | None:
+    """The kernel lockdown mode ("none", "integrity", "confidentiality"), from securityfs or, when
+    that is not mounted, from a config that forces it; None when unknown."""
+    lock = ctx.sys.read("/sys/kernel/security/lockdown")
+    if lock:
+        m = re.search(r"\[(\w+)\]", lock)
+        return m.group(1) if m else lock
+    mode = None
+    if ctx.kc("LOCK_DOWN_KERNEL_FORCE_CONFIDENTIALITY") == "y":
+        mode = "confidentiality"
+    elif ctx.kc("LOCK_DOWN_KERNEL_FORCE_INTEGRITY") == "y":
+        mode = "integrity"
+    return mode + " (forced by the kernel config; securityfs not mounted)" if mode else None
