@@ -8,7 +8,7 @@ from typing import Any
 from .checks import Context
 from .checks.gpu import nvidia_params, nvidia_version
 from .checks.kernel import needs_p2pdma_core
-from .checks.nvme import nvme_usage
+from .checks.nvme import nvme_usage, ownership_refused
 from .model import BLOCKED, DEGRADED, FAIL, OK, UNKNOWN, PairVerdict
 from .pcie import (MAP_BUS_ADDR, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, classify)
 
@@ -58,6 +58,9 @@ def _peer_gate(ctx: Context, peer: Any, kind: str) -> tuple[bool | None, str | N
         use = nvme_usage(ctx).get(peer.id)
         if use:
             return False, f"{peer.name} is in use ({'; '.join(use)}): p2phub never takes it", "nvme.safety"
+        refused = ownership_refused(ctx, peer.id)
+        if refused:
+            return False, f"p2phub.ko will not hand {peer.name} to user space: {refused}", "nvme.confined"
         return True, None, None
     r = ctx.results.get("nic.dmabuf_mr")
     if r and r.status == FAIL:

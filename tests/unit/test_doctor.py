@@ -286,3 +286,67 @@ def test_kmod_loadable_names_the_captured_kernel(tmp_path) -> None:
     (tree / "proc/sys/kernel/osrelease").unlink(missing_ok=True)
     c = diagnose(SysRoot(str(tree))).check("kmod.loadable")
     assert c.status == "UNKNOWN" and "release not recorded" in c.summary and "//" not in c.summary
+
+
+# ---------------------------------------------------------------------------- nvme.confined (H5)
+def _iommu_lab(tmp_path, interrupts: str | None, unsafe: str | None = None, lockdown: str | None = None) -> str:
+    tree = tmp_path / "t"
+    shutil.copytree(fx("lab-rootports-iommu-6.12"), tree, symlinks=True)
+    if interrupts is not None:
+        (tree / "proc" / "interrupts").write_text(interrupts)
+    if unsafe is not None:
+        p = tree / "sys/module/p2phub/parameters"
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "allow_unsafe_noiommu").write_text(unsafe + "\n")
+    if lockdown is not None:
+        p = tree / "sys/kernel/security"
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "lockdown").write_text(lockdown + "\n")
+    return str(tree)
+
+
+IR = " 24:  0  IR-PCI-MSIX-0000:00:0a.0  0-edge  nvme0q0\n"
+NO_IR = " 24:  0  PCI-MSIX-0000:00:0a.0  0-edge  nvme0q0\n"
+
+
+def test_nvme_confined_with_translation_viable_groups_and_interrupt_remapping(tmp_path) -> None:
+    c = diagnose(SysRoot(_iommu_lab(tmp_path, IR))).check("nvme.confined")
+    assert c.status == "PASS" and "NVMe0" in c.summary and "NVMe1" in c.summary, c.summary
+
+
+def test_nvme_not_confined_without_interrupt_remapping_and_what_the_module_does(tmp_path) -> None:
+    # a module that predates the ownership gate hands it out: a warning, the pairs stay as they were
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "a", NO_IR)))
+    c = rep.check("nvme.confined")
+    assert c.status == "WARN" and "MSIs are not isolated" in c.summary and "predates" in c.summary
+    assert not any("nvme.confined" in p.because for p in rep.pairs)
+    # the gated module refuses: FAIL, and every GPU<->NVMe pair is blocked by it
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "b", NO_IR, unsafe="N")))
+    c = rep.check("nvme.confined")
+    assert c.status == "FAIL" and "will not hand one to user space" in c.summary and c.fix
+    assert "iommu=pt" in c.fix or "passthrough" in c.fix
+    assert all(p.verdict == "BLOCKED" and "nvme.confined" in p.because for p in rep.pairs)
+    # loaded with allow_unsafe_noiommu=Y: handed out, and said to be worth root
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "c", NO_IR, unsafe="Y")))
+    c = rep.check("nvme.confined")
+    assert c.status == "WARN" and "allow_unsafe_noiommu=Y" in c.summary and "any memory" in c.summary
+    assert not any("nvme.confined" in p.because for p in rep.pairs)
+
+
+def test_nvme_ownership_is_refused_under_lockdown(tmp_path) -> None:
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path, IR, lockdown="none [integrity] confidentiality")))
+    c = rep.check("nvme.confined")
+    assert c.status == "FAIL" and "lockdown=integrity" in c.summary
+    assert all("nvme.confined" in p.because for p in rep.pairs)
+
+
+def test_the_doctor_never_recommends_passthrough_without_its_cost() -> None:
+    from p2phub.doctor.checks import REGISTRY, EXPLAIN
+    from p2phub.doctor.core import diagnose as _d
+
+    for name in ("broadwell-plx-acs", "lab-rootports-iommu-6.12"):
+        for c in _d(SysRoot(fx(name))).checks:
+            text = f"{c.summary} {c.fix or ''}"
+            if "iommu=pt" in text:
+                assert "confine" in text, (name, c.id, text)
+    assert all("iommu=pt" not in EXPLAIN[cid] or "confine" in EXPLAIN[cid] for cid, *_ in REGISTRY)

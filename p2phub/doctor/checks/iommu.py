@@ -21,7 +21,9 @@ def _iommu_present(ctx: Context) -> CheckResult:
 def _iommu_domain(ctx: Context) -> CheckResult:
     """identity = passthrough; DMA / DMA-FQ = translated: P2P behind one switch still bypasses the
     IOMMU, but routes through the host bridge use IOVAs and are slower (and have silently dropped
-    writes on some AMD-Vi systems)."""
+    writes on some AMD-Vi systems). Passthrough (iommu=pt) is not a free fix: it gives up DMA
+    confinement, and p2phub.ko then refuses to hand NVMe controllers to user space unless loaded
+    with allow_unsafe_noiommu=1 (see nvme.confined)."""
     eps = endpoints(ctx)
     if not eps:
         return R(SKIP, "no GPUs or peers")
@@ -38,7 +40,10 @@ def _iommu_domain(ctx: Context) -> CheckResult:
     desc = ", ".join(f"{i}: {t}" for i, t in per.items())
     if translated:
         return R(WARN, f"translated DMA domains ({', '.join(translated)}): host-bridge P2P routes are IOVA-mapped; "
-                 + desc, "boot with iommu=pt (or amd_iommu=pt / intel_iommu=on iommu=pt) for passthrough",
+                 + desc, "leave translation on where p2phub owns NVMe controllers: iommu=pt (passthrough) would "
+                 "let host-bridge P2P skip IOVA mapping, but it removes the IOMMU's confinement of every device's "
+                 "DMA, so an owned controller could then reach any memory (see nvme.confined); prefer a GPU and "
+                 "peer below one PCIe switch, where P2P bypasses the IOMMU anyway",
                  ev, translated, domains=per)
     if any(t == "unknown" for t in per.values()):
         return R(UNKNOWN, desc, evidence=ev, domains=per)
