@@ -350,3 +350,46 @@ def test_the_doctor_never_recommends_passthrough_without_its_cost() -> None:
             if "iommu=pt" in text:
                 assert "confine" in text, (name, c.id, text)
     assert all("iommu=pt" not in EXPLAIN[cid] or "confine" in EXPLAIN[cid] for cid, *_ in REGISTRY)
+
+
+# ---------------------------------------------------------------------------- --capture
+def test_capture_of_this_host_reads_back_as_the_live_doctor_saw_it(tmp_path) -> None:
+    from p2phub.doctor.capture import capture
+
+    live = diagnose(SysRoot("/"))
+    out = tmp_path / "cap"
+    meta = capture(str(out))
+    assert meta["schema"] == "p2phub.capture/1" and meta["uname"]["release"] == os.uname().release
+    back = diagnose(SysRoot(str(out)))
+    assert [(c.id, c.status) for c in back.checks] == [(c.id, c.status) for c in live.checks]
+    # the same words, but for whose kernel it is
+    assert {c.id: c.summary for c in back.checks if c.id != "kmod.loadable"} == \
+        {c.id: c.summary for c in live.checks if c.id != "kmod.loadable"}
+    assert [d.as_dict(back.top) for d in back.top.devices] == [d.as_dict(live.top) for d in live.top.devices]
+    kallsyms = out / "proc" / "kallsyms"
+    if kallsyms.exists():   # only the lines the doctor looks for, never the kernel's whole symbol table
+        assert len(kallsyms.read_text().splitlines()) < 50
+
+
+def test_capture_cli_refuses_a_non_empty_dir_and_writes_a_tarball(tmp_path) -> None:
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("")
+    rc, _ = run_cli("doctor", "--capture", str(busy))
+    assert rc == 4
+    rc, _ = run_cli("doctor", "--capture", str(tmp_path / "c"), "--root", fx("h200-firecracker"))
+    assert rc == 4
+    rc, out = run_cli("doctor", "--capture", str(tmp_path / "c"), "--tar")
+    assert rc == 0 and out.strip().endswith("c.tar.gz")
+    rc, out = run_cli("doctor", "--root", str(tmp_path / "c.tar.gz"), "--json")
+    assert json.loads(out)["tool"]["source"].startswith("capture:")
+
+
+def test_docs_list_every_check_with_its_phase() -> None:
+    import re
+
+    from p2phub.doctor.checks import REGISTRY
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "doctor.md")).read()
+    rows = re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| [^|]+ \| (host|pairs) \|", doc, flags=re.M)
+    assert rows == [(cid, phase) for cid, _, _, phase in REGISTRY]

@@ -31,8 +31,10 @@ def _nics(ctx: Context) -> CheckResult:
 
 @check("nic.dmabuf_mr", "RDMA dma-buf MR support")
 def _nic_dmabuf(ctx: Context) -> CheckResult:
-    """ibv_reg_dmabuf_mr with fd -1: EOPNOTSUPP/EPROTONOSUPPORT means the kernel or provider cannot
-    register dma-buf memory; any other error (EBADF) means it can."""
+    """ibv_reg_dmabuf_mr with fd -1 (NCCL's probe): EOPNOTSUPP, ENOSYS or EPROTONOSUPPORT means the
+    kernel or provider cannot register dma-buf memory; any other error (EBADF) means it can. It is
+    p2phub.rdma's own probe (p2phub/rdma/probe.py), so this check and the MR path p2phub.rdma picks
+    always agree."""
     hw = [n for n in ctx.top.nics if not n.info.get("soft")]
     if not hw:
         return R(SKIP, "no PCI RDMA devices")
