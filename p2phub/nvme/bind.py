@@ -34,6 +34,8 @@ def normalize_bdf(bdf: str) -> str:
     m = _BDF.match(bdf.strip())
     if not m:
         raise UsageError(f"{bdf!r} is not a PCI address (DDDD:BB:DD.F)")
+    if int(m.group(3), 16) > 0x1F:
+        raise UsageError(f"{bdf!r}: PCI device number 0x{m.group(3)} is above 0x1f")
     dom = m.group(1) or "0000"
     return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}".lower()
 
