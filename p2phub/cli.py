@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from . import __version__
+from .exitcodes import Exit
 
 # name -> (module, help). Each module has register(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -16,9 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("p2phub.commands.bench", "measure p2phub against its baselines (register: vs ibv_reg_mr)"),
 }
 
-EXIT_OK = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 4
+# every subcommand returns codes from p2phub/exitcodes.py (docs/cli.md)
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = Exit.OK, Exit.FAIL, Exit.USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return EXIT_USAGE
-    return int(args._run(args) or 0)
+    return int(args._run(args) or Exit.OK)
 
 
 if __name__ == "__main__":

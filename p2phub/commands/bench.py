@@ -25,6 +25,7 @@ from typing import Callable
 
 from .. import labenv
 from ..errors import P2PHubError
+from ..exitcodes import Exit
 from ..hostmem import Udmabuf, VgemBuffer
 from ..hub import Hub, PciAddress
 from . import bench_nvme
@@ -203,9 +204,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"schema": SCHEMA, "error": str(exc)}))
         else:
             print(f"p2phub bench: {exc}")
-        return 1
+        return Exit.FAIL
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _render(report)
-    return 0
+    return Exit.OK
