@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import labenv
 from ..errors import P2PHubError
 from ..exitcodes import Exit
 from ..hostmem import Udmabuf, VgemBuffer
@@ -49,20 +48,23 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _lab_env() -> dict[str, str]:
-    return labenv.read()
+def _iommu_groups() -> bool:
+    """Whether an IOMMU translates for devices here (any IOMMU group exists)."""
+    try:
+        return any(os.scandir("/sys/kernel/iommu_groups"))
+    except OSError:
+        return False
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_nvme.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency vs ibv_reg_mr")
-    lab = _lab_env()
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
-    r.add_argument("--device", default=lab.get("nvme_target"),
-                   help="PCI address to map for (default: the lab's NVMe target)")
-    r.add_argument("--rdma-dev", default=lab.get("node_a_rdma", "rxe-a"),
-                   help="verbs device for the ibv_reg_mr baseline (default rxe-a)")
+    r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+                   help="PCI address to map for (default: $P2PHUB_BENCH_DEVICE)")
+    r.add_argument("--rdma-dev", default=os.environ.get("P2PHUB_BENCH_RDMA_DEV"),
+                   help="verbs device for the ibv_reg_mr baseline (default: $P2PHUB_BENCH_RDMA_DEV)")
     r.add_argument("--source", choices=("auto", "udmabuf", "vgem"), default="auto")
     r.add_argument("--min-time", type=float, default=1.0, help="seconds per size and method")
     r.add_argument("--max-iters", type=int, default=200)
@@ -126,7 +128,9 @@ def _bench_register(args: argparse.Namespace) -> dict:
     from pyverbs.pd import PD
 
     if not args.device:
-        raise P2PHubError("no --device given and no lab environment to take the NVMe target from")
+        raise P2PHubError("no --device (PCI address to map for) and no $P2PHUB_BENCH_DEVICE")
+    if not args.rdma_dev:
+        raise P2PHubError("no --rdma-dev (verbs device for the baseline) and no $P2PHUB_BENCH_RDMA_DEV")
     device = PciAddress.parse(args.device)
     def source_for(size: int) -> str:
         if args.source != "auto":
@@ -158,13 +162,11 @@ def _bench_register(args: argparse.Namespace) -> dict:
             results.append({"size": size, "p2phub": asdict(tp), "ibv_reg_mr": asdict(tv),
                             "ratio": round(tp.median_us / tv.median_us, 3),
                             "source": kind, "same_memory": src.same_memory})
-    lab = _lab_env()
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kernel": platform.release(),
-        "iommu": lab.get("iommu"),
-        "accel": lab.get("accel"),
+        "iommu_groups": _iommu_groups(),
         "cpus": os.cpu_count(),
         "source": args.source,
         "device": str(device),

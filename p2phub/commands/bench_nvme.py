@@ -23,22 +23,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import labenv
 
 SCHEMA = "p2phub.bench.nvme/1"
 PCTS = (50.0, 90.0, 99.0, 99.9)
 
 
-def _lab_env() -> dict[str, str]:
-    return labenv.read()
-
-
 def add_parser(sub: Any) -> None:
-    lab = _lab_env()
     p = sub.add_parser("nvme", help="4 KiB random read IOPS/latency: engine vs fio io_uring")
-    p.add_argument("--device", default=lab.get("nvme_target"), help="controller for the engine (PCI address)")
-    p.add_argument("--baseline", default=lab.get("nvme_baseline"),
-                   help="controller (PCI address) or block device left on the kernel driver, for fio")
+    p.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+                   help="controller for the engine (PCI address; default: $P2PHUB_BENCH_DEVICE)")
+    p.add_argument("--baseline", default=os.environ.get("P2PHUB_BENCH_BASELINE"),
+                   help="controller (PCI address) or block device left on the kernel driver, for fio "
+                        "(default: $P2PHUB_BENCH_BASELINE)")
     p.add_argument("--nsid", type=int, default=1)
     p.add_argument("--qd", default="1,32", help="queue depths (default 1,32)")
     p.add_argument("--bs", type=int, default=4096)
@@ -153,7 +149,7 @@ def bench_fio(dev: str, qds: list[int], bs: int, seconds: float, warmup: float, 
 
 def run_bench(args: argparse.Namespace) -> dict:
     if not args.device:
-        raise RuntimeError("no --device (PCI address of the controller for the engine)")
+        raise RuntimeError("no --device (PCI address of the controller for the engine) and no $P2PHUB_BENCH_DEVICE")
     qds = [int(x) for x in args.qd.split(",")]
     os.sched_setaffinity(0, {args.cpu})
     from ..nvme import bind
@@ -161,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     report: dict[str, Any] = {
         "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kernel": platform.release(), "cpu": args.cpu, "bs": args.bs, "seconds": args.seconds,
-        "lab": {k: v for k, v in _lab_env().items() if k in ("accel", "nvme_backing", "iommu", "kernel")},
+        "iommu_groups": any(Path("/sys/kernel/iommu_groups").glob("*")),
     }
     try:
         report["engine"] = bench_engine(args.device, args.nsid, qds, args.bs, args.seconds, args.warmup)
