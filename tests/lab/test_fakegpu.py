@@ -14,7 +14,7 @@ import pytest
 
 from p2phub.errors import P2PHubOSError
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 import regutil
 from p2phub import uapi
 from p2phub.device import Device

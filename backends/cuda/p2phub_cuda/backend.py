@@ -94,6 +94,21 @@ class CudaBackend:
             return ptr, n * itemsize
         return _dlpack_span(obj)
 
+    # ------------------------------------------------------------- identify
+
+    def cache_key(self, obj: Any, offset: int = 0, length: int | None = None) -> Any:
+        """The allocation's buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID) and the range: unique for
+        the process's lifetime, so a range freed and allocated again at the same address misses."""
+        self._init()
+        ptr, nbytes = self._span(obj)
+        offset, length = check_range(offset, length, nbytes, describe(obj))
+        ptr += offset
+        err, buffer_id = cu.cuPointerGetAttribute(
+            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr)
+        if int(err) != 0:
+            return None  # not CUDA memory: resolve() says why
+        return int(buffer_id), ptr, length
+
     # ------------------------------------------------------------- validate
 
     def resolve(self, obj: Any, offset: int = 0, length: int | None = None,
