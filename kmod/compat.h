@@ -8,6 +8,8 @@
 #ifndef _P2PHUB_COMPAT_H
 #define _P2PHUB_COMPAT_H
 
+#include <linux/iommu.h>
+#include <linux/irqdomain.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/version.h>
@@ -39,11 +41,39 @@
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
 #define p2phub_vm_flags_set(vma, flags)	vm_flags_set(vma, flags)
+#define p2phub_vm_flags_clear(vma, flags)	vm_flags_clear(vma, flags)
 #else
 static inline void p2phub_vm_flags_set(struct vm_area_struct *vma,
 				       unsigned long flags)
 {
 	vma->vm_flags |= flags;
+}
+
+static inline void p2phub_vm_flags_clear(struct vm_area_struct *vma,
+					 unsigned long flags)
+{
+	vma->vm_flags &= ~flags;
+}
+#endif
+
+/*
+ * Whether an IOMMU group's MSIs are isolated (interrupt remapping): 6.3
+ * ("iommu: Add iommu_group_has_isolated_msi()") asks the group; before
+ * that, VFIO asked the device's IOMMU for IOMMU_CAP_INTR_REMAP or the MSI
+ * irq domain for remapping.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+static inline bool p2phub_isolated_msi(struct iommu_group *group,
+				       struct device *dev)
+{
+	return iommu_group_has_isolated_msi(group);
+}
+#else
+static inline bool p2phub_isolated_msi(struct iommu_group *group,
+				       struct device *dev)
+{
+	return device_iommu_capable(dev, IOMMU_CAP_INTR_REMAP) ||
+	       irq_domain_check_msi_remap();
 }
 #endif
 

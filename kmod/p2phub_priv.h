@@ -24,7 +24,11 @@
 struct p2phub_file {
 	struct mutex lock;	/* protects everything below */
 	struct xarray regs;	/* handle -> struct p2phub_reg (one ref each) */
+	u64 reg_bytes;		/* sum of the lengths in regs */
 };
+
+/* Per-file cap on registered bytes (module parameter max_reg_gib). */
+u64 p2phub_max_reg_bytes(void);
 
 /* Copy an argsz-prefixed struct from user space, checking argsz and flags. */
 int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
@@ -33,12 +37,16 @@ bool p2phub_all_zero(const void *p, size_t len);
 
 /*
  * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one
- * struct p2phub_nvme_ctrl; lock order there: device_lock(pci_dev) ->
- * p2phub_nvme_ctrl.lock; p2phub_nvme_handle.lock is taken alone.
+ * struct p2phub_nvme_ctrl. Lock order there (outer first):
+ *   device_lock(pci_dev) -> p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
+ *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)
+ * The controller fd holds a reference on the /dev/p2phub file it was
+ * opened from, so that file's registrations outlive the controller's DMA.
  */
 int p2phub_nvme_init(void);
 void p2phub_nvme_exit(void);
-long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
+long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
 
 /*
  * Registrations (p2phub_reg.c, p2phub_dmabuf.c, p2phub_nvp2p.c,
@@ -67,22 +75,29 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
  * Notifying an export's importers after a revocation happens from a work
  * item, never from inside another dma-buf's callback.
  *
- * In-kernel users (the NVMe engine):
+ * In-kernel users that make a device DMA into a registration (an owned
+ * NVMe controller) hold it through a struct p2phub_reg_user:
  *
  *	reg = p2phub_reg_get(pf, handle);		// -ENOENT
  *	ret = p2phub_reg_dma_pages(reg, pdev, &list);	// maps on first ask
- *	ret = p2phub_reg_io_begin(reg, list.generation);	// -ESTALE if revoked
- *	... DMA to list.addrs[i] + off ...
- *	p2phub_reg_io_end(reg);
+ *	ret = p2phub_reg_user_add(reg, &u, list.generation); // -ESTALE if revoked
+ *	... the device DMAs to list.addrs[i] + off ...
+ *	p2phub_reg_user_del(reg, &u);	// only once the device has stopped
  *	p2phub_reg_put(reg);
  *
- * list.addrs stays allocated until p2phub_reg_put(); its contents are valid
- * for DMA only while p2phub_reg_live(reg, list.generation) is true. An I/O
- * hold makes UNREGISTER fail with -EBUSY; it does not stop a revocation
- * (the owner of the memory decides), so the engine must check the
- * generation before each submission and fence its queues on a change.
- * p2phub_reg_put() may sleep (it can release the pin).
+ * While a user is added, UNREGISTER fails with -EBUSY and the pin and the
+ * device's mapping stay. A revocation cannot wait for the user: it calls
+ * u->stop_dma() synchronously, under p2phub_reg.state_lock (atomic
+ * context), before the revocation completes and before any mapping is
+ * torn down; stop_dma must leave the device unable to DMA when it returns
+ * (bus mastering off). list.addrs stays allocated until the user is
+ * deleted. p2phub_reg_put() may sleep (it can release the pin).
  */
+struct p2phub_reg_user {
+	struct list_head node;		/* on p2phub_reg.users, under state_lock */
+	void (*stop_dma)(struct p2phub_reg_user *u);
+};
+
 struct p2phub_reg;
 struct pci_dev;
 struct device;
@@ -98,9 +113,19 @@ struct p2phub_reg *p2phub_reg_get(struct p2phub_file *pf, u64 handle);
 void p2phub_reg_put(struct p2phub_reg *reg);
 int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 			 struct p2phub_dma_list *list);
-int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation);
-void p2phub_reg_io_end(struct p2phub_reg *reg);
+int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
+			u64 generation);
+void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);
 bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation);
+/*
+ * Copy entries [first, first + count) of @reg's DMA addresses for @pdev, in
+ * units of page_size (0: the registration's), to @uaddrs. The caller keeps
+ * the mapping alive (a user added, or an I/O hold).
+ */
+int p2phub_reg_copy_dma_pages(struct p2phub_reg *reg,
+			      const struct p2phub_dma_list *list,
+			      u32 page_size, u64 first, u32 count,
+			      u64 __user *uaddrs, u64 *total);
 
 /*
  * /dev/p2phub's struct device, given a 64-bit DMA mask at load: the

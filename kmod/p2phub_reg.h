@@ -81,7 +81,8 @@ struct p2phub_reg {
 	spinlock_t state_lock;		/* protects the block below */
 	enum p2phub_reg_state state;
 	u64 generation;
-	u32 io_holds;
+	u32 io_holds;			/* users plus ioctls reading the maps */
+	struct list_head users;		/* struct p2phub_reg_user */
 	u32 export_attached;
 	u32 export_mmaps;		/* VMAs mapping one of its exports */
 
