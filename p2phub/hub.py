@@ -289,7 +289,7 @@ class Hub:
     def nvme(self, bdf: str, **kw: object):  # -> p2phub.nvme.Controller
         """Bind (if needed) and bring up the NVMe controller at `bdf` (see p2phub.nvme.Controller)."""
         from .nvme import controller
-        return controller.open(bdf, **kw)  # type: ignore[arg-type]
+        return controller.open(bdf, hub=self, **kw)  # type: ignore[arg-type]
 
     def _forget(self, reg: Registration) -> None:
         self._regs.discard(reg)
