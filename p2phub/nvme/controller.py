@@ -329,7 +329,7 @@ class Controller:
             if q is not None:
                 if not reset_rings:
                     q.set_dead()
-                n += q.fail_all(lambda opc, cid, fut, _q=q: exc_for(opc, cid, fut, _q))
+                n += q.fail_all(lambda opc, cid, fut, _q=q: exc_for(opc, cid, fut, _q), reset_rings)
         return n
 
     # ---------------------------------------------------------------- admin

@@ -252,6 +252,7 @@ class QueuePair:
         self._cids = ffi.new("uint16_t[]", 256)
         self._bad = ffi.new("int *")
         self.eventfd = -1
+        self._state_seen = False
 
     # ---------------------------------------------------------------- submission
 
@@ -273,6 +274,8 @@ class QueuePair:
             for i in range(max(got, 0)):
                 futures[i].cids.append(cids[i])
         if got < 0:
+            if got == -errno.EIO:
+                self.hooks.state_changed(self)  # recover now (outside the lock), then report
             raise self.hooks.refused(self, -got, None)
         return got
 
@@ -292,6 +295,8 @@ class QueuePair:
                 futures[i].cids.append(cids[i])
             bad = self._bad[0]
         if ret < 0:
+            if ret == -errno.EIO:
+                self.hooks.state_changed(self)  # recover now (outside the lock), then report
             raise self.hooks.refused(self, -ret, ios[bad] if bad >= 0 else None)
         return got
 
@@ -316,6 +321,7 @@ class QueuePair:
                 self._process_locked()  # 64 batches attached: let one finish
             self._batches[int(fut._b.id)] = fut
             self._process_locked()       # first submission round now
+        self._after_process()
         return fut
 
     # ---------------------------------------------------------------- completion
@@ -323,17 +329,27 @@ class QueuePair:
     def process(self, idle_ns: int = 0) -> int:
         """Pump once (submit from attached batches, reap); returns single commands completed."""
         with self.lock:
-            return self._process_locked(idle_ns)
+            total = self._process_locked(idle_ns)
+        self._after_process()
+        return total
+
+    def _after_process(self) -> None:
+        # Outside the queue's lock: recovery takes every queue's lock in turn.
+        if self._state_seen:
+            self._state_seen = False
+            self.hooks.state_changed(self)
 
     def _process_locked(self, idle_ns: int = 0) -> int:
         lib = self.hot.lib
         total = 0
+        if self.c is None:
+            return 0
         while True:
             got = lib.p2h_pump(self.c, self._cpl, 256, idle_ns)
             if got < 0:
                 self._settle_batches()
                 if got == -errno.EIO:
-                    self.hooks.state_changed(self)
+                    self._state_seen = True
                 return total
             for i in range(got):
                 c = self._cpl[i]
@@ -416,11 +432,12 @@ class QueuePair:
 
     # ---------------------------------------------------------------- recovery
 
-    def fail_all(self, exc_for: Callable[[int, int, Any], BaseException]) -> int:
+    def fail_all(self, exc_for: Callable[[int, int, Any], BaseException], reset_rings: bool = True) -> int:
         """Forget every outstanding command (the controller is stopped); fail its future.
 
         exc_for(opcode, cid, future) gives each future's exception. Call it only once the
-        controller can no longer DMA (disabled, fenced, or its fd closed).
+        controller can no longer DMA (disabled, fenced, or its fd closed). reset_rings=False
+        when the ring memory is already unmapped (the queue pair is dead then).
         """
         with self.lock:
             pending, self._pending = self._pending, {}
@@ -428,7 +445,8 @@ class QueuePair:
             if self.c is not None:
                 for b in batches.values():
                     self.hot.lib.p2h_batch_detach(self.c, b._b)
-                self.hot.lib.p2h_qp_reset(self.c)
+                if reset_rings and not self.c.dead:
+                    self.hot.lib.p2h_qp_reset(self.c)
             for _tag, (f, opc) in pending.items():
                 f._fail(exc_for(opc, f.cids[-1] if f.cids else 0, f))
             for b in batches.values():
