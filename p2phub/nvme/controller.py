@@ -184,7 +184,7 @@ class Controller:
         prp_mem = None
         if prp_stride:
             ntrk = min(ntrk, (4 << 20) // prp_stride)
-            prp_mem = self.kfile.alloc_dma(ntrk * prp_stride, f"prp{qid}")
+            prp_mem = self.kfile.alloc_dma(_page(ntrk * prp_stride), f"prp{qid}")
         return QueuePair(self.hot, qid, depth, sq=self.kfile.alloc_dma(_page(depth * 64), f"sq{qid}"),
                          cq=self.kfile.alloc_dma(_page(depth * 16), f"cq{qid}"), prp=prp_mem,
                          prp_stride=prp_stride, ntrk=ntrk,
