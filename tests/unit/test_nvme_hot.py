@@ -387,3 +387,16 @@ def test_batch_run_generates_random_requests_in_the_one_pump() -> None:
     lbas = {struct.unpack_from("<Q", e, 40)[0] for e in f.seen}
     assert len(lbas) > 250 and all(lba % 8 == 0 and lba < 1 << 20 for lba in lbas)
     f.close()
+
+
+def test_status_page_layout_matches_the_uapi() -> None:
+    """struct p2h_status (what the hot path reads) is struct p2phub_nvme_status (what the kernel writes);
+    test_uapi.py holds uapi.NvmeStatus to the C header."""
+    import ctypes
+
+    from p2phub import uapi
+
+    assert ffi.sizeof("struct p2h_status") == ctypes.sizeof(uapi.NvmeStatus)
+    for name in ("abi", "state", "events", "reg_gen"):
+        assert ffi.offsetof("struct p2h_status", name) == getattr(uapi.NvmeStatus, name).offset, name
+    assert len(ffi.new("struct p2h_status *").reg_gen) == uapi.NVME_MAX_MAPS
