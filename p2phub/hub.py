@@ -502,7 +502,7 @@ class Hub(Resource):
         self._check_open()
         from .nvme import controller
         self._ctrls = [c for c in self._ctrls if not c.closed]
-        ctrl = controller.open(bdf, **kw)
+        ctrl = controller.open(bdf, hub=self, **kw)  # type: ignore[arg-type]
         self._ctrls.append(ctrl)
         return ctrl
 
