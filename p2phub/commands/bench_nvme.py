@@ -13,8 +13,8 @@ Three sides, in the same run, each pinned to the same CPU:
 - ``fio_io_uring``: fio with io_uring (polled completion: --hipri, registered
   buffers and files) on a controller left on the kernel nvme driver.
 
-The controllers come from --device/--baseline, or $P2PHUB_NVME_DEVICE and
-$P2PHUB_NVME_BASELINE; nothing is assumed about the machine.
+The controllers come from --device/--baseline, or $P2PHUB_BENCH_DEVICE and
+$P2PHUB_BENCH_BASELINE; nothing is assumed about the machine.
 """
 
 from __future__ import annotations
