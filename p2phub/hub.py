@@ -102,6 +102,7 @@ class Registration:
         self.source: object = None       # what was registered, kept alive until close()
         self._owns_source = False         # close() closes it too (hub.alloc_host)
         self._mrs: "weakref.WeakSet" = weakref.WeakSet()  # live p2phub.rdma.MemoryRegion
+        self._ordering = None            # p2phub.ordering.Ordering, made on first use
 
     # ----------------------------------------------------------- queries
 
@@ -187,11 +188,26 @@ class Registration:
     def live_mrs(self) -> int:
         return sum(1 for mr in self._mrs if not mr.closed)
 
+    # ----------------------------------------------------------- ordering
+
+    @property
+    def ordering(self):  # -> p2phub.ordering.Ordering
+        """The live accesses of this registration and their order (see p2phub.ordering)."""
+        if self._ordering is None:
+            from .ordering import for_registration
+            self._ordering = for_registration(self, strict=self._hub.strict_ordering)
+        return self._ordering
+
+    def gpu_access(self, offset: int, length: int, kind: object, stream: object):
+        """Declare GPU work on [offset, offset + length) on `stream` (p2phub.ordering.GpuAccess)."""
+        return self.ordering.gpu_access(offset, length, kind, stream)  # type: ignore[arg-type]
+
     # ----------------------------------------------------------- lifetime
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, timeout: float | None = 0.0) -> None:
         """Unregister. Raises P2PHubOSError(EBUSY) while an importer is attached to an export,
-        or while RDMA memory regions of it are alive (with force=True they are closed first).
+        while RDMA memory regions of it are alive (with force=True they are closed first), or
+        while accesses to it are in flight after `timeout` seconds (with force=True they fail).
         """
         if self._closed:
             return
@@ -200,6 +216,8 @@ class Registration:
             raise P2PHubOSError(errno.EBUSY, f"close {self}",
                                 f"{len(live)} RDMA memory region(s) still use it; close them "
                                 "or call close(force=True)")
+        if self._ordering is not None:
+            self._ordering.close(timeout=timeout, force=force)
         for mr in live:
             mr.close()
         if self._dmabuf_fd >= 0:
@@ -235,6 +253,7 @@ class Hub:
     def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
         self.device = Device(path)
         self._regs: "weakref.WeakSet[Registration]" = weakref.WeakSet()
+        self.strict_ordering = False     # new registrations raise OrderingError on conflicts
 
     def _register(self, a: uapi.Register, what: str) -> Registration:
         self.device.ioctl(uapi.REGISTER, a, f"P2PHUB_REGISTER {what}")
@@ -302,6 +321,8 @@ class Hub:
         if self.device.closed:
             return
         for reg in list(self._regs):
+            if reg._ordering is not None:
+                reg._ordering.close(force=True, reason="the hub was closed")
             for mr in list(reg._mrs):
                 mr.close()  # an MR must not outlive the pin it maps
             if reg._dmabuf_fd >= 0:
