@@ -49,11 +49,9 @@ class AccessFence(Fence):
         self.access = access
         self._ordering = ordering
         self._source: Fence | None = None
-        self._bound = threading.Event()
 
     def _bind(self, src: Fence) -> None:
         self._source = src
-        self._bound.set()
         with src._lock:
             pending = not src._event.is_set()
             if pending:
@@ -71,20 +69,25 @@ class AccessFence(Fence):
             src._poll()
 
     def _block(self, timeout: float | None) -> None:
+        # Wait on this fence's own event: it completes from the source (callback) or
+        # when the access is withdrawn, whichever comes first. A source that only
+        # completes when driven (a queue, a CQ, a host word) is polled meanwhile.
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._bound.is_set():
-            if not self._bound.wait(timeout):
+        spin = 0
+        while not self._event.is_set():
+            src = self._source
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return
-        if self._event.is_set():
-            return
-        src = self._source
-        assert src is not None
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        src._block(left)
-        if src._event.is_set() and not self._event.is_set():
-            self._from_source(src)
-        elif not self._event.is_set():
-            super()._block(0 if left is None else max(0.0, deadline - time.monotonic()))  # type: ignore[operator]
+            if src is None:  # not bound yet: the declaring thread is submitting
+                self._event.wait(0.001 if left is None else min(0.001, left))
+            elif not src.needs_driving:
+                self._event.wait(left)
+            else:
+                src._poll()
+                spin += 1
+                if spin > 200:
+                    self._event.wait(0.0002 if left is None else min(0.0002, left))
 
 
 class Ordering:
