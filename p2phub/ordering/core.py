@@ -45,15 +45,23 @@ class AccessFence(Fence):
     needs_driving = True
 
     def __init__(self, access: Access, ordering: "Ordering") -> None:
-        super().__init__(str(access))
+        super().__init__("")
         self.access = access
         self._ordering = ordering
         self._source: Fence | None = None
 
+    @property  # type: ignore[override]
+    def what(self) -> str:
+        return str(self.access)
+
+    @what.setter
+    def what(self, _value: str) -> None:
+        pass
+
     def _bind(self, src: Fence) -> None:
         self._source = src
         with src._lock:
-            pending = not src._event.is_set()
+            pending = not src._done
             if pending:
                 src._callbacks.append(self._from_source)
         if not pending:
@@ -65,7 +73,7 @@ class AccessFence(Fence):
 
     def _poll(self) -> None:
         src = self._source
-        if src is not None and not src._event.is_set():
+        if src is not None and not src._done:
             src._poll()
 
     def _block(self, timeout: float | None) -> None:
@@ -74,20 +82,20 @@ class AccessFence(Fence):
         # completes when driven (a queue, a CQ, a host word) is polled meanwhile.
         deadline = None if timeout is None else time.monotonic() + timeout
         spin = 0
-        while not self._event.is_set():
+        while not self._done:
             src = self._source
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
             if src is None:  # not bound yet: the declaring thread is submitting
-                self._event.wait(0.001 if left is None else min(0.001, left))
+                self._sleep(0.001 if left is None else min(0.001, left))
             elif not src.needs_driving:
-                self._event.wait(left)
+                self._sleep(left)
             else:
                 src._poll()
                 spin += 1
                 if spin > 200:
-                    self._event.wait(0.0002 if left is None else min(0.0002, left))
+                    self._sleep(0.0002 if left is None else min(0.0002, left))
 
 
 class Ordering:
@@ -180,7 +188,7 @@ class Ordering:
         """Take back an access whose work never started (or will never complete)."""
         f = a.fence
         assert f is not None
-        if f._event.is_set():
+        if f._done:
             return
         self._release(a)
         if exc is None:
@@ -314,7 +322,7 @@ class GpuAccess(Fence):
 
     def _poll(self) -> None:
         s = self._slot
-        if s is not None and not self._event.is_set():
+        if s is not None and not self._done:
             pool, slot, value = s
             if pool.reached(slot, value):
                 pool.release(slot)
@@ -330,7 +338,7 @@ class GpuAccess(Fence):
         return self
 
     def __exit__(self, et: object, exc: BaseException | None, tb: object) -> None:
-        if self._slot is not None or self._event.is_set():
+        if self._slot is not None or self._done:
             return
         if exc is not None:
             # The work may or may not be on the stream: record anyway, so the range is

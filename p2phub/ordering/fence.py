@@ -38,7 +38,8 @@ class Fence:
     def __init__(self, what: str = "") -> None:
         self.what = what
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._done = False
+        self._ev: threading.Event | None = None  # made only when a thread blocks
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[["Fence"], None]] = []
         self._words: list[tuple["WordPool", int, int]] = []  # (pool, slot, value) to store
@@ -47,12 +48,15 @@ class Fence:
     def _complete(self, exc: BaseException | None = None) -> bool:
         """Complete the fence (once); False when it already was."""
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return False
             self._exc = exc
             words, self._words = self._words, []
             callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
+            self._done = True
+            ev = self._ev
+        if ev is not None:
+            ev.set()
         # Release GPU streams first: they are the latency-critical waiters. A failed fence
         # releases them too (a stream stuck forever cannot be recovered); the failure is
         # reported to every CPU waiter and by exception().
@@ -66,6 +70,16 @@ class Fence:
                 traceback.print_exc()
         return True
 
+    def _sleep(self, timeout: float | None) -> None:
+        """Sleep until complete or `timeout` seconds pass."""
+        with self._lock:
+            if self._done:
+                return
+            ev = self._ev
+            if ev is None:
+                ev = self._ev = threading.Event()
+        ev.wait(timeout)
+
     # ------------------------------------------------------------------ driving hooks
     def _poll(self) -> None:
         """Make progress without blocking (reap a CQ, read a host word)."""
@@ -73,26 +87,26 @@ class Fence:
     def _block(self, timeout: float | None) -> None:
         """Block until complete or `timeout` seconds pass (driving the source)."""
         if not self.needs_driving:
-            self._event.wait(timeout)
+            self._sleep(timeout)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         spin = 0
-        while not self._event.is_set():
+        while not self._done:
             self._poll()
-            if self._event.is_set():
+            if self._done:
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
             spin += 1
             if spin > 200:  # spin briefly for low latency, then back off
-                self._event.wait(0.0002 if deadline is None else min(0.0002, deadline - now))
+                self._sleep(0.0002 if deadline is None else min(0.0002, deadline - now))
 
     # ------------------------------------------------------------------ user side
     def done(self) -> bool:
-        if not self._event.is_set() and self.needs_driving:
+        if not self._done and self.needs_driving:
             self._poll()
-        return self._event.is_set()
+        return self._done
 
     def failed(self) -> bool:
         """Complete with a failure (non-blocking)."""
@@ -100,17 +114,17 @@ class Fence:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete; raise FenceTimeout, or the failure (a FenceError, cause chained)."""
-        if not self._event.is_set():
+        if not self._done:
             self._block(timeout)
-            if not self._event.is_set():
+            if not self._done:
                 raise FenceTimeout(f"{self}: not complete after {timeout} s")
         if self._exc is not None:
             raise self._failure()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._event.is_set():
+        if not self._done:
             self._block(timeout)
-            if not self._event.is_set():
+            if not self._done:
                 raise FenceTimeout(f"{self}: not complete after {timeout} s")
         return self._exc
 
@@ -125,7 +139,7 @@ class Fence:
 
     def add_done_callback(self, fn: Callable[["Fence"], None]) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 pending = True
             else:
@@ -166,7 +180,7 @@ class Fence:
         pool = WordPool.for_ops(ops, ops.stream_device(stream))
         slot, value = pool.take()
         with self._lock:
-            pending = not self._event.is_set()
+            pending = not self._done
             if pending:
                 self._words.append((pool, slot, value))
         if not pending:
@@ -179,7 +193,7 @@ class Fence:
             progress().watch(self)
 
     def __repr__(self) -> str:
-        if not self._event.is_set():
+        if not self._done:
             state = "pending"
         else:
             state = "failed" if self._exc is not None else "done"
@@ -248,7 +262,7 @@ class SourceFence(Fence):
         except BaseException as exc:  # noqa: BLE001 - the source's failure is the fence's
             self._complete(exc)
             return
-        if not self._event.is_set() and self.source.done():
+        if not self._done and self.source.done():
             self._from_source(self.source)
 
 
