@@ -152,9 +152,18 @@ class Namespace:
     def submit(self, ops: Iterable[Op], *, qpair: QueuePair | None = None) -> list[CommandFuture]:
         """Submit a batch: every op is validated first, then all go out with one doorbell
         (per queue-full round). Returns one future per op."""
+        from ..ordering import nvme as ordering  # accesses to registrations are ordered
+
         qp = qpair or self.ctrl.io_qpair()
-        ios, piece_futs, op_futs = self._prepare(list(ops), qp)
-        self.ctrl._submit_prepared(qp, ios, piece_futs)
+        ops = list(ops)
+        ios, piece_futs, op_futs = self._prepare(ops, qp)
+        declared = ordering.declare(ops, [f.what for f in op_futs])
+        try:
+            self.ctrl._submit_prepared(qp, ios, piece_futs)
+        except BaseException as exc:
+            ordering.abandon(declared, op_futs, exc)
+            raise
+        ordering.bind(declared, op_futs)
         return op_futs
 
     # ---------------------------------------------------------------- asyncio

@@ -182,6 +182,13 @@ class Ordering:
             if f.done():
                 self._check_dep(a, dep, f._exc)
                 continue
+            src = f._source
+            slot = src._slot if isinstance(src, GpuAccess) else None
+            if slot is not None and ops is not None and src.ops is ops:
+                # GPU after GPU: wait on the word the earlier stream writes, no host hop.
+                pool, index, value = slot
+                ops.stream_wait_value32(stream, pool.dev_addr(index), value)
+                continue
             f.on_stream(stream, ops)
 
     def withdraw(self, a: Access, exc: BaseException | None = None) -> None:

@@ -176,7 +176,12 @@ class QueuePair:
         attr.timeout = timeout
         attr.retry_cnt = retry_cnt
         attr.rnr_retry = rnr_retry
-        gr = GlobalRoute(dgid=GID(peer.gid), sgid_index=self.gid_index)
+        import ipaddress
+        try:  # pyverbs wants all eight 4-digit groups
+            gid = ipaddress.IPv6Address(peer.gid).exploded
+        except ValueError:
+            raise UsageError(f"peer GID {peer.gid!r} is not an IPv6-style GID") from None
+        gr = GlobalRoute(dgid=GID(gid), sgid_index=self.gid_index)
         attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port)
         self.qp.to_rts(attr)
 
