@@ -1,6 +1,14 @@
 """Fences and GPU streams on a real GPU: a fence gates kernels on torch and CuPy streams
 (cuStreamWaitValue32 on a pinned host word), GPU work declared with gpu_access holds back
-later host-side accesses, and the data is checked on the GPU."""
+later host-side accesses, and the data is checked on the GPU.
+
+While a stream waits on a fence, nothing here touches the legacy default stream or
+synchronizes the whole device: both would wait for the held stream (a deadlock the
+test would create, not p2phub). Producers run on streams of their own.
+
+Every kernel is run once before it is enqueued behind a fence: with CUDA's lazy module
+loading (the default), the first launch of a kernel loads its module, and that load
+waits for the context's streams, the held one included, so it would never return."""
 
 from __future__ import annotations
 
@@ -49,6 +57,10 @@ def test_fence_gates_a_torch_kernel_until_the_host_completes_it(torch, ops) -> N
     src = torch.zeros(N, dtype=torch.int32, device="cuda")
     dst = torch.full((N,), -1, dtype=torch.int32, device="cuda")
     host = (torch.arange(N, dtype=torch.int32) * 3 + 7).pin_memory()
+    with torch.cuda.stream(s):
+        dst.copy_(src * 2)                  # load the kernels (lazy loading), see above
+    torch.cuda.synchronize()
+    dst.fill_(-1)
     torch.cuda.synchronize()
 
     f = HostFence("ssd read into src (stand-in)")
@@ -57,12 +69,15 @@ def test_fence_gates_a_torch_kernel_until_the_host_completes_it(torch, ops) -> N
         dst.copy_(src * 2)                  # the consumer, enqueued behind the fence
     assert _blocked(s.query), "the consumer ran before the fence completed"
 
-    # The producer fills src (another stream, standing in for the SSD's DMA), then the
-    # host completes the fence.
-    src.copy_(host.cuda(non_blocking=False))
-    torch.cuda.current_stream().synchronize()
+    # The producer fills src (a stream of its own, standing in for the SSD's DMA), then
+    # the host completes the fence.
+    p = torch.cuda.Stream()
+    with torch.cuda.stream(p):
+        src.copy_(host, non_blocking=True)
+    p.synchronize()
     f.set()
     s.synchronize()
+    torch.cuda.synchronize()
     want = (torch.arange(N, dtype=torch.int32, device="cuda") * 3 + 7) * 2
     assert torch.equal(dst, want)           # compared on the GPU
 
@@ -71,16 +86,25 @@ def test_fence_gates_a_cupy_kernel(cp, ops) -> None:
     s = cp.cuda.Stream(non_blocking=True)
     src = cp.zeros(N, dtype=cp.int32)
     dst = cp.full(N, -1, dtype=cp.int32)
+    with s:
+        dst[...] = src + 1                      # load the kernel first
+        src[...] = 41
+        dst[...] = -1
+    cp.cuda.Device().synchronize()
+    src[...] = 0
     cp.cuda.Device().synchronize()
     f = HostFence("rdma write into src (stand-in)")
     f.on_stream(s)
     with s:
         dst[...] = src + 1
     assert _blocked(lambda: s.done), "the CuPy kernel ran before the fence completed"
-    src[...] = 41                               # producer on the default stream
-    cp.cuda.Device().synchronize()
+    p = cp.cuda.Stream(non_blocking=True)
+    with p:
+        src[...] = 41                           # the producer, on a stream of its own
+    p.synchronize()
     threading.Timer(0.05, f.set).start()        # completed from another thread
     s.synchronize()
+    cp.cuda.Device().synchronize()
     assert bool(cp.all(dst == 42))
 
 
@@ -113,9 +137,12 @@ def test_gpu_write_then_gpu_read_on_two_streams(torch, ops) -> None:
     nbytes = N * 4
     buf = torch.zeros(N, dtype=torch.int32, device="cuda")
     out = torch.zeros(N, dtype=torch.int32, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s2):
+        out.copy_(buf)                        # load the kernels first
+    buf.fill_(0)
     torch.cuda.synchronize()
     o = Ordering("gpu buffer", nbytes)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     with o.gpu_access(0, nbytes, AccessKind.GPU_WRITE, s1):
         with torch.cuda.stream(s1):
             torch.cuda._sleep(100_000_000)
@@ -138,29 +165,40 @@ def test_nvme_style_producer_then_gpu_read_through_the_tracker(torch, ops) -> No
     nbytes = N * 4
     buf = torch.zeros(N, dtype=torch.int32, device="cuda")
     out = torch.full((N,), -1, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out[:1024].copy_(buf[:1024])          # load the kernels first
+        buf.fill_(5)
+        buf.fill_(0)
+        out.fill_(-1)
     torch.cuda.synchronize()
     o = Ordering("gpu buffer", nbytes)
     rd = o.acquire(0, nbytes, AccessKind.NVME_READ, "ssd read")
     cqe = HostFence("cqe")
     rd.bind(cqe)
-    s = torch.cuda.Stream()
     with o.gpu_access(0, 4096, AccessKind.GPU_READ, s) as g:
         with torch.cuda.stream(s):
             out[:1024].copy_(buf[:1024])
     assert g.access.deps == [rd]
     assert _blocked(s.query)
-    buf.fill_(5)
-    torch.cuda.current_stream().synchronize()
+    p = torch.cuda.Stream()
+    with torch.cuda.stream(p):
+        buf.fill_(5)
+    p.synchronize()
     cqe.set()
     g.wait(30)
+    torch.cuda.synchronize()
     assert torch.equal(out[:1024], torch.full((1024,), 5, dtype=torch.int32, device="cuda"))
 
 
 def test_a_failed_fence_releases_the_stream_and_reports(torch, ops) -> None:
     s = torch.cuda.Stream()
+    x = torch.zeros(16, device="cuda")
+    with torch.cuda.stream(s):
+        x.add_(1)                             # load the kernel first
+    torch.cuda.synchronize()
     f = HostFence("nvme read")
     f.on_stream(s)
-    x = torch.zeros(16, device="cuda")
     with torch.cuda.stream(s):
         x.add_(1)
     f.fail("controller reset: command aborted")
