@@ -204,7 +204,7 @@ class Registration:
 
     # ----------------------------------------------------------- lifetime
 
-    def close(self, force: bool = False, timeout: float | None = 0.0) -> None:
+    def close(self, force: bool = False, timeout: float | None = 5.0) -> None:
         """Unregister. Raises P2PHubOSError(EBUSY) while an importer is attached to an export,
         while RDMA memory regions of it are alive (with force=True they are closed first), or
         while accesses to it are in flight after `timeout` seconds (with force=True they fail).

@@ -376,6 +376,10 @@ class QueuePair:
             if ok and wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
                 imm = int(wc.imm_data)
                 q = self._expect.get(imm)
+                if not q:  # a provider/binding that hands imm_data over in network order
+                    swapped = int.from_bytes(imm.to_bytes(4, "little"), "big")
+                    if self._expect.get(swapped):
+                        imm, q = swapped, self._expect[swapped]
                 if kind == "recv":
                     # A notification consumed a data RECV: put the data RECV back.
                     f = self._pending.pop(wr_id)

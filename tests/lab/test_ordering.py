@@ -135,6 +135,7 @@ def test_write_with_imm_then_nvme_write_stores_the_received_bytes(hub, pair, bdf
     lba = (SSD_OFF + 4 * MiB) // LBA
     kernel_io.write(kernel_io.require_namespace_device(bdf, 1), SSD_OFF + 4 * MiB, b"\x11" * n)
 
+    pair.reg_b.ordering.timeout = 60  # a lost notification fails the test, never hangs it
     ctrl = hub.nvme(bdf)
     try:
         notified = pair.qb.expect_write(pair.mr_b, off_b, n, imm=0x5EED)
