@@ -12,7 +12,7 @@ accesses (an NVMe read still filling the bytes to send); in strict mode it raise
 OrderingError and posts nothing. The completion is the fence; it releases the range.
 
 Remote notifications: the receiver calls ``expect_write(mr, off, n, imm)`` (a producer
-access on its range, plus a posted zero-length RECV); the sender's
+access on its range, plus a posted RECV); the sender's
 ``write_with_imm(..., imm)`` lands the bytes and consumes that RECV; the receiver's fence
 completes once the bytes are visible to a consumer there (after
 cuFlushGPUDirectRDMAWrites where the GPU needs it).
@@ -22,7 +22,7 @@ the request), REMOTE_COMPLETE (the sender's completion: the responder acknowledg
 bytes), VISIBLE (the receiver's notification fence, after any flush its GPU needs).
 
 Do not mix SENDs and notified WRITEs in flight on one QP: RC consumes RECVs in order,
-and a SEND landing in a notification's zero-length RECV fails the QP.
+and a SEND would land in a notification's RECV (the lent range) and complete nothing.
 """
 
 from __future__ import annotations
@@ -287,14 +287,11 @@ class QueuePair:
                                                         length),
                               RdmaFence(self, what))
 
-    def _post_recv(self, mr: MemoryRegion | None, offset: int, length: int, kind: str) -> int:
+    def _post_recv(self, mr: MemoryRegion, offset: int, length: int, kind: str) -> int:
         from pyverbs.wr import SGE, RecvWR
 
         wr_id = next(self._ids)
-        if mr is None:
-            wr = RecvWR(wr_id=wr_id, num_sge=0)
-        else:
-            wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(mr.addr + offset, length, mr.lkey)])
+        wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(mr.addr + offset, length, mr.lkey)])
         self._recv_wqes[wr_id] = (kind, (mr, offset, length))
         try:
             self.qp.post_recv(wr)
@@ -323,7 +320,7 @@ class QueuePair:
         """Lend mr[offset:+length] to the peer's notified WRITE carrying `imm`.
 
         Declares a producer access on the range now (waiting for, or in strict mode
-        refusing, earlier accesses to it), posts a zero-length RECV for the notification,
+        refusing, earlier accesses to it), posts a RECV for the notification,
         and returns a fence that completes when the bytes have landed and are visible to
         consumers here. Later accesses to the range (an NVMe write of it) wait for it."""
         if not 0 <= imm < 1 << 32:
@@ -337,7 +334,9 @@ class QueuePair:
         def post(f: RdmaFence) -> None:
             self._expect.setdefault(imm, collections.deque()).append(f)  # type: ignore[arg-type]
             try:
-                self._post_recv(None, 0, 0, "notify")
+                # pyverbs wants an SGE: the lent range itself (a WRITE_WITH_IMM consumes
+                # the RECV without writing through it).
+                self._post_recv(mr, offset, length, "notify")
             except BaseException:
                 self._expect[imm].pop()
                 raise
@@ -398,7 +397,8 @@ class QueuePair:
                         self.on_notify(imm, wc.byte_len)
                 return
             if kind == "notify":
-                if ok:  # a SEND into a zero-length RECV cannot succeed; be safe
+                if ok:  # a SEND landed in a notification's RECV: not a notification
+                    self.unexpected.append((-1, wc.byte_len))
                     return
                 self._fail_one_expect(RdmaError("notification RECV", wc.status, wc.vendor_err), done)
                 return
