@@ -72,16 +72,18 @@ def bench_ordering(live_counts: list[int], ops: int, runs: int) -> dict:
             a.bind(f)
             keep.append(f)
         base_runs, acc_runs, check_runs = [], [], []
+        base_cpu, acc_cpu = [], []
         for _ in range(runs):
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             for _i in range(ops):
                 f = HostFence()
                 f.set()
             base_runs.append((time.perf_counter_ns() - t0) / ops)
+            base_cpu.append((time.thread_time_ns() - c0) / ops)
 
             # The declared accesses land between the live ones (no conflict, no wait),
             # spread over the whole registration.
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             for i in range(ops):
                 off = (i % max(live, 1)) * stride + 4096
                 a = o.acquire(off, 4096, AccessKind.RDMA_SEND)
@@ -89,6 +91,7 @@ def bench_ordering(live_counts: list[int], ops: int, runs: int) -> dict:
                 a.bind(f)
                 f.set()
             acc_runs.append((time.perf_counter_ns() - t0) / ops)
+            acc_cpu.append((time.thread_time_ns() - c0) / ops)
 
             t0 = time.perf_counter_ns()
             for i in range(ops):
@@ -100,11 +103,16 @@ def bench_ordering(live_counts: list[int], ops: int, runs: int) -> dict:
         assert len(o) == 0
         base = statistics.median(base_runs)
         acc = statistics.median(acc_runs)
+        bcpu, acpu = statistics.median(base_cpu), statistics.median(acc_cpu)
         rows.append({"live": live, "runs": runs, "ops_per_run": ops,
                      "fence_only_us": base / 1e3, "access_us": acc / 1e3,
                      "lookup_us": statistics.median(check_runs) / 1e3,
                      "tracker_us": (acc - base) / 1e3, "ratio": acc / base,
-                     "access_runs_us": [x / 1e3 for x in acc_runs]})
+                     # CPU time of this thread: what the host's other load does not inflate
+                     "fence_only_cpu_us": bcpu / 1e3, "access_cpu_us": acpu / 1e3,
+                     "tracker_cpu_us": (acpu - bcpu) / 1e3, "cpu_ratio": acpu / bcpu,
+                     "access_runs_us": [x / 1e3 for x in acc_runs],
+                     "access_cpu_runs_us": [x / 1e3 for x in acc_cpu]})
     return {"schema": SCHEMA_ORDERING, **_meta(), "results": rows}
 
 
@@ -113,11 +121,14 @@ def _render_ordering(rep: dict) -> None:
     from rich.table import Table
 
     t = Table(title="p2phub bench ordering: one access (enter + bind + release), medians")
-    for col in ("live ranges", "fence only", "access", "tracker share", "lookup", "ratio"):
+    for col in ("live ranges", "fence only", "access", "tracker share", "access CPU",
+                "tracker CPU", "lookup", "CPU ratio"):
         t.add_column(col, justify="right")
     for r in rep["results"]:
         t.add_row(f"{r['live']:,}", f"{r['fence_only_us']:.2f} us", f"{r['access_us']:.2f} us",
-                  f"{r['tracker_us']:.2f} us", f"{r['lookup_us']:.2f} us", f"{r['ratio']:.2f}")
+                  f"{r['tracker_us']:.2f} us", f"{r['access_cpu_us']:.2f} us",
+                  f"{r['tracker_cpu_us']:.2f} us", f"{r['lookup_us']:.2f} us",
+                  f"{r['cpu_ratio']:.2f}")
     Console().print(t)
 
 

@@ -130,12 +130,11 @@ class Ordering:
         with self._lock:
             if self._closed:
                 raise UsageError(f"{self.owner} is closed{self._closed_reason}")
-            deps = self._tracker.conflicts(a.start, a.end, kind)
+            deps = self._tracker.enter(a, self.strict)
             if deps and self.strict:
                 raise OrderingError(f"{a} conflicts with the live {deps[0]} (strict ordering)",
                                     a, deps[0])
             a.deps = deps
-            self._tracker.insert(a)
         return a
 
     def acquire(self, offset: int, length: int, kind: AccessKind, what: str = "", *,

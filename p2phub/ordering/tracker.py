@@ -240,6 +240,30 @@ class RangeTracker:
             seg[0] = at
             self._keys.add(at)
 
+    def enter(self, a: Access, strict: bool = False) -> list[Access]:
+        """The live accesses `a` must come after (oldest first), and `a` entered, in one
+        walk; with `strict`, `a` is entered only when there are none."""
+        s, e = a.start, a.end
+        if s >= e:
+            raise ValueError(f"empty range {a}")
+        keys = self._keys.irange(self._first_key(s), e)
+        if not keys:  # nothing live in [s, e): one new segment, no neighbour can equal it
+            self._segs[s] = [e, (a,)]
+            self._keys.add(s)
+            self._live += 1
+            return []
+        seen: dict[int, Access] = {}
+        segs = self._segs
+        producer = a.kind.producer
+        for k in keys:
+            for x in segs[k][1]:
+                if producer or x.kind.producer:
+                    seen[x.seq] = x
+        deps = [seen[q] for q in sorted(seen)]
+        if not (strict and deps):
+            self.insert(a)
+        return deps
+
     def insert(self, a: Access) -> None:
         s, e = a.start, a.end
         if s >= e:
@@ -263,6 +287,13 @@ class RangeTracker:
     def remove(self, a: Access) -> None:
         s, e = a.start, a.end
         segs = self._segs
+        seg = segs.get(s)
+        if seg is not None and seg[0] == e and len(seg[1]) == 1 and seg[1][0] is a:
+            # Alone on its own segment: drop it; a gap is left, so nothing to merge.
+            del segs[s]
+            self._keys.remove(s)
+            self._live -= 1
+            return
         found = False
         for k in self._keys.irange(s, e):
             seg = segs[k]

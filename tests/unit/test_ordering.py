@@ -45,8 +45,18 @@ class TrackerModel(RuleBasedStateMachine):
         got = self.t.conflicts(start, end, kind)
         assert got == brute_conflicts(self.live, start, end, kind)
         a = Access(kind, start, end)
-        self.t.insert(a)
+        assert self.t.enter(a) == got
         self.live.append(a)
+
+    @rule(start=st.integers(0, SPACE - 1), length=st.integers(1, 24),
+          kind=st.sampled_from(list(AccessKind)))
+    def enter_strict(self, start: int, length: int, kind: AccessKind) -> None:
+        end = min(SPACE, start + length)
+        want = brute_conflicts(self.live, start, end, kind)
+        a = Access(kind, start, end)
+        assert self.t.enter(a, strict=True) == want
+        if not want:  # entered only without conflicts
+            self.live.append(a)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10_000))
