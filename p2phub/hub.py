@@ -113,6 +113,7 @@ class _Pin:
         # made on first use: most registrations never get either
         self.dependents: "weakref.WeakSet[Any] | None" = None  # MRs: closed first
         self.users: "weakref.WeakKeyDictionary[Any, Registration] | None" = None
+        self.ordering: Any = None  # p2phub.ordering.Ordering, made on first use
         self._info: uapi.RegInfo | None = None
 
     @property
@@ -305,6 +306,26 @@ class Registration(Resource):
             raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
         return reg_mr(self, access)
 
+    # ----------------------------------------------------------- ordering
+
+    @property
+    def ordering(self) -> Any:  # -> p2phub.ordering.Ordering
+        """The live accesses of this memory and their order (see p2phub.ordering).
+
+        Shared by every Registration of the same pin; a user of the pin like any other, so
+        close() waits for (or, forced, fails) the accesses still in flight."""
+        pin = self._pin
+        if pin.ordering is None:
+            from .ordering import for_registration
+            self._check_open()
+            pin.ordering = for_registration(self, strict=pin.hub.strict_ordering)
+            self.add_user(pin.ordering)
+        return pin.ordering
+
+    def gpu_access(self, offset: int, length: int, kind: Any, stream: Any) -> Any:
+        """Declare GPU work on [offset, offset + length) on `stream` (p2phub.ordering.GpuAccess)."""
+        return self.ordering.gpu_access(offset, length, kind, stream)
+
     # ----------------------------------------------------------- what depends on it
 
     def add_dependent(self, obj: Any) -> None:
@@ -380,6 +401,7 @@ class Hub(Resource):
         self._cache: dict[Hashable, _Pin] = {}
         self._ctrls: list[Any] = []
         self._caps: int | None = None
+        self.strict_ordering = False  # new registrations raise OrderingError on conflicts
 
     # ----------------------------------------------------------- registering
 

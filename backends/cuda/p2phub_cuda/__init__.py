@@ -3,3 +3,9 @@
 from .backend import CudaBackend, backend
 
 __all__ = ["CudaBackend", "backend"]
+
+
+def stream_ops():  # -> p2phub_cuda.streams.CudaStreamOps
+    """Stream ops for p2phub.ordering (see p2phub.backend.StreamOps)."""
+    from .streams import stream_ops as _ops
+    return _ops()
