@@ -34,7 +34,7 @@ static_assert(sizeof(dma_addr_t) <= sizeof(u64));
 #define P2PHUB_COPY_CHUNK	512	/* addresses per bounce buffer */
 
 struct p2phub_reg_stats p2phub_stats;
-static struct workqueue_struct *p2phub_reg_wq;
+struct workqueue_struct *p2phub_reg_wq;
 /* /sys/kernel/debug/p2phub: other parts of the module may add files. */
 struct dentry *p2phub_debugfs_dir;
 
