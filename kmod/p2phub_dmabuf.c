@@ -221,11 +221,18 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 
 	dma_resv_lock(dmabuf->resv, NULL);
 	map->db.mapping = true;
-	ret = dma_buf_pin(attach);
-	if (ret)
-		goto err_unlock;
-	atomic_inc(&p2phub_stats.dmabuf_pins);
-	map->db.pinned = true;
+	/*
+	 * Pin, so that the exporter does not move the memory (any move is a
+	 * revocation here). Not p2phub's own exports: they never move, and
+	 * refuse pins of revocable memory; this import follows move_notify.
+	 */
+	if (!p2phub_export_reg(dmabuf)) {
+		ret = dma_buf_pin(attach);
+		if (ret)
+			goto err_unlock;
+		atomic_inc(&p2phub_stats.dmabuf_pins);
+		map->db.pinned = true;
+	}
 	sgt = dma_buf_map_attachment(attach, p2phub_dmabuf_dir(reg));
 	if (IS_ERR(sgt)) {
 		ret = PTR_ERR(sgt);
@@ -254,9 +261,11 @@ err_unmap:
 	dma_buf_unmap_attachment(attach, sgt, p2phub_dmabuf_dir(reg));
 	map->db.sgt = NULL;
 err_unpin:
-	dma_buf_unpin(attach);
-	atomic_dec(&p2phub_stats.dmabuf_pins);
-	map->db.pinned = false;
+	if (map->db.pinned) {
+		dma_buf_unpin(attach);
+		atomic_dec(&p2phub_stats.dmabuf_pins);
+		map->db.pinned = false;
+	}
 err_unlock:
 	map->db.mapping = false;
 	dma_resv_unlock(dmabuf->resv);

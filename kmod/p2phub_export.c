@@ -354,7 +354,8 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 	u64 end;
 	int ret;
 
-	if (!(vma->vm_flags & VM_SHARED))
+	/* VM_MAYSHARE: MAP_SHARED of a read-only file has no VM_SHARED. */
+	if (!(vma->vm_flags & VM_MAYSHARE))
 		return -EINVAL;		/* a private (COW) copy makes no sense */
 	if (check_add_overflow((u64)vma->vm_pgoff, (u64)npages, &end) ||
 	    end > reg->length >> PAGE_SHIFT)

@@ -57,11 +57,16 @@ struct p2phub_reg;
 struct p2phub_provider {
 	u32 id;				/* P2PHUB_PROVIDER_* */
 	const char *name;
-	/* Fill map->addrs for map->pdev. Called with reg->lock held. */
+	/*
+	 * Fill map->addrs for map->pdev. Called with reg->lock held; the
+	 * NVIDIA provider drops it around dma_map_pages() and re-checks
+	 * (claimed table: -ESTALE; torn down meanwhile: -ESTALE, unmapped).
+	 */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/*
 	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
-	 * for mmap of its exports; valid until release(). NULL, or -ENODEV,
+	 * for mmap of its exports, from the exporter's own CPU mapping (never
+	 * an importer's sg_table); valid until release(). NULL, or -ENODEV,
 	 * when the memory has none. Called with reg->lock held.
 	 */
 	int (*cpu_pages)(struct p2phub_reg *reg, struct page ***pages);
@@ -106,7 +111,8 @@ struct p2phub_reg {
 			struct dma_buf *dmabuf;	/* reference held */
 			u64 offset;
 			struct p2phub_reg_map *cpu;	/* under lock */
-			/* a revocation in progress; under the source's resv */
+			/* set once a revocation fence was added (a marker,
+			 * never dereferenced); under the source's resv */
 			struct p2phub_db_revoke *revoke;
 		} db;
 		struct {

@@ -99,6 +99,7 @@ struct fakegpu {
 	const void *freed[64];		/* addresses of tables freed lately */
 	unsigned int freed_next;
 	u32 ntables, ndma_maps, ncallbacks, nunacked, nlate, nmisuse;
+	u32 nrevoking;			/* tables in FREE, before their callback */
 	u32 callback_delay_ms;		/* debugfs knob */
 };
 
@@ -843,12 +844,14 @@ static unsigned int fakegpu_nv_revoke(u64 va, u64 end)
 		fg.ntables--;
 		n++;
 	}
+	fg.nrevoking = n;
 	mutex_unlock(&fakegpu_lock);
 
 	if (n && READ_ONCE(fg.callback_delay_ms))
 		msleep(READ_ONCE(fg.callback_delay_ms));
 
 	/* Only this path moves tables out of fg.revoking: walk it unlocked. */
+	WRITE_ONCE(fg.nrevoking, 0);
 	list_for_each_entry(fpt, &fg.revoking, node)
 		fpt->free_callback(fpt->data);
 
@@ -1175,6 +1178,8 @@ static int fakegpu_state_show(struct seq_file *m, void *unused)
 	seq_printf(m, "nv page_tables %u dma_mappings %u callbacks %u unacked %u late %u misuse %u\n",
 		   fg.ntables, fg.ndma_maps, fg.ncallbacks, fg.nunacked,
 		   fg.nlate, fg.nmisuse);
+	/* FREE holds the API lock and has not run these callbacks yet. */
+	seq_printf(m, "nv waiting_callbacks %u\n", READ_ONCE(fg.nrevoking));
 #ifdef P2PHUB_FAKEGPU_NV_P2P
 	{
 		struct fakegpu_pt *fpt;
