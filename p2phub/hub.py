@@ -89,6 +89,8 @@ class RegInfo:
 class Registration:
     """Memory pinned by p2phub.ko: per-device DMA page lists and a dma-buf export."""
 
+    path = "p2p"   # a staged registration (p2phub.staged) says "staged"
+
     def __init__(self, hub: "Hub", handle: int, length: int, page_size: int,
                  provider: Provider, what: str) -> None:
         self._hub = hub
@@ -230,11 +232,41 @@ class Registration:
 
 
 class Hub:
-    """An open /dev/p2phub: the owner of every registration made through it."""
+    """An open /dev/p2phub, or staged mode where there is none: the owner of every
+    registration made through it.
 
-    def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
-        self.device = Device(path)
+    mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
+    ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
+    see p2phub.staged.
+    """
+
+    def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
+        from . import staged
+        self.mode, self._mode_reason = staged.choose_mode(path, mode)
+        self._auto = mode == "auto"
+        self.device = Device(path) if self.mode == "p2p" else \
+            staged.NoDevice(path, lambda: self.mode_reason)  # type: ignore[assignment]
         self._regs: "weakref.WeakSet[Registration]" = weakref.WeakSet()
+
+    @property
+    def mode_reason(self) -> str:
+        """One line: why the hub is in its mode, naming the doctor's check ids."""
+        if self._mode_reason is None:
+            from . import staged
+            self._mode_reason = staged.doctor_reason(self.device.path)
+        return self._mode_reason
+
+    def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             dest_offset: int = 0, **kw: object):  # -> p2phub.staged.Fence
+        """Read storage (file, block device, NVMe namespace) into a registration; a fence."""
+        from . import staged
+        return staged.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
+
+    def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             source_offset: int = 0, **kw: object):  # -> p2phub.staged.Fence
+        """Write a registration to storage (file, block device, NVMe namespace); a fence."""
+        from . import staged
+        return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
     def _register(self, a: uapi.Register, what: str) -> Registration:
         self.device.ioctl(uapi.REGISTER, a, f"P2PHUB_REGISTER {what}")
@@ -252,7 +284,14 @@ class Hub:
 
     def register(self, obj: object, offset: int = 0, length: int | None = None,
                  device: "str | PciAddress | None" = None) -> Registration:
-        """Register anything p2phub can pin, with one call (see p2phub.register)."""
+        """Register anything p2phub can pin, with one call (see p2phub.register); in
+        staged mode, or for a pair the doctor rules out, a p2phub.staged registration."""
+        from . import staged
+        if self.mode == "staged":
+            return staged.register(self, obj, offset, length, device)  # type: ignore[return-value]
+        why = staged.pair_reason_for(self, obj, device) if self._auto and device is not None else None
+        if why:
+            return staged.register(self, obj, offset, length, device, reason=why)  # type: ignore[return-value]
         from .register import register
         return register(self, obj, offset, length, device)
 
@@ -301,6 +340,8 @@ class Hub:
         """Close every registration still open, then /dev/p2phub (which releases the rest)."""
         if self.device.closed:
             return
+        from . import staged
+        staged.close_stagers(self)
         for reg in list(self._regs):
             for mr in list(reg._mrs):
                 mr.close()  # an MR must not outlive the pin it maps
