@@ -144,56 +144,71 @@ class NoDevice:
 # ------------------------------------------------------------------ fences
 
 
-class Fence:
-    """Completion of one load or save: the interface every p2phub fence shares."""
+class _LocalFence:
+    """The fence interface where p2phub.ordering is not installed: completed once by
+    ``_complete(exc)``; the same contract as p2phub.ordering.fence.Fence."""
 
-    path = MODE_STAGED
-
-    def __init__(self, what: str, nbytes: int) -> None:
+    def __init__(self, what: str = "") -> None:
         self.what = what
-        self.nbytes = nbytes
         self._fut: Future = Future()
-        self.stats: dict[str, Any] = {}
 
-    def _finish(self, exc: BaseException | None = None) -> None:
+    def _complete(self, exc: BaseException | None = None) -> bool:
+        if self._fut.done():
+            return False
         if exc is None:
-            self._fut.set_result(self.nbytes)
+            self._fut.set_result(None)
         else:
             self._fut.set_exception(exc)
+        return True
 
     def done(self) -> bool:
         return self._fut.done()
 
-    def wait(self, timeout: float | None = None) -> int:
-        """Block until complete; returns the bytes moved, raises the failure or TimeoutError."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; raise the failure, or TimeoutError."""
         try:
-            return self._fut.result(timeout)
+            self._fut.result(timeout)
         except FutureTimeout:
-            raise TimeoutError(f"{self.what}: not complete after {timeout} s") from None
-
-    result = wait
+            raise TimeoutError(f"{self}: not complete after {timeout} s") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
             return self._fut.exception(timeout)
         except FutureTimeout:
-            raise TimeoutError(f"{self.what}: not complete after {timeout} s") from None
+            raise TimeoutError(f"{self}: not complete after {timeout} s") from None
 
-    def add_done_callback(self, fn: Callable[["Fence"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
         self._fut.add_done_callback(lambda _f: fn(self))
 
     def __await__(self):
         return asyncio.wrap_future(self._fut).__await__()
 
-    def on_stream(self, stream: Any) -> None:
-        """Order `stream`'s later work after this fence. The staged path completes a load
-        only once its copies have finished on the GPU, so a fence that is done needs
-        nothing on the stream; one still running is waited for here (CPU side)."""
+    def on_stream(self, stream: Any, ops: Any = None) -> None:
+        """Without p2phub.ordering's completion words a pending fence is waited for here."""
         self.wait()
 
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<Fence {self.path} {self.what} {self.nbytes} bytes {state}>"
+
+try:
+    from .ordering.fence import Fence as _FenceBase  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the ordering layer being present
+    _FenceBase = _LocalFence  # type: ignore[misc,assignment]
+
+
+class Fence(_FenceBase):  # type: ignore[misc,valid-type]
+    """Completion of one load or save (p2phub's fence interface: wait, done, exception,
+    add_done_callback, await, on_stream). A load completes only once its host-to-device
+    copies have finished on the GPU, so on_stream orders GPU work after the bytes
+    arrived. ``stats`` holds the transfer's seconds, GB/s and settings."""
+
+    path = MODE_STAGED
+
+    def __init__(self, what: str, nbytes: int) -> None:
+        super().__init__(what)
+        self.nbytes = nbytes
+        self.stats: dict[str, Any] = {}
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        self._complete(exc)
 
 
 class FutureFence(Fence):
@@ -204,7 +219,7 @@ class FutureFence(Fence):
     def __init__(self, what: str, nbytes: int, futures: list[Any]) -> None:
         super().__init__(what, nbytes)
         self._left = len(futures)
-        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         if not futures:
             self._finish()
         for f in futures:
@@ -212,15 +227,13 @@ class FutureFence(Fence):
 
     def _one(self, f: Any) -> None:
         exc = f.exception()
-        with self._lock:
+        with self._count_lock:
             self._left -= 1
             last = self._left == 0
-            if self._fut.done():
-                return
-            if exc is not None:
-                self._finish(exc)
-            elif last:
-                self._finish()
+        if exc is not None:
+            self._finish(exc)
+        elif last:
+            self._finish()
 
 
 # ------------------------------------------------------------------ copy engines
@@ -602,6 +615,15 @@ def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
 
 
 # ------------------------------------------------------------------ load / save
+
+
+def configure(hub: "Hub", chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
+    """Set the hub's staging lanes: `lanes` I/Os in flight of `chunk` bytes each (2 x lanes x
+    chunk bytes of pinned host memory, allocated on the first transfer)."""
+    Stager(HostOps(), 0, chunk, lanes)   # validates
+    for st in hub.__dict__.pop("_stagers", {}).values():
+        st.close()
+    hub.__dict__["_staged_opts"] = {"chunk": chunk, "lanes": lanes}
 
 
 def _stager(hub: "Hub", reg: StagedRegistration | Any) -> Stager:

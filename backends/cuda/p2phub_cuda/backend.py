@@ -186,7 +186,7 @@ class CudaBackend:
         if export_dmabuf:
             rng.dmabuf_fd = self.export_dmabuf(ptr, length, what)
             rng.keepalive[-1]["mapping"] = self.last_mapping
-            self.set_sync_memops(ptr, what)
+            rng.keepalive[-1]["sync_memops"] = self.set_sync_memops(ptr, what, kind)
         return rng
 
     def _pointer_attributes(self, ptr: int, what: str) -> tuple[int, bool, int]:
@@ -247,13 +247,18 @@ class CudaBackend:
         finally:
             cu.cuMemRelease(handle)
 
-    def set_sync_memops(self, ptr: int, what: str = "range") -> None:
+    def set_sync_memops(self, ptr: int, what: str = "range", kind: str = "cuMemAlloc") -> bool:
         """CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: synchronous copies into the allocation are done
-        when they return (a peer may read right after)."""
+        when they return (a peer may read right after). The driver refuses the attribute
+        for VMM memory (CUDA_ERROR_NOT_SUPPORTED, seen on the H200 with driver 580), whose
+        synchronous copies it already completes before returning; False then."""
         one = ctypes.c_uint(1)
         (err,) = cu.cuPointerSetAttribute(
             one, cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, ptr)
+        if kind == "vmm" and int(err) == int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED):
+            return False
         _check(err, f"{what}: cuPointerSetAttribute(SYNC_MEMOPS, {ptr:#x})")
+        return True
 
     # ------------------------------------------------------------- export
 
