@@ -515,14 +515,15 @@ class StagedRegistration:
 
     path = MODE_STAGED
 
-    def __init__(self, hub: "Hub", rng: GpuRange, ops: Any, what: str, reason: str) -> None:
+    def __init__(self, hub: "Hub", rng: GpuRange, ops: Any, what: str,
+                 reason: str | None = None) -> None:
         self._hub = hub
         self.source = rng
         self.ops = ops
         self.length = rng.length
         self.page_size = ALIGN
         self.what = what
-        self.reason = reason
+        self._reason = reason
         self.handle = -1
         self._closed = False
         self._dmabuf_fd = -1
@@ -534,6 +535,11 @@ class StagedRegistration:
     @property
     def ptr(self) -> int:
         return self.source.ptr
+
+    @property
+    def reason(self) -> str:
+        """Why this registration is staged: the pair's doctor verdict, or the hub's reason."""
+        return self._reason or self._hub.mode_reason
 
     def _refuse(self, what: str) -> StagedModeError:
         return StagedModeError(f"{self}: {what} needs peer-to-peer mode; this registration is "
@@ -595,7 +601,6 @@ def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
     if isinstance(obj, bool) or obj is None or isinstance(obj, int):
         raise UsageError(f"cannot register {obj!r} in staged mode: give GPU memory (a tensor, "
                          "(ptr, nbytes), __cuda_array_interface__, DLPack) or a host buffer")
-    why = reason or hub.mode_reason
     be = find_backend(obj)
     if be is not None:
         rng = be.resolve(obj, offset, length, export_dmabuf=False)
@@ -609,7 +614,7 @@ def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
         offset, length = check_range(offset, length, total, describe(obj))
         rng = GpuRange("host", -1, ptr + offset, length, ptr, total, keepalive=[obj])
         ops = HostOps()
-    reg = StagedRegistration(hub, rng, ops, f"{describe(obj)} {rng.ptr:#x}+{rng.length:#x}", why)
+    reg = StagedRegistration(hub, rng, ops, f"{describe(obj)} {rng.ptr:#x}+{rng.length:#x}", reason)
     hub._regs.add(reg)  # type: ignore[arg-type]
     return reg
 
