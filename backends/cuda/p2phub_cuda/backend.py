@@ -134,7 +134,7 @@ class CudaBackend:
         if getattr(obj, "is_cuda", False) and hasattr(obj, "data_ptr"):
             return _torch_is_cuda(obj)
         if hasattr(obj, "__cuda_array_interface__"):
-            return True
+            return not _hip_arrays()   # CuPy and torch on ROCm use the CUDA protocol name
         if hasattr(obj, "__dlpack_device__"):
             try:
                 return obj.__dlpack_device__()[0] in (KDL_CUDA, KDL_CUDA_MANAGED)
@@ -365,6 +365,18 @@ def _torch_is_cuda(t: Any) -> bool:
     """torch on ROCm reports is_cuda too; only a CUDA build's tensors are ours."""
     torch = sys.modules.get("torch")
     return getattr(getattr(torch, "version", None), "hip", None) is None
+
+
+def _hip_arrays() -> bool:
+    """True when the array libraries loaded here are ROCm builds (their arrays are HIP's)."""
+    torch = sys.modules.get("torch")
+    if getattr(getattr(torch, "version", None), "hip", None) is not None:
+        return True
+    cupy = sys.modules.get("cupy")
+    try:
+        return bool(cupy and cupy.cuda.runtime.is_hip)
+    except Exception:  # noqa: BLE001 - claims() never raises
+        return False
 
 
 def cai_span(obj: Any) -> tuple[int, int]:
