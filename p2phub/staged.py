@@ -210,6 +210,16 @@ class Fence(_FenceBase):  # type: ignore[misc,valid-type]
     def _finish(self, exc: BaseException | None = None) -> None:
         self._complete(exc)
 
+    def on_stream(self, stream: Any, ops: Any = None) -> None:
+        """`stream` waits for this fence on the GPU (a completion word, through the
+        ordering layer's stream ops); where no stream ops serve `stream`, the CPU waits."""
+        if _FenceBase is _LocalFence:
+            return _LocalFence.on_stream(self, stream, ops)
+        try:
+            super().on_stream(stream, ops)
+        except UsageError:
+            self.wait()
+
 
 class FutureFence(Fence):
     """A fence over futures from another engine (p2phub's NVMe engine in P2P mode)."""
