@@ -539,6 +539,7 @@ class StagedRegistration:
         self._dmabuf_fd = -1
         self._owns_source = False
         self._mrs: "weakref.WeakSet" = weakref.WeakSet()
+        self._ordering = None     # what Hub.close() looks at on every registration
         self._busy = 0
         self._lock = threading.Lock()
 
