@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -64,14 +65,30 @@ def test_auto_mode_without_dev_p2phub_is_staged_and_says_why(torch) -> None:
         assert "kmod." in hub.mode_reason
 
 
-def test_fence_on_stream_gates_a_kernel(torch, src_file) -> None:
+@pytest.mark.parametrize("kind", ["torch", "cupy", "raw"])
+def test_fence_on_stream_gates_a_kernel(torch, src_file, monkeypatch, kind) -> None:
+    """A kernel enqueued behind fence.on_stream(s) while the load is still running sees the
+    file's bytes (the reads are held back so the fence is pending when on_stream runs)."""
     path, data = src_file
     n = 32 * MiB
     t = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    real = staged._pread_full
+
+    def slow(*a):
+        time.sleep(0.05)
+        return real(*a)
+    monkeypatch.setattr(staged, "_pread_full", slow)
     s = torch.cuda.Stream()
+    if kind == "cupy":
+        cupy = pytest.importorskip("cupy")
+        handle = cupy.cuda.ExternalStream(s.cuda_stream)
+    else:
+        handle = s if kind == "torch" else s.cuda_stream
     with Hub(mode="staged") as hub, hub.register(t) as reg:
+        staged.configure(hub, chunk=4 * MiB, lanes=2)
         fence = hub.load(path, reg, nbytes=n)
-        fence.on_stream(s)                     # the kernel below runs after the bytes arrived
+        assert not fence.done()
+        fence.on_stream(handle)                 # the kernel below runs after the bytes arrived
         with torch.cuda.stream(s):
             total = t.to(torch.int64).sum()
         s.synchronize()
