@@ -359,3 +359,20 @@ def test_configure_validates(hub) -> None:
         staged.configure(hub, chunk=1000)
     with pytest.raises(UsageError, match="lanes"):
         staged.configure(hub, lanes=0)
+
+
+def test_pair_reason_names_the_pair_check(hub) -> None:
+    from types import SimpleNamespace as NS
+    rep = NS(pairs=[NS(provider="0000:41:00.0", client="0000:42:00.0", kind="gpu-nvme",
+                       verdict="BLOCKED", reasons=["pcie.acs: ACS redirects P2P"], because=[]),
+                    NS(provider="0000:41:00.0", client="0000:43:00.0", kind="gpu-nic",
+                       verdict="OK", reasons=[], because=[])])
+    hub.__dict__["_pair_verdicts"] = {"report": rep}
+    why = staged.pair_reason(hub, "0000:41:00.0", "0000:42:00.0")
+    assert why.startswith("pairs.gpu_nvme: 0000:41:00.0 <-> 0000:42:00.0 BLOCKED")
+    assert "pcie.acs" in why
+    assert staged.pair_reason(hub, "0000:41:00.0", "0000:43:00.0") is None
+    assert staged.pair_reason(hub, "", "0000:42:00.0") is None
+    reg = staged.register(hub, bytearray(4096), reason=why)
+    assert reg.reason == why and reg.path == "staged"
+    reg.close()
