@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from .backend import GpuRange, check_range, describe, find_backend
-from .errors import P2PHubError, P2PHubOSError, UsageError
+from .errors import ModuleNotLoadedError, P2PHubError, P2PHubOSError, UsageError
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -59,6 +59,11 @@ KMOD_CHECKS = ("kmod.loaded", "kmod.devnode", "kmod.loadable", "kmod.abi")
 
 class StagedModeError(P2PHubError):
     """Asked for something only peer-to-peer mode has (DMA pages, a dma-buf export, an MR)."""
+
+
+class NoDeviceError(StagedModeError, ModuleNotLoadedError):
+    """A staged hub was asked for a /dev/p2phub call, and there is no /dev/p2phub: what
+    callers that need P2P caught as ModuleNotLoadedError before staged mode existed."""
 
 
 # ------------------------------------------------------------------ mode
@@ -129,13 +134,16 @@ class NoDevice:
         self.closed = False
         self.fd = -1
 
+    def _error(self, what: str) -> StagedModeError:
+        cls = StagedModeError if os.path.exists(self.path) else NoDeviceError
+        return cls(f"{what}: the hub is in staged mode, there is no {self.path} "
+                   f"({self._reason()})")
+
     def ioctl(self, request: int, arg: object, what: str) -> None:
-        raise StagedModeError(f"{what}: the hub is in staged mode, there is no {self.path} "
-                              f"({self._reason()})")
+        raise self._error(what)
 
     def info(self):
-        raise StagedModeError(f"P2PHUB_GET_INFO: the hub is in staged mode, there is no "
-                              f"{self.path} ({self._reason()})")
+        raise self._error("P2PHUB_GET_INFO")
 
     def close(self) -> None:
         self.closed = True

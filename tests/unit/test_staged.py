@@ -376,3 +376,10 @@ def test_pair_reason_names_the_pair_check(hub) -> None:
     reg = staged.register(hub, bytearray(4096), reason=why)
     assert reg.reason == why and reg.path == "staged"
     reg.close()
+
+
+def test_p2p_calls_without_the_module_still_raise_module_not_loaded(tmp_path) -> None:
+    from p2phub.errors import ModuleNotLoadedError
+    with Hub(path=str(tmp_path / "absent")) as h:
+        with pytest.raises(ModuleNotLoadedError, match="staged mode"):
+            h.register_dmabuf(0, 0, 4096)
