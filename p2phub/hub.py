@@ -210,6 +210,8 @@ class Registration(Resource):
     one pin (same ``handle``), released when the last of them closes.
     """
 
+    path = "p2p"  # a staged registration (p2phub.staged) says "staged"
+
     def __init__(self, pin: _Pin) -> None:
         self._pin = pin
         pin.refs += 1
@@ -394,14 +396,42 @@ class Registration(Resource):
 class Hub(Resource):
     """An open /dev/p2phub: the owner of every registration and controller made through it."""
 
-    def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
-        self.device = Device(path)
+    def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
+        """mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
+        ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
+        see p2phub.staged."""
+        from . import staged
+        self.mode, self._mode_reason = staged.choose_mode(path, mode)
+        self._auto = mode == "auto"
+        self.device = Device(path) if self.mode == "p2p" else \
+            staged.NoDevice(path, lambda: self.mode_reason)  # type: ignore[assignment]
+        self._staged: "weakref.WeakSet[Any]" = weakref.WeakSet()  # p2phub.staged registrations
         self._mark_owner()
         self._pins: set[_Pin] = set()
         self._cache: dict[Hashable, _Pin] = {}
         self._ctrls: list[Any] = []
         self._caps: int | None = None
         self.strict_ordering = False  # new registrations raise OrderingError on conflicts
+
+    @property
+    def mode_reason(self) -> str:
+        """One line: why the hub is in its mode, naming the doctor's check ids."""
+        if self._mode_reason is None:
+            from . import staged
+            self._mode_reason = staged.doctor_reason(self.device.path)
+        return self._mode_reason
+
+    def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             dest_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
+        """Read storage (file, block device, NVMe namespace) into a registration; a fence."""
+        from . import staged
+        return staged.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
+
+    def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             source_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
+        """Write a registration to storage (file, block device, NVMe namespace); a fence."""
+        from . import staged
+        return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------- registering
 
@@ -461,8 +491,15 @@ class Hub(Resource):
 
         With `device`, the memory is attached, pinned and mapped for that PCI device now;
         otherwise on the first dma_pages(). Memory registered already (and not revoked)
-        returns a new handle on the live pin.
+        returns a new handle on the live pin. In staged mode, or for a pair the doctor rules
+        out, a p2phub.staged registration (``reg.path == "staged"``).
         """
+        from . import staged
+        if self.mode == "staged":
+            return staged.register(self, obj, offset, length, device)  # type: ignore[return-value]
+        why = staged.pair_reason_for(self, obj, device) if self._auto and device is not None else None
+        if why:
+            return staged.register(self, obj, offset, length, device, reason=why)  # type: ignore[return-value]
         self._check_open()
         key = sources.cache_key(obj, offset, length)
         hit = self._cached(key)
@@ -545,6 +582,10 @@ class Hub(Resource):
         self._closed = True
 
     def _close_all(self, timeout: float | None) -> None:
+        from . import staged
+        staged.close_stagers(self)
+        for reg in list(self._staged):
+            reg.close(force=True)
         if self.device.closed:
             return
         pins = list(self._pins)

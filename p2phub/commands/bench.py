@@ -41,7 +41,7 @@ from ..exitcodes import Exit
 from ..hostmem import Udmabuf
 from ..hub import Hub
 from ..pci import PciAddress
-from . import bench_nvme, bench_ordering
+from . import bench_load, bench_nvme, bench_ordering
 
 SCHEMA = "p2phub.bench.register/2"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
@@ -67,6 +67,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_nvme.add_parser(sub)
     bench_ordering.add_parsers(sub)
+    bench_load.add_parsers(sub)
     r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
     r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
@@ -219,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_nvme.run(args)
     if args.bench in ("ordering", "fence"):
         return bench_ordering.run(args)
+    if args.bench in ("load", "save"):
+        return bench_load.run(args)
     try:
         report = _bench_register(args)
     except (P2PHubError, OSError) as exc:
