@@ -455,6 +455,13 @@ class Agent:
             msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
         return tp.Xfer(peer, msgs, next(self._xids))
 
+    def send_notif(self, peer: str, msg: bytes, timeout: float | None = None) -> None:
+        """A notification alone (ordered after every transfer posted to `peer` before it)."""
+        self.remote(peer)
+        x = tp.Xfer(peer, [tp.Message(tp.NOTIF, 0, 0, body=bytes(msg))], next(self._xids))
+        self.post(x)
+        x.wait(timeout or self.stall_timeout * 2)
+
     def post(self, xfer: tp.Xfer) -> str:
         """Send `xfer` (again, once it is done). Returns its state: "PROC", or "ERR" at once
         when the peer cannot be reached (xfer.error says why)."""
