@@ -27,7 +27,7 @@ from .. import labenv
 from ..errors import P2PHubError
 from ..hostmem import Udmabuf, VgemBuffer
 from ..hub import Hub, PciAddress
-from . import bench_nvme
+from . import bench_kv, bench_nvme
 
 SCHEMA = "p2phub.bench.register/1"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
@@ -55,6 +55,7 @@ def _lab_env() -> dict[str, str]:
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_nvme.add_parser(sub)
+    bench_kv.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency vs ibv_reg_mr")
     lab = _lab_env()
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
@@ -196,6 +197,8 @@ def _render(report: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.bench == "nvme":
         return bench_nvme.run(args)
+    if args.bench == "kv":
+        return bench_kv.run(args)
     try:
         report = _bench_register(args)
     except (P2PHubError, OSError) as exc:
