@@ -207,7 +207,12 @@ class Agent:
         """Direct TCP handshake with the agent listening at host:port, nothing else needed:
         each side learns the other's metadata. Returns the peer's name."""
         timeout = timeout or self.stall_timeout
-        with socket.create_connection((host, port), timeout=timeout) as s:
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise KVPeerError(f"{host}:{port}", "unreachable",
+                              f"handshake: {exc.strerror or exc}") from None
+        with s:
             body = json.dumps({"name": self.name, "incarnation": self.incarnation,
                                "want": "metadata", "metadata": self.metadata().decode()}).encode()
             s.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)

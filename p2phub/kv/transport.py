@@ -347,9 +347,9 @@ class Connection:
                             self._skip.discard(xid)
                     elif type_ == NOTIF:
                         self._track(xid, req)
-                        self.agent._notify(self.peer, body)
-                        if flags & F_REQ_END:
+                        if flags & F_REQ_END:  # complete first: a notified request is done
                             self.agent._inbound(self.peer, req)._complete()
+                        self.agent._notify(self.peer, body)
                         if flags & F_LAST:
                             self._finish_inbound(xid)
                     elif type_ == ERR:

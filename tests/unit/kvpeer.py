@@ -17,8 +17,6 @@ receiving process checks every byte on its own.
 from __future__ import annotations
 
 import json
-import random
-import struct
 import sys
 import time
 import traceback
@@ -26,17 +24,7 @@ import traceback
 from p2phub.kv import Agent, KVLayout, KVPool
 from p2phub.kv.rendezvous import open_rendezvous
 
-_BASE: dict[int, bytes] = {}
-
-
-def page(seed: int, layer: int, kv: int, block: int, n: int) -> bytes:
-    """The content of page (layer, kv, block) for `seed`: an id, then seeded random bytes."""
-    base = _BASE.get(seed)
-    if base is None:
-        base = _BASE[seed] = random.Random(seed).randbytes(1 << 17)
-    off = (layer * 7919 + kv * 104729 + block * 131) % (1 << 16)
-    head = struct.pack("<QIII", seed, layer, kv, block)
-    return (head + base[off:off + n - len(head)])[:n]
+from p2phub.kv.pattern import page  # noqa: E402 - re-exported for the tests
 
 
 class Peer:
