@@ -99,3 +99,11 @@ def test_host_pool_pages_are_where_the_layout_says(arr: str) -> None:
         assert pool.segments[seg].view[off - 1] == 0
         v.release()
     assert pool.closed
+
+
+def test_rdma_immediate_carries_request_and_layer() -> None:
+    from p2phub.kv.rdma import pack_imm, unpack_imm
+    assert unpack_imm(pack_imm(70000, 31)) == (70000, 31)
+    assert pack_imm(1, 0) == 256 and pack_imm(0xFFFFFF, 255) == 0xFFFFFFFF
+    with pytest.raises(UsageError, match="layer 256 does not fit"):
+        pack_imm(1, 256)
