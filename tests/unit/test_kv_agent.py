@@ -211,3 +211,27 @@ def test_a_stream_that_is_not_ours_is_dropped(pair) -> None:
         assert c.handshake(b.host, b.port) == "b"
     finally:
         c.close()
+
+
+def test_more_runs_than_one_sendmsg_takes() -> None:
+    # 2 x 3000 unmergeable pages in one layer message: several sendmsg/readv batches of 1024
+    lay = KVLayout(num_layers=1, blocks_per_layer=3000, block_bytes=512)
+    pa, pb = KVPool.host(lay), KVPool.host(lay)
+    a, b = Agent("a", pa), Agent("b", pb)
+    try:
+        for kv in range(2):
+            for blk in range(3000):
+                pa.block(0, kv, blk)[:] = page(9, 0, kv, blk, 512)
+        a.add_remote(b.metadata())
+        src = list(range(0, 3000, 2)) + list(range(1, 3000, 2))
+        dst = random.Random(4).sample(range(3000), 3000)
+        x = a.make_request("b", 1, src, dst)
+        assert x.messages[0].nruns > 4000
+        a.post(x)
+        x.wait(10)
+        for kv in range(2):
+            for s, d in zip(src, dst):
+                assert bytes(pb.block(0, kv, d)) == page(9, 0, kv, s, 512)
+    finally:
+        a.close()
+        b.close()
