@@ -292,6 +292,75 @@ long kv_recv_runs(int fd, const struct kv_iov *segs, uint32_t nsegs, const struc
 	return (long)(total > LONG_MAX ? LONG_MAX : total);
 }
 
+long kv_recv_iov(int fd, const struct kv_iov *iov, size_t niov, int timeout_ms)
+{
+	struct iovec vec[KV_IOV_BATCH];
+	size_t k = 0, skip = 0;
+	uint64_t got = 0;
+
+	while (k < niov) {
+		size_t nv = 0, j;
+		ssize_t r;
+
+		for (j = k; j < niov && nv < KV_IOV_BATCH; j++) {
+			vec[nv].iov_base = (char *)(uintptr_t)iov[j].addr + (j == k ? skip : 0);
+			vec[nv].iov_len = iov[j].len - (j == k ? skip : 0);
+			nv++;
+		}
+		r = readv(fd, vec, (int)nv);
+		if (r == 0)
+			return -ENOTCONN;
+		if (r < 0) {
+			long rc;
+
+			if (errno == EINTR)
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				return -errno;
+			rc = wait_fd(fd, POLLIN, timeout_ms);
+			if (rc)
+				return rc;
+			continue;
+		}
+		got += (uint64_t)r;
+		while (r > 0 && k < niov) {
+			uint64_t left = iov[k].len - skip;
+
+			if ((uint64_t)r >= left) {
+				r -= (ssize_t)left;
+				k++;
+				skip = 0;
+			} else {
+				skip += (size_t)r;
+				r = 0;
+			}
+		}
+	}
+	return (long)(got > LONG_MAX ? LONG_MAX : got);
+}
+
+long kv_runs_to_iov(const struct kv_iov *segs, uint32_t nsegs, const struct kv_wire *wire,
+                    size_t nwire, struct kv_iov *iov, size_t *bad, uint64_t *total)
+{
+	uint64_t sum = 0;
+	size_t i;
+
+	for (i = 0; i < nwire; i++) {
+		const struct kv_wire *w = &wire[i];
+
+		if (w->seg >= nsegs || w->len == 0 || w->off > segs[w->seg].len ||
+		    w->len > segs[w->seg].len - w->off || w->flags != 0 || sum + w->len < sum) {
+			*bad = i;
+			return -EINVAL;
+		}
+		iov[i].addr = segs[w->seg].addr + w->off;
+		iov[i].len = w->len;
+		sum += w->len;
+	}
+	*total = sum;
+	return (long)nwire;
+}
+
 long kv_discard(int fd, uint64_t n, int timeout_ms)
 {
 	char scratch[65536];

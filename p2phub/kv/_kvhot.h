@@ -39,5 +39,13 @@ long kv_recv_exact(int fd, void *buf, size_t len, int timeout_ms);
 long kv_recv_runs(int fd, const struct kv_iov *segs, uint32_t nsegs, const struct kv_wire *wire,
                   size_t nwire, uint64_t total, int timeout_ms, size_t *bad);
 
+/* Check the nwire runs against the nsegs segments, as kv_recv_runs does, and turn them
+ * into addresses (the source ranges of a READ served from this side). */
+long kv_runs_to_iov(const struct kv_iov *segs, uint32_t nsegs, const struct kv_wire *wire,
+                    size_t nwire, struct kv_iov *iov, size_t *bad, uint64_t *total);
+
+/* Read exactly the niov ranges, in order (the payload of a READ's answer). */
+long kv_recv_iov(int fd, const struct kv_iov *iov, size_t niov, int timeout_ms);
+
 /* Read and drop n bytes (the payload of a rejected message). */
 long kv_discard(int fd, uint64_t n, int timeout_ms);

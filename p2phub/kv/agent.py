@@ -432,9 +432,13 @@ class Agent:
         return DescList(self, peer, c, len(descs), list(descs))
 
     def make_xfer(self, peer: str, local: DescList, local_idx: Sequence[int], remote: DescList,
-                  remote_idx: Sequence[int], notif: bytes = b"", req: int = 0) -> tp.Xfer:
-        """Move local[local_idx[i]] to remote[remote_idx[i]] for every i (NIXL's
-        make_prepped_xfer); contiguous neighbours merge into one run."""
+                  remote_idx: Sequence[int], notif: bytes = b"", req: int = 0,
+                  op: str = "WRITE") -> tp.Xfer:
+        """Move local[local_idx[i]] to remote[remote_idx[i]] for every i ("WRITE"), or the
+        other way ("READ": the peer sends them back), as NIXL's make_prepped_xfer;
+        contiguous neighbours merge into one run. A notification reaches the peer after."""
+        if op not in ("WRITE", "READ"):
+            raise UsageError(f"op {op!r} must be 'WRITE' or 'READ'")
         if remote.peer != peer or local.peer is not None:
             raise UsageError("make_xfer: want a local list and a list prepared for this peer")
         self.remote(peer)
@@ -455,7 +459,8 @@ class Agent:
                              f"lists ({local.count} local, {remote.count} remote)")
         if rc == -errno.EINVAL:
             raise UsageError(f"index pair {bad[0]}: local and remote descriptors differ in length")
-        msgs = [tp.Message(tp.DATA, req, 0, wire, liov, rc, int(total[0]))]
+        msgs = [tp.Message(tp.DATA if op == "WRITE" else tp.READ, req, 0, wire, liov, rc,
+                           int(total[0]))]
         if notif:
             msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
         return tp.Xfer(peer, msgs, next(self._xids))

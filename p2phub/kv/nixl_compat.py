@@ -6,14 +6,14 @@
 What maps one to one: register_memory / deregister_memory / get_reg_descs /
 get_xfer_descs (lists of (addr, len, dev[, meta]) tuples or Nx3 arrays; host memory),
 get_agent_metadata / add_remote_agent / remove_remote_agent, prep_xfer_dlist ("" or
-"NIXL_INIT_AGENT" for the local side), make_prepped_xfer and initialize_xfer ("WRITE"),
+"NIXL_INIT_AGENT" for the local side), make_prepped_xfer and initialize_xfer ("WRITE" and
+"READ"),
 transfer / check_xfer_state ("DONE" / "PROC" / "ERR"), release_xfer_handle,
 release_dlist_handle, get_new_notifs / update_notifs, check_remote_xfer_done, send_notif,
 make_connection, and the listener exchange (send_local_metadata / fetch_remote_metadata /
 check_remote_metadata, done by the direct handshake).
 
-Not here: "READ" transfers (raises NotImplementedError: have the owner of the bytes WRITE),
-VRAM descriptors (the TCP transport moves host memory), backends other than p2phub's own
+Not here: VRAM descriptors (the TCP transport moves host memory), backends other than p2phub's own
 (the ``backends`` arguments are accepted and ignored), telemetry and cost estimates.
 """
 
@@ -183,38 +183,36 @@ class nixl_agent:  # noqa: N801
         return nixl_prepped_dlist_handle(self, self.agent.prep_remote(agent_name, pairs))
 
     @staticmethod
-    def _op(operation: str) -> None:
-        if operation == "READ":
-            raise NotImplementedError("p2phub's KV agent pushes: have the owner of the bytes "
-                                      "WRITE them (READ is not implemented)")
-        if operation != "WRITE":
+    def _op(operation: str) -> str:
+        if operation not in ("WRITE", "READ"):
             raise UsageError(f"operation {operation!r} must be 'WRITE' or 'READ'")
+        return operation
 
     def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
                           local_indices: Sequence[int], remote_xfer_side: nixl_prepped_dlist_handle,
                           remote_indices: Sequence[int], notif_msg: bytes = b"",
                           backends: list[str] = [], skip_desc_merge: bool = False  # noqa: B006
                           ) -> nixl_xfer_handle:
-        self._op(operation)
+        op = self._op(operation)
         ld, rd = local_xfer_side.dlist, remote_xfer_side.dlist
         if ld is None or rd is None:
             raise UsageError("descriptor list handle was released")
         li = [int(i) for i in (local_indices.tolist() if hasattr(local_indices, "tolist") else local_indices)]
         ri = [int(i) for i in (remote_indices.tolist() if hasattr(remote_indices, "tolist") else remote_indices)]
-        x = self.agent.make_xfer(rd.peer or "", ld, li, rd, ri, notif=_b(notif_msg))
+        x = self.agent.make_xfer(rd.peer or "", ld, li, rd, ri, notif=_b(notif_msg), op=op)
         return nixl_xfer_handle(self, x)
 
     def initialize_xfer(self, operation: str, local_descs: _DList, remote_descs: _DList,
                         remote_agent: str, notif_msg: bytes = b"",
                         backends: list[str] = []) -> nixl_xfer_handle:  # noqa: B006
-        self._op(operation)
+        op = self._op(operation)
         if len(local_descs.rows) != len(remote_descs.rows):
             raise UsageError(f"{len(local_descs.rows)} local but {len(remote_descs.rows)} remote descriptors")
         ld = self.agent.prep_local([(a, n) for a, n, _ in local_descs.rows])
         rd = self.agent.prep_remote(remote_agent, [(a, n) for a, n, _ in remote_descs.rows])
         idx = list(range(len(local_descs.rows)))
         return nixl_xfer_handle(self, self.agent.make_xfer(remote_agent, ld, idx, rd, idx,
-                                                           notif=_b(notif_msg)))
+                                                           notif=_b(notif_msg), op=op))
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         x = handle.xfer

@@ -8,6 +8,9 @@ Wire format (little endian). Every message starts with a 40-byte header:
     DATA   n runs of 24 bytes (seg u32, flags u32, off u64, len u64), then nbytes of payload
            that land at those runs of the receiver's registered segments, in order
     NOTIF  n bytes of notification for the receiver's get_new_notifs()
+    READ   n runs of the receiver's segments (nbytes in all) that it sends back, in order, as
+           one DATA message with F_READ_RESP and no run table, which the reader lands in the
+           local ranges it planned
     ACK    receiver -> sender: the transfer `xfer` has landed (after its LAST message)
     ERR    receiver -> sender: the transfer was refused; n bytes of reason
     FAIL   sender -> receiver: the sender gave the transfer up; n bytes of reason
@@ -41,9 +44,10 @@ if TYPE_CHECKING:
 MAGIC = 0x564B3250  # b"P2KV"
 HDR = struct.Struct("<IHHQQIIQ")
 WIRE_RUN = 24
-HELLO, DATA, NOTIF, ACK, ERR, FAIL = 1, 2, 3, 4, 5, 6
+HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ = 1, 2, 3, 4, 5, 6, 7
 F_LAST = 1      # the last message of a transfer: the receiver ACKs it
 F_REQ_END = 2   # the last message of a request: the receiver completes its `done` fence
+F_READ_RESP = 4  # DATA answering a READ: the payload lands in the reader's planned ranges
 MAX_CTRL = 1 << 20          # bytes of a HELLO/NOTIF/ERR body
 MAX_RUNS = 1 << 24
 
@@ -231,9 +235,9 @@ class Connection:
                   body: bytes = b"", wire: Any = None, nruns: int = 0, iov: Any = None,
                   niov: int = 0, nbytes: int = 0) -> None:
         h = hot()
-        n = nruns if type_ == DATA else len(body)
+        n = nruns if type_ in (DATA, READ) else len(body)
         hdr = HDR.pack(MAGIC, type_, flags, xfer, req, layer, n, nbytes)
-        if type_ != DATA:
+        if type_ not in (DATA, READ):
             hdr += body
         with self._lock:
             if self.closed:
@@ -269,6 +273,9 @@ class Connection:
                     if m.type == DATA:
                         self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
                                        nruns=m.nruns, iov=m.iov, niov=m.nruns, nbytes=m.nbytes)
+                    elif m.type == READ:
+                        self._send_raw(READ, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                                       nruns=m.nruns, nbytes=m.nbytes)
                     else:
                         self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
                 with self._lock:
@@ -336,8 +343,12 @@ class Connection:
                 magic, type_, flags, xid, req, layer, n, nbytes = HDR.unpack(raw)
                 if magic != MAGIC:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
-                if type_ == DATA:
+                if type_ == DATA and flags & F_READ_RESP:
+                    self._on_read_resp(xid, n, nbytes)
+                elif type_ == DATA:
                     self._on_data(flags, xid, req, layer, n, nbytes)
+                elif type_ == READ:
+                    self._on_read(flags, xid, req, layer, n, nbytes)
                 elif type_ in (NOTIF, ERR, FAIL, HELLO):
                     if n > MAX_CTRL:
                         raise KVPeerError(self.peer, "reset", f"control message of {n} bytes")
@@ -407,6 +418,43 @@ class Connection:
             inb._complete()
         if flags & F_LAST:
             self._finish_inbound(xid)
+
+    def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
+        """Serve a READ: check the runs against our segments, send their bytes back."""
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
+        h = hot()
+        wire = self._recv(nruns * WIRE_RUN)
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        if rc < 0 or total[0] != nbytes:
+            why = (f"run {bad[0]} is outside the {nsegs} registered segment(s)" if rc < 0
+                   else f"runs add up to {total[0]} bytes, not {nbytes}")
+            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: {why}".encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
+        self._send_raw(DATA, F_READ_RESP, xid, req, layer, iov=iov, niov=nruns, nbytes=nbytes)
+        if flags & F_LAST:
+            self._send_ctrl(ACK, xid, 0, 0)
+        else:
+            self._track(xid, req)
+
+    def _on_read_resp(self, xid: int, nruns: int, nbytes: int) -> None:
+        h = hot()
+        if nruns:
+            raise KVPeerError(self.peer, "reset", "a READ answer with a run table")
+        with self._lock:
+            ent = self._pending.get(xid)
+        m = ent[0].messages[0] if ent is not None else None
+        if m is None or m.type != READ or m.nbytes != nbytes:
+            # not ours (any more): drop the bytes, keep the stream in step
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            return
+        self._check_rx(h.lib.kv_recv_iov(self.fd, m.iov, m.nruns, self.timeout_ms))
 
     def _send_ctrl(self, type_: int, xid: int, req: int, layer: int, body: bytes = b"") -> None:
         self._send_raw(type_, 0, xid, req, layer, body=body)

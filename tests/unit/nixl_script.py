@@ -4,8 +4,8 @@
 
 Metadata travels as files in DIR (a side channel, as vLLM uses ZMQ). The initiator
 WRITEs 64 descriptors of 64 KiB into scattered places of the target's buffer through
-prepared lists and indices, posts the same handle twice, then sends a notification with
-initialize_xfer; the target waits for it and checks every byte. Prints one JSON line.
+prepared lists and indices, posts the same handle twice, sends a notification with
+initialize_xfer (the target waits for it and checks every byte), then READs 8 pages back. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -108,6 +108,20 @@ def main() -> int:
             st = agent.check_xfer_state(h2)
         states.append(st)
         agent.release_xfer_handle(h2)
+        # READ 8 pages back into a second, zeroed buffer: page i of `back` <- target page perm[i]
+        back = np.zeros(8 * SZ, dtype=np.uint8)
+        breg = agent.register_memory([(back.ctypes.data, back.nbytes, 0, "")], "DRAM")
+        bh = agent.prep_xfer_dlist("", [(back.ctypes.data + i * SZ, SZ, 0) for i in range(8)], "DRAM")
+        h3 = agent.make_prepped_xfer("READ", bh, list(range(8)), rh, perm[:8])
+        st = agent.transfer(h3)
+        deadline = time.monotonic() + 30
+        while st == "PROC" and time.monotonic() < deadline:
+            st = agent.check_xfer_state(h3)
+        states.append(st)
+        result["read_ok"] = bool((back == pattern[:8 * SZ]).all())
+        agent.release_xfer_handle(h3)
+        agent.release_dlist_handle(bh)
+        agent.deregister_memory(breg)
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         result["states"] = states

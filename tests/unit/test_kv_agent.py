@@ -235,3 +235,29 @@ def test_more_runs_than_one_sendmsg_takes() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_read_pulls_pages_back_and_refuses_bad_ranges(pair) -> None:
+    a, b = pair
+    sa, sb = a.pool.segments[1], b.pool.segments[2]
+    sb.view[0:3 * 4096] = bytes(range(256)) * 48
+    local = a.prep_local([(sa.addr + i * 4096, 4096) for i in range(4)])
+    remote = a.prep_remote("b", [(sb.addr + i * 4096, 4096) for i in range(4)])
+    x = a.make_xfer("b", local, [3, 0, 1], remote, [0, 1, 2], notif=b"read-done", op="READ")
+    a.post(x)
+    x.wait(5)
+    assert bytes(sa.view[3 * 4096:4 * 4096]) == bytes(sb.view[0:4096])
+    assert bytes(sa.view[0:2 * 4096]) == bytes(sb.view[4096:3 * 4096])
+    assert b.get_new_notifs() == {"a": [b"read-done"]}
+    # a peer whose published segments were a lie: the reading side is refused, not fed
+    md = json.loads(b.metadata())
+    md["segments"][2][1] *= 1000
+    a.add_remote(json.dumps(md))
+    far = a.prep_remote("b", [(sb.addr + 100 * sb.length, 4096)])
+    y = a.make_xfer("b", local, [0], far, [0], op="READ")
+    a.post(y)
+    with pytest.raises(KVRejected, match="outside"):
+        y.wait(5)
+    a.add_remote(b.metadata())
+    a.post(x)
+    x.wait(5)

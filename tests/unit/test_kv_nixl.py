@@ -42,6 +42,7 @@ def test_nixl_script_two_processes(impl: str, tmp_path: Path) -> None:
                 p.kill()
     assert ini.returncode == 0 and tgt.returncode == 0, (iout, tout)
     i, t = json.loads(iout.strip().splitlines()[-1]), json.loads(tout.strip().splitlines()[-1])
-    assert i["states"] == ["DONE", "DONE", "DONE"]
+    assert i["states"] == ["DONE", "DONE", "DONE", "DONE"]
+    assert i["read_ok"] is True
     assert t["notifs"] == ["final"]
     assert t["bytes_ok"] is True
