@@ -207,3 +207,86 @@ def check_range(offset: int, length: int | None, total: int, what: str) -> tuple
         raise UsageError(f"{what}: range offset={offset} length={length} ends past its "
                          f"{total} bytes")
     return offset, length
+
+
+# --------------------------------------------------------------------------- stream ops
+#
+# What p2phub.ordering needs from a GPU runtime to order GPU streams against NVMe and
+# RDMA without a CPU round trip. A backend module exposes ``stream_ops()`` returning an
+# object of this shape (p2phub_cuda.streams for CUDA, p2phub_rocm for HIP).
+#
+# Completion words are 32-bit words in pinned host memory that the device can address.
+# A fence that completes on the host stores a value into its word; a stream that must
+# wait for it runs ``stream_wait_value32`` (cuStreamWaitValue32 / hipStreamWaitValue32,
+# "wait until (int32)(*word - value) >= 0", so values may wrap). Work recorded on a
+# stream completes a host-visible fence with ``stream_write_value32`` of a word the host
+# polls. Values only grow; a word is never reset while a wait on it may be pending.
+
+WAIT_GEQ = "geq"  # the only wait condition p2phub uses: wrap-safe "word - value >= 0"
+
+
+class CompletionWords(Protocol):
+    """`count` 32-bit words of pinned host memory, mapped for the device."""
+
+    host_ptr: int    # CPU address of word 0
+    dev_ptr: int     # device address of word 0 (for stream wait/write)
+    count: int
+
+    def close(self) -> None:
+        """Free the words; only once no stream can still wait on or write them."""
+
+
+class StreamOps(Protocol):
+    name: str        # "cuda", "rocm"
+
+    def claims_stream(self, stream: Any) -> bool:
+        """True when `stream` is a stream of this runtime (a torch/CuPy stream object or a
+        raw handle as int); never raises."""
+
+    def stream_handle(self, stream: Any) -> int:
+        """The raw CUstream / hipStream_t of `stream` (0 is the legacy default stream)."""
+
+    def stream_device(self, stream: Any) -> int:
+        """The device ordinal `stream` runs on."""
+
+    def alloc_completion_words(self, n: int, device: int = 0) -> CompletionWords:
+        """`n` zeroed words of pinned, device-mapped host memory (cuMemHostAlloc with
+        DEVICEMAP / hipHostMalloc with hipHostMallocMapped)."""
+
+    def stream_wait_value32(self, stream: Any, dev_addr: int, value: int) -> None:
+        """Enqueue on `stream`: wait until (int32)(*dev_addr - value) >= 0."""
+
+    def stream_write_value32(self, stream: Any, dev_addr: int, value: int) -> None:
+        """Enqueue on `stream`: store `value` at dev_addr once earlier work on it is done."""
+
+    def stream_synchronize(self, stream: Any) -> None:
+        """Block the calling thread until `stream` is idle."""
+
+    def rdma_flush_required(self, device: int = 0) -> bool:
+        """True when writes by a NIC into this device's memory may be seen out of order by
+        its kernels without a flush (GPU_DIRECT_RDMA_WRITES_ORDERING below OWNER, or
+        FLUSH_GPU_DIRECT_RDMA_WRITES_OPTIONS advertises a flush to use)."""
+
+    def flush_rdma_writes(self, device: int = 0) -> None:
+        """Make every completed NIC write into `device`'s memory visible to its kernels
+        (cuFlushGPUDirectRDMAWrites(TARGET_CURRENT_CTX, TO_OWNER)); a no-op where the
+        device needs none."""
+
+
+def find_stream_ops(stream: Any) -> StreamOps:
+    """The stream ops of the backend that owns `stream` (raises UsageError if none does).
+
+    A bare int is a raw handle; it goes to the first backend that loads."""
+    for modname in BACKENDS:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        factory = getattr(mod, "stream_ops", None)
+        if factory is None:
+            continue
+        ops = factory()
+        if ops.claims_stream(stream):
+            return ops
+    raise UsageError(f"{describe(stream)}: not a GPU stream of an installed backend "
+                     f"(tried {', '.join(BACKENDS)}; a torch/CuPy stream or a raw handle)")

@@ -114,6 +114,7 @@ class _Pin:
         # made on first use: most registrations never get either
         self.dependents: "weakref.WeakSet[Any] | None" = None  # MRs: closed first
         self.users: "weakref.WeakKeyDictionary[Any, Registration] | None" = None
+        self.ordering: Any = None  # p2phub.ordering.Ordering, made on first use
         self._info: uapi.RegInfo | None = None
 
     @property
@@ -209,6 +210,8 @@ class Registration(Resource):
     Each ``hub.register()`` returns its own Registration; two of the same memory share
     one pin (same ``handle``), released when the last of them closes.
     """
+
+    path = "p2p"  # a staged registration (p2phub.staged) says "staged"
 
     def __init__(self, pin: _Pin) -> None:
         self._pin = pin
@@ -306,6 +309,26 @@ class Registration(Resource):
             raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
         return reg_mr(self, access)
 
+    # ----------------------------------------------------------- ordering
+
+    @property
+    def ordering(self) -> Any:  # -> p2phub.ordering.Ordering
+        """The live accesses of this memory and their order (see p2phub.ordering).
+
+        Shared by every Registration of the same pin; a user of the pin like any other, so
+        close() waits for (or, forced, fails) the accesses still in flight."""
+        pin = self._pin
+        if pin.ordering is None:
+            from .ordering import for_registration
+            self._check_open()
+            pin.ordering = for_registration(self, strict=pin.hub.strict_ordering)
+            self.add_user(pin.ordering)
+        return pin.ordering
+
+    def gpu_access(self, offset: int, length: int, kind: Any, stream: Any) -> Any:
+        """Declare GPU work on [offset, offset + length) on `stream` (p2phub.ordering.GpuAccess)."""
+        return self.ordering.gpu_access(offset, length, kind, stream)
+
     # ----------------------------------------------------------- what depends on it
 
     def add_dependent(self, obj: Any) -> None:
@@ -385,14 +408,43 @@ class Registration(Resource):
 class Hub(Resource):
     """An open /dev/p2phub: the owner of every registration and controller made through it."""
 
-    def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
-        self.device = Device(path)
+    def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
+        """mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
+        ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
+        see p2phub.staged."""
+        from . import staged
+        self.mode, self._mode_reason = staged.choose_mode(path, mode)
+        self._auto = mode == "auto"
+        self.device = Device(path) if self.mode == "p2p" else \
+            staged.NoDevice(path, lambda: self.mode_reason)  # type: ignore[assignment]
+        self._staged: "weakref.WeakSet[Any]" = weakref.WeakSet()  # p2phub.staged registrations
         self._mark_owner()
         self._pins: set[_Pin] = set()
         self._cache: dict[Hashable, _Pin] = {}
         self._ctrls: list[Any] = []
         self._caps: int | None = None
         self._lock = threading.Lock()  # the cache and the pins' reference counts
+        self.strict_ordering = False  # new registrations raise OrderingError on conflicts
+
+    @property
+    def mode_reason(self) -> str:
+        """One line: why the hub is in its mode, naming the doctor's check ids."""
+        if self._mode_reason is None:
+            from . import staged
+            self._mode_reason = staged.doctor_reason(self.device.path)
+        return self._mode_reason
+
+    def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             dest_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
+        """Read storage (file, block device, NVMe namespace) into a registration; a fence."""
+        from . import staged
+        return staged.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
+
+    def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
+             source_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
+        """Write a registration to storage (file, block device, NVMe namespace); a fence."""
+        from . import staged
+        return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------- registering
 
@@ -456,8 +508,15 @@ class Hub(Resource):
 
         With `device`, the memory is attached, pinned and mapped for that PCI device now;
         otherwise on the first dma_pages(). Memory registered already (and not revoked)
-        returns a new handle on the live pin.
+        returns a new handle on the live pin. In staged mode, or for a pair the doctor rules
+        out, a p2phub.staged registration (``reg.path == "staged"``).
         """
+        from . import staged
+        if self.mode == "staged":
+            return staged.register(self, obj, offset, length, device)  # type: ignore[return-value]
+        why = staged.pair_reason_for(self, obj, device) if self._auto and device is not None else None
+        if why:
+            return staged.register(self, obj, offset, length, device, reason=why)  # type: ignore[return-value]
         self._check_open()
         key = sources.cache_key(obj, offset, length)
         hit = self._cached(key)
@@ -520,7 +579,7 @@ class Hub(Resource):
         self._check_open()
         from .nvme import controller
         self._ctrls = [c for c in self._ctrls if not c.closed]
-        ctrl = controller.open(bdf, **kw)
+        ctrl = controller.open(bdf, hub=self, **kw)  # type: ignore[arg-type]
         self._ctrls.append(ctrl)
         return ctrl
 
@@ -541,6 +600,10 @@ class Hub(Resource):
         self._closed = True
 
     def _close_all(self, timeout: float | None) -> None:
+        from . import staged
+        staged.close_stagers(self)
+        for reg in list(self._staged):
+            reg.close(force=True)
         if self.device.closed:
             return
         pins = list(self._pins)

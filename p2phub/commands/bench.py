@@ -37,10 +37,11 @@ from typing import Callable
 
 from .. import uapi
 from ..errors import P2PHubError, P2PHubOSError
+from ..exitcodes import Exit
 from ..hostmem import Udmabuf
 from ..hub import Hub
 from ..pci import PciAddress
-from . import bench_nvme
+from . import bench_kv, bench_load, bench_nvme, bench_ordering
 
 SCHEMA = "p2phub.bench.register/2"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
@@ -65,10 +66,15 @@ def _fmt_size(n: int) -> str:
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_nvme.add_parser(sub)
+    bench_ordering.add_parsers(sub)
+    bench_load.add_parsers(sub)
+    bench_kv.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
-    r.add_argument("--device", required=True, help="PCI address of the device to map for")
-    r.add_argument("--rdma-dev", required=True, help="verbs device for the ibv_reg_mr baseline")
+    r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+                   help="PCI address to map for (default: $P2PHUB_BENCH_DEVICE)")
+    r.add_argument("--rdma-dev", default=os.environ.get("P2PHUB_BENCH_RDMA_DEV"),
+                   help="verbs device for the ibv_reg_mr baseline (default: $P2PHUB_BENCH_RDMA_DEV)")
     r.add_argument("--min-time", type=float, default=1.0, help="seconds per size and method")
     r.add_argument("--max-iters", type=int, default=200)
     r.add_argument("--json", action="store_true", help="print JSON")
@@ -115,6 +121,10 @@ def _bench_register(args: argparse.Namespace) -> dict:
     from pyverbs.mr import MR
     from pyverbs.pd import PD
 
+    if not args.device:
+        raise P2PHubError("no --device (PCI address to map for) and no $P2PHUB_BENCH_DEVICE")
+    if not args.rdma_dev:
+        raise P2PHubError("no --rdma-dev (verbs device for the baseline) and no $P2PHUB_BENCH_RDMA_DEV")
     device = PciAddress.parse(args.device)
     access = venums.IBV_ACCESS_LOCAL_WRITE | venums.IBV_ACCESS_REMOTE_WRITE | venums.IBV_ACCESS_REMOTE_READ
     results = []
@@ -209,6 +219,12 @@ def _render(report: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.bench == "nvme":
         return bench_nvme.run(args)
+    if args.bench in ("ordering", "fence"):
+        return bench_ordering.run(args)
+    if args.bench in ("load", "save"):
+        return bench_load.run(args)
+    if args.bench == "kv":
+        return bench_kv.run(args)
     try:
         report = _bench_register(args)
     except (P2PHubError, OSError) as exc:
@@ -216,9 +232,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"schema": SCHEMA, "error": str(exc)}))
         else:
             print(f"p2phub bench: {exc}")
-        return 1
+        return Exit.FAIL
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _render(report)
-    return 0
+    return Exit.OK

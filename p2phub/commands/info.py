@@ -9,7 +9,9 @@ from .. import backend
 from ..device import get_info
 from ..errors import ModuleNotLoadedError, P2PHubOSError
 
-EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = 0, 1, 3
+from ..exitcodes import Exit
+
+EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = Exit.OK, Exit.FAIL, Exit.NOT_LOADED
 
 
 def register(parser: argparse.ArgumentParser) -> None:

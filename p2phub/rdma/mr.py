@@ -21,6 +21,7 @@ from .._resource import Resource
 from ..backend import GpuRange
 from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from . import verbs
+from .probe import dmabuf_mr_support
 
 if TYPE_CHECKING:
     from ..hub import Registration
@@ -32,20 +33,6 @@ class MrPath(enum.Enum):
     DMABUF = "dma-buf MR"
     PEERMEM = "peer-memory VA MR"
     HOST_VA = "CPU-mapped VA MR"
-
-
-_probe_cache: dict[str, tuple[bool, str]] = {}
-
-
-def dmabuf_mr_support(device: str) -> tuple[bool, str]:
-    """(supported, evidence) for dma-buf MRs on RDMA device `device`; probed once per device."""
-    if device not in _probe_cache:
-        pd = verbs.VerbsPd.open(device)
-        try:
-            _probe_cache[device] = pd.probe_dmabuf()
-        finally:
-            pd.close()
-    return _probe_cache[device]
 
 
 class ProtectionDomain(Resource):

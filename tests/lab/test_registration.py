@@ -152,6 +152,7 @@ def test_nvidia_p2p_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None
 
 
 def test_export_vgem_reimport(target: str) -> None:
+    """An export registered again is the same memory; an export of that is too (one level deep)."""
     with Hub() as hub, VgemBuffer(256 * KiB) as buf:
         reg = hub.register_dmabuf(buf.fd, device=target)
         pages = reg.dma_pages(target)
@@ -165,7 +166,42 @@ def test_export_vgem_reimport(target: str) -> None:
             with pytest.raises(P2PHubOSError) as ei:
                 reg.close()
             assert ei.value.errno == errno.EBUSY
+            # The export of `again` resolves to `reg`'s: `again` has no importer of its own.
+            window = hub.register_dmabuf(again.dmabuf_fd, offset=64 * KiB, length=64 * KiB,
+                                         device=target)
+            assert window.dma_pages(target) == pages[16:32]
+            assert reg.info().nr_attached == 2 and again.info().nr_attached == 0
+            again.close()
+            assert window.dma_pages(target) == pages[16:32]
+            window.close()
         reg.close()
+
+
+def test_export_chain_64_deep(target: str) -> None:
+    """Registering the export of the export ... 64 times: the last one's page list is the
+    first one's (this used to recurse once per link and overflow the kernel stack)."""
+    with Hub() as hub, VgemBuffer(128 * KiB) as buf:
+        first = hub.register_dmabuf(buf.fd)
+        chain = [first]
+        for _ in range(64):
+            chain.append(hub.register_dmabuf(chain[-1].dmabuf_fd))
+        last = chain[-1]
+        assert last.dma_pages(target) == first.dma_pages(target)
+        assert first.info().nr_attached == 1     # only the last link is mapped
+        for reg in reversed(chain):
+            reg.close()
+
+
+def test_export_of_unregistered_registration_is_refused(target: str) -> None:
+    """An export outlives its registration's UNREGISTER, but registering it then gives ENODEV."""
+    with Hub() as hub, VgemBuffer(64 * KiB) as buf:
+        reg = hub.register_dmabuf(buf.fd)
+        fd = reg.export()
+        try:
+            reg.close()
+            assert _errno_of(lambda: hub.register_dmabuf(fd, device=target)) == errno.ENODEV
+        finally:
+            os.close(fd)
 
 
 def test_export_nvidia_reimport(gpu: fg.FakeGpu, target: str) -> None:
@@ -194,16 +230,18 @@ def test_dmabuf_revoke(gpu: fg.FakeGpu, target: str) -> None:
             gen = reg.info().generation
             exported = reg.dmabuf_fd
             again = hub.register_dmabuf(exported, device=target)
-            rev = gpu.revoke(fd)
-            assert rev.mappings_left == 0, "p2phub kept a mapping after move_notify"
+            before = gpu.query().mappings
+            gpu.revoke(fd)      # returns once p2phub's revocation fence signalled
+            # The export's importer was told before the exporter could move the memory.
+            assert again.info().revoked
+            # p2phub unmaps after its fence signalled (its mapping stays valid until then).
+            assert ru.wait_until(lambda: gpu.query().mappings == before - 1)
             info = reg.info()
             assert info.revoked and info.generation == gen + 1
             with pytest.raises(RevokedError):
                 reg.dma_pages(target)
             with pytest.raises(RevokedError):
                 reg.export()
-            # The export's importer hears of it too (from a work item).
-            assert ru.wait_until(lambda: again.info().revoked)
             with pytest.raises(RevokedError):
                 again.dma_pages(target)
             again.close()
