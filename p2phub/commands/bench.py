@@ -114,7 +114,6 @@ def _udmabuf(size: int) -> Udmabuf:
 
 
 def _bench_register(args: argparse.Namespace) -> dict:
-    import mmap
 
     import pyverbs.device as vdev
     import pyverbs.enums as venums
@@ -134,8 +133,7 @@ def _bench_register(args: argparse.Namespace) -> dict:
             buf = _udmabuf(size)
             cpu = buf.mmap()
             try:
-                for off in range(0, size, mmap.PAGESIZE):  # make the pages resident
-                    cpu[off] = 1
+                # udmabuf made the memfd's pages; each method's warm-up call maps them
                 c = ctypes.c_char.from_buffer(cpu)
                 addr = ctypes.addressof(c)
                 del c
