@@ -114,7 +114,6 @@ def _udmabuf(size: int) -> Udmabuf:
 
 
 def _bench_register(args: argparse.Namespace) -> dict:
-
     import pyverbs.device as vdev
     import pyverbs.enums as venums
     from pyverbs.mr import MR
