@@ -59,6 +59,17 @@ class RegState(enum.IntEnum):
 
 
 _PROVIDERS = {int(p): p for p in Provider}
+_set = ctypes.Structure.__setattr__
+
+
+def _args(cls: type, **fields: int) -> Any:
+    """A UAPI argument struct for the registration fast path, filled without uapi's per-field
+    range checks: every value here was checked by sources/PciAddress already."""
+    a = cls()
+    _set(a, "argsz", ctypes.sizeof(cls))
+    for name, value in fields.items():
+        _set(a, name, value)
+    return a
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ class _Pin:
         if self.revoked:
             return False
         if self._info is None:
-            self._info = uapi.RegInfo.new(handle=self.handle)
+            self._info = _args(uapi.RegInfo, handle=self.handle)
         try:
             fcntl.ioctl(self.hub.device.fd, uapi.REG_INFO, self._info, True)
         except OSError:
@@ -187,7 +198,7 @@ class _Pin:
         if kernel and not self.hub.device.closed:
             try:
                 fcntl.ioctl(self.hub.device.fd, uapi.UNREGISTER,
-                            uapi.Unregister.new(handle=self.handle), True)
+                            _args(uapi.Unregister, handle=self.handle), True)
             except OSError as exc:
                 raise P2PHubOSError(exc.errno or errno.EIO,
                                     f"P2PHUB_UNREGISTER handle {self.handle}") from None
@@ -483,8 +494,8 @@ class Hub(Resource):
             pci = PciAddress.parse(device)
             flags |= uapi.REGISTER_F_DEVICE
             fields = {"domain": pci.domain, "bus": pci.bus, "devfn": pci.devfn}
-        a = uapi.Register.new(flags=flags, fd=src.fd, offset=src.offset, va=src.va,
-                              length=src.length, **fields)
+        a = _args(uapi.Register, flags=flags, fd=src.fd, offset=src.offset, va=src.va,
+                  length=src.length, **fields)
         try:
             fcntl.ioctl(self.device.fd, uapi.REGISTER, a, True)
         except BaseException as exc:

@@ -31,6 +31,8 @@ from .errors import P2PHubError, P2PHubOSError, UsageError
 
 DMABUF = "dmabuf"
 NVIDIA = "nvidia"
+U64 = 1 << 64
+S32_MAX = (1 << 31) - 1
 
 
 @dataclass
@@ -109,20 +111,25 @@ _UNSET: Any = object()
 
 def dmabuf(fd: int, offset: int = 0, length: int | None = None, keep: Any = None,
            key: Any = _UNSET) -> Source:
-    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+    if isinstance(fd, bool) or not isinstance(fd, int) or not 0 <= fd <= S32_MAX:
         raise UsageError(f"fd={fd!r} is not a file descriptor")
-    if offset < 0:
-        raise UsageError(f"dma-buf fd {fd}: offset={offset} is negative")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < U64:
+        raise UsageError(f"dma-buf fd {fd}: offset={offset!r} is not a byte offset")
     if length is None:
         try:
             length = os.lseek(fd, 0, os.SEEK_END) - offset
         except OSError as exc:
             raise UsageError(f"fd={fd} is not an open dma-buf ({exc.strerror})") from None
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 < length < U64:
+        raise UsageError(f"dma-buf fd {fd}: length={length!r} must be a positive byte count")
     return Source(DMABUF, length, fd=fd, offset=offset, keep=keep,
                   key=_fd_key(fd, offset, length) if key is _UNSET else key)
 
 
 def nvidia(va: int, length: int, keep: Any = None) -> Source:
+    for name, v in (("va", va), ("length", length)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < U64:
+            raise UsageError(f"GPU VA range: {name}={v!r} is not a positive 64-bit value")
     return Source(NVIDIA, length, va=va, keep=keep)
 
 
