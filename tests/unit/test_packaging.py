@@ -4,8 +4,9 @@ separate distributions found through the ``p2phub.backends`` entry-point group.
 Builds the three wheels from a copy of the checkout's files (what git would ship, so a file that
 only exists in this checkout cannot hide a missing package-data entry), installs them into a fresh
 venv outside the checkout, and imports from there. No network: the build uses this interpreter's
-setuptools and cffi (--no-build-isolation) and the install --no-deps (the fresh venv sees the
-system's cffi).
+setuptools and cffi (--no-build-isolation; tools/setup installs Debian's python3-setuptools,
+python3-wheel and python3-cffi, which the venv sees, since Python 3.12's venvs carry no setuptools)
+and the install --no-deps (the fresh venv sees the system's cffi).
 """
 
 from __future__ import annotations
