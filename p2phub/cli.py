@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("p2phub.commands.info", "show p2phub.ko's version and capabilities"),
     "doctor": ("p2phub.doctor.command", "can GPU<->NVMe and GPU<->NIC P2P work here, and why not"),
     "nvme": ("p2phub.commands.nvme", "hand an NVMe controller to p2phub and back (bind, unbind, list, identify)"),
+    "kv": ("p2phub.commands.kv", "move KV-cache pages between two agents (serve, send)"),
     "bench": ("p2phub.commands.bench", "measure p2phub against its baselines (register: vs ibv_reg_mr)"),
 }
 

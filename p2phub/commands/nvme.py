@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                      f"  I/O queues granted {info['queues_granted']}"]
             lines += [f"  nsid {n['nsid']}: {n['blocks']} blocks of {n['lba_size']} B ({n['bytes'] >> 20} MiB)"
                       for n in info["namespaces"]]
+            lines += [f"  nsid {k}: not used: {why}" for k, why in info.get("skipped_namespaces", {}).items()]
             _emit(args, info, "\n".join(lines))
     except ControllerBusyError as exc:
         if args.json:

@@ -30,8 +30,8 @@ def _iommu_overlay(ctx: Context, map_type: str, bdfs: list[str]) -> str:
 def _gpu_gate(ctx: Context, gpu: Any, kind: str) -> tuple[bool | None, str | None, str | None]:
     """(ok, reason, check id) for the GPU driver side of a pair."""
     fl = gpu.info.get("flavour")
-    if fl == "standin":
-        return True, None, None
+    if gpu.info.get("backend"):
+        return True, None, None  # claimed by a backend plugin only while its exporting driver is bound
     if fl == "amd":
         r = ctx.results.get("amd.large_bar")
         if r and r.status == FAIL:

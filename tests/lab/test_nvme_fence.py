@@ -22,11 +22,11 @@ from typing import Iterator
 
 import pytest
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 import regutil
 from p2phub import uapi
 from p2phub.device import Device
-from p2phub.hostmem import Udmabuf
+from p2phub.hostmem import Udmabuf, VgemBuffer
 from p2phub.nvme import bind
 
 pytestmark = pytest.mark.lab
@@ -47,6 +47,11 @@ def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:
 def _open_arg(bdf: str) -> uapi.NvmeOpen:
     dom, bus, devfn = bind.split_bdf(bdf)
     return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn)
+
+
+def host_buf(size: int) -> Udmabuf | VgemBuffer:
+    """Host memory as a dma-buf: udmabuf where the kernel has it (6.12), else vgem (6.1)."""
+    return Udmabuf(size) if Path("/dev/udmabuf").exists() else VgemBuffer(size)
 
 
 def _bus_master(bdf: str) -> bool:
@@ -108,7 +113,7 @@ class _Status:
 
 
 def test_map_reg_holds_the_registration(dev: Device, ctrl: int) -> None:
-    with Udmabuf(1 * MiB) as buf:
+    with host_buf(1 * MiB) as buf:
         handle = _register(dev, buf.fd, 1 * MiB)
         err, arg, addrs = _map_reg(ctrl, handle, count=256)
         assert err == 0 and arg.count == 256 and arg.out_total == 256
@@ -132,7 +137,7 @@ def test_map_reg_holds_the_registration(dev: Device, ctrl: int) -> None:
 def test_map_reg_errors(dev: Device, ctrl: int) -> None:
     assert _map_reg(ctrl, 0)[0] == errno.ENOENT
     assert _map_reg(ctrl, 4242)[0] == errno.ENOENT
-    with Udmabuf(64 * 1024) as buf:
+    with host_buf(64 * 1024) as buf:
         handle = _register(dev, buf.fd, 64 * 1024)
         bad = uapi.NvmeMapReg.new(handle=handle, flags=1)
         assert _errno_of(ctrl, uapi.NVME_MAP_REG, bad) == errno.EINVAL
@@ -158,7 +163,7 @@ def test_map_reg_errors(dev: Device, ctrl: int) -> None:
 
 def test_closing_dev_p2phub_waits_for_the_controller(bdf: str) -> None:
     """The pin outlives /dev/p2phub's release while a controller that may DMA to it is open."""
-    buf = Udmabuf(1 * MiB)
+    buf = host_buf(1 * MiB)
     dev = Device()
     ctrl = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
     handle = _register(dev, buf.fd, 1 * MiB)
@@ -265,7 +270,7 @@ def test_dma_pages_races_unregister(dev: Device, lab: dict[str, str]) -> None:
     dom, bus, devfn = bind.split_bdf(lab["nvme_baseline"])
     addrs = (ctypes.c_uint64 * 4096)()
     for _ in range(40):
-        with Udmabuf(16 * MiB) as buf:
+        with host_buf(16 * MiB) as buf:
             handle = _register(dev, buf.fd, 16 * MiB)
             go = threading.Event()
 
@@ -293,9 +298,10 @@ def test_foreign_device_maps_need_cap_sys_admin(dev: Device) -> None:
     code = (
         "import ctypes, errno, fcntl, os\n"
         "from p2phub import uapi\n"
-        "from p2phub.hostmem import Udmabuf\n"
+        "from pathlib import Path\n"
+        "from p2phub.hostmem import Udmabuf, VgemBuffer\n"
         "fd = os.open('/dev/p2phub', os.O_RDWR)\n"
-        "b = Udmabuf(65536)\n"
+        "b = Udmabuf(65536) if Path('/dev/udmabuf').exists() else VgemBuffer(65536)\n"
         "a = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF | uapi.REGISTER_F_DEVICE, fd=b.fd, length=65536)\n"
         "try:\n    fcntl.ioctl(fd, uapi.REGISTER, a, True); print('register', 0)\n"
         "except OSError as e:\n    print('register', e.errno)\n"
@@ -325,9 +331,58 @@ def test_registered_bytes_are_capped(dev: Device) -> None:
     old = param.read_text().strip()
     try:
         param.write_text("0")
-        with Udmabuf(64 * 1024) as buf:
+        with host_buf(64 * 1024) as buf:
             arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF, fd=buf.fd, length=64 * 1024)
             assert _errno_of(dev.fd, uapi.REGISTER, arg) == errno.ENOSPC
     finally:
         param.write_text(old)
     assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+def test_function_reset_fences_the_owner(bdf: str, dev: Device, ctrl: int) -> None:
+    """An FLR under the owner's feet: bus mastering off, ERROR in the status page, RESUME after."""
+    reset = Path(f"/sys/bus/pci/devices/{bdf}/reset")
+    if not reset.exists():
+        pytest.skip("the controller offers no reset method")
+    st = _Status(ctrl)
+    assert _bus_master(bdf)
+    reset.write_text("1")
+    assert st.page.state & uapi.NVME_ST_ERROR
+    assert not _bus_master(bdf)
+    assert _errno_of(ctrl, uapi.NVME_RESUME, uapi.NvmeResume.new()) == 0
+    assert st.page.state == 0 and _bus_master(bdf)
+    st.close()
+
+
+def test_unbind_asks_the_owner_to_let_go(lab: dict[str, str]) -> None:
+    """Unbind does not hang on a silent owner: it sets REMOVING and signals the request eventfd."""
+    b = lab["nvme_target"]
+    bind.bind(b)
+    dev = Device()
+    ctrl = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(b), True)
+    st = _Status(ctrl)
+    efd = os.eventfd(0, os.EFD_CLOEXEC)
+    assert _errno_of(ctrl, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=efd)) == 0
+    done = threading.Event()
+
+    def unbind() -> None:
+        Path(f"/sys/bus/pci/devices/{b}/driver/unbind").write_text(b)
+        done.set()
+
+    t = threading.Thread(target=unbind)
+    t.start()
+    try:
+        assert os.eventfd_read(efd) >= 1          # the kernel asked
+        assert st.page.state & uapi.NVME_ST_REMOVING
+        assert not done.is_set()                   # and waits for the owner
+        # A new owner is refused at once rather than queued behind the unbind.
+        with Device() as other:
+            assert _errno_of(other.fd, uapi.NVME_OPEN, _open_arg(b)) in (errno.EBUSY, errno.ENXIO)
+    finally:
+        st.close()
+        os.close(ctrl)
+        os.close(efd)
+        dev.close()
+        t.join(timeout=60)
+    assert done.is_set(), "unbind did not finish once the owner closed its fd"
+    bind.unbind(b)      # back to the kernel nvme driver (and rebinds the module fixture's next use)

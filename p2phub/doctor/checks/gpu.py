@@ -19,7 +19,7 @@ def _bar(ctx: Context) -> CheckResult:
     for g in ctx.top.gpus:
         b = g.info.get("bar_bytes")
         rows[g.id] = b
-        if g.info.get("flavour") != "standin" and b is not None and 0 < b < (1 << 30):
+        if not g.info.get("bar_covers_memory") and b is not None and 0 < b < (1 << 30):
             small.append(f"{g.id} BAR{g.info['p2p_bar']} {b >> 20} MiB")
     ev = ctx.ev(*(f"/sys/bus/pci/devices/{g.bdf}/resource" for g in ctx.top.gpus))
     desc = ", ".join(f"{i}: BAR {('%d MiB' % (v >> 20)) if v else 'unknown'}" for i, v in rows.items())
