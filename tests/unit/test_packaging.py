@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,11 @@ def test_three_wheels_p2phub_platform_specific_backends_pure(installed: Path) ->
     assert "linux" in core, f"{core}: the core wheel carries a compiled module, so it is platform-specific"
     assert any(n.startswith("p2phub_cuda-") and n.endswith("-none-any.whl") for n in names), names
     assert any(n.startswith("p2phub_rocm-") and n.endswith("-none-any.whl") for n in names), names
+    # the core names no backend: each backend distribution brings its own entry point
+    with zipfile.ZipFile(installed / "dist" / core) as z:
+        eps = [n for n in z.namelist() if n.endswith("entry_points.txt")]
+        assert eps and "p2phub.backends" not in z.read(eps[0]).decode()
+        assert not [n for n in z.namelist() if n.startswith(("p2phub_cuda/", "p2phub_rocm/"))]
 
 
 def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(installed: Path) -> None:
