@@ -17,6 +17,7 @@ class Exit(enum.IntEnum):
     USAGE = 4        # bad command line or arguments (argparse's own 2 is mapped here)
     NOT_LOADED = 5   # p2phub.ko is not loaded (/dev/p2phub absent)
     BUSY = 6         # nvme bind: the controller is in use by the kernel (mounted, swap, held)
+    INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), the code shells give such a process
 
 
 MEANING = {
@@ -27,6 +28,7 @@ MEANING = {
     Exit.USAGE: "usage error: unknown command, bad option or argument",
     Exit.NOT_LOADED: "p2phub.ko is not loaded (/dev/p2phub absent)",
     Exit.BUSY: "nvme bind: the controller is in use (a namespace is mounted, swap or held)",
+    Exit.INTERRUPTED: "stopped by Ctrl-C (a long-running command: kv serve)",
 }
 
 # which command returns which codes (every command may also return USAGE)
@@ -35,5 +37,6 @@ USED_BY = {
     "info": (Exit.OK, Exit.FAIL, Exit.NOT_LOADED),
     "doctor": (Exit.OK, Exit.FAIL, Exit.WARN, Exit.UNKNOWN),
     "nvme": (Exit.OK, Exit.FAIL, Exit.BUSY),
+    "kv": (Exit.OK, Exit.FAIL, Exit.INTERRUPTED),
     "bench": (Exit.OK, Exit.FAIL),
 }

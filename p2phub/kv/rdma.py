@@ -35,7 +35,7 @@ from .pool import KVPool
 
 __all__ = ["RdmaAgent", "pack_imm", "unpack_imm"]
 
-GID_INDEX = 1        # the RoCE v2 GID of the port's IPv4 address on soft-RoCE; other NICs differ (show_gids)
+GID_INDEX = 1        # RoCE v2 GID of the port's IPv4 address (default)
 PORT_NUM = 1
 SQ_DEPTH = 512
 RQ_DEPTH = 512

@@ -4,8 +4,9 @@ separate distributions found through the ``p2phub.backends`` entry-point group.
 Builds the three wheels from a copy of the checkout's files (what git would ship, so a file that
 only exists in this checkout cannot hide a missing package-data entry), installs them into a fresh
 venv outside the checkout, and imports from there. No network: the build uses this interpreter's
-setuptools and cffi (--no-build-isolation) and the install --no-deps (the fresh venv sees the
-system's cffi).
+setuptools and cffi (--no-build-isolation; tools/setup installs Debian's python3-setuptools,
+python3-wheel and python3-cffi, which the venv sees, since Python 3.12's venvs carry no setuptools)
+and the install --no-deps (the fresh venv sees the system's cffi).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,11 @@ def test_three_wheels_p2phub_platform_specific_backends_pure(installed: Path) ->
     assert "linux" in core, f"{core}: the core wheel carries a compiled module, so it is platform-specific"
     assert any(n.startswith("p2phub_cuda-") and n.endswith("-none-any.whl") for n in names), names
     assert any(n.startswith("p2phub_rocm-") and n.endswith("-none-any.whl") for n in names), names
+    # the core names no backend: each backend distribution brings its own entry point
+    with zipfile.ZipFile(installed / "dist" / core) as z:
+        eps = [n for n in z.namelist() if n.endswith("entry_points.txt")]
+        assert eps and "p2phub.backends" not in z.read(eps[0]).decode()
+        assert not [n for n in z.namelist() if n.startswith(("p2phub_cuda/", "p2phub_rocm/"))]
 
 
 def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(installed: Path) -> None:
