@@ -81,7 +81,7 @@ def buf(tmp_path: Path) -> Iterator[int]:
 
 
 def test_a_second_registration_of_the_same_range_makes_no_kernel_call(kernel: FakeKernel, buf: int) -> None:
-    with hubmod.Hub() as hub:
+    with hubmod.Hub(mode="p2p") as hub:
         a = hub.register_dmabuf(buf)
         b = hub.register_dmabuf(buf, 0, 65536)
         assert a.handle == b.handle and a.shared == 2
@@ -96,7 +96,7 @@ def test_a_second_registration_of_the_same_range_makes_no_kernel_call(kernel: Fa
 
 
 def test_closing_a_handle_twice_drops_one_reference(kernel: FakeKernel, buf: int) -> None:
-    with hubmod.Hub() as hub:
+    with hubmod.Hub(mode="p2p") as hub:
         a = hub.register_dmabuf(buf)
         b = hub.register_dmabuf(buf)
         a.close()
@@ -107,7 +107,7 @@ def test_closing_a_handle_twice_drops_one_reference(kernel: FakeKernel, buf: int
 
 
 def test_a_revoked_registration_is_not_handed_out(kernel: FakeKernel, buf: int) -> None:
-    with hubmod.Hub() as hub:
+    with hubmod.Hub(mode="p2p") as hub:
         a = hub.register_dmabuf(buf)
         kernel.live[a.handle] = "revoked"
         b = hub.register_dmabuf(buf)
@@ -130,7 +130,7 @@ class User:
 
 @pytest.mark.parametrize("busy", [False, P2PHubOSError(errno.EBUSY, "quiesce")])
 def test_a_busy_user_keeps_the_registration(kernel: FakeKernel, buf: int, busy: Any) -> None:
-    with hubmod.Hub() as hub:
+    with hubmod.Hub(mode="p2p") as hub:
         reg = hub.register_dmabuf(buf)
         user = User(busy)
         reg.add_user(user)
@@ -150,7 +150,7 @@ def test_a_busy_user_keeps_the_registration(kernel: FakeKernel, buf: int, busy: 
 
 
 def test_the_hub_drains_then_releases_everything(kernel: FakeKernel, buf: int) -> None:
-    hub = hubmod.Hub()
+    hub = hubmod.Hub(mode="p2p")
     regs = [hub.register_dmabuf(buf, i * 4096, 4096) for i in range(4)]
     users = [User(None) for _ in regs]
     for r, u in zip(regs, users):
@@ -172,7 +172,7 @@ def test_the_hub_drains_then_releases_everything(kernel: FakeKernel, buf: int) -
 
 def test_a_forked_child_neither_uses_nor_releases(kernel: FakeKernel, buf: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    hub = hubmod.Hub()
+    hub = hubmod.Hub(mode="p2p")
     reg = hub.register_dmabuf(buf)
     parent = os.getpid()
     monkeypatch.setattr(os, "getpid", lambda: parent + 1)
@@ -186,7 +186,7 @@ def test_a_forked_child_neither_uses_nor_releases(kernel: FakeKernel, buf: int,
 
 
 def test_threads_registering_the_same_memory_leave_nothing(kernel: FakeKernel, buf: int) -> None:
-    with hubmod.Hub() as hub:
+    with hubmod.Hub(mode="p2p") as hub:
         held = hub.register_dmabuf(buf, 0, 4096)
 
         def worker() -> None:
