@@ -434,7 +434,7 @@ def test_revoke_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consu
             t, out = _in_thread(lambda: gpu.revoke(fd))
             try:
                 assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
-                assert consumer.state()["move_notifies"] == 1
+                assert consumer.state()["move_notifies"] >= 1   # again from the notify work
                 time.sleep(0.5)
                 assert t.is_alive(), "REVOKE returned while an importer of the export was busy"
                 assert reg.info().revoked
@@ -462,7 +462,7 @@ def test_free_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consume
         t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
         try:
             assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
-            assert consumer.state()["move_notifies"] == 1
+            assert consumer.state()["move_notifies"] >= 1   # again from the notify work
             time.sleep(0.5)
             assert t.is_alive(), "the free callback returned while an importer of the export was busy"
             assert gpu.query().dma_mappings >= 1, "NVIDIA unmapped before the importers finished"
