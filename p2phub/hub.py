@@ -74,10 +74,21 @@ class RegInfo:
     nr_exports: int
     nr_attached: int
     io_holds: int
+    flags: int = 0
 
     @property
     def revoked(self) -> bool:
         return self.state == RegState.REVOKED
+
+    @property
+    def read_only(self) -> bool:
+        """The memory came in through an fd not open for writing: devices may only read it."""
+        return bool(self.flags & uapi.REG_INFO_F_READ_ONLY)
+
+    @property
+    def revocable(self) -> bool:
+        """Its owner may take it back (a revoking dma-buf exporter, NVIDIA P2P)."""
+        return bool(self.flags & uapi.REG_INFO_F_REVOCABLE)
 
 
 class RegistrationUser(Protocol):
@@ -253,7 +264,7 @@ class Registration(Resource):
             self._pin.mark_revoked()
         return RegInfo(self.handle, RegState(a.out_state), Provider(a.out_provider),
                        a.out_generation, a.out_length, a.out_page_size, a.out_nr_devices,
-                       a.out_nr_exports, a.out_nr_attached, a.out_io_holds)
+                       a.out_nr_exports, a.out_nr_attached, a.out_io_holds, a.out_flags)
 
     def dma_pages(self, device: "str | PciAddress", page_size: int = 0) -> list[int]:
         """DMA addresses of every page, as `device` must use them (IOVAs under an IOMMU).
