@@ -53,7 +53,7 @@ class FakeRegistration:
     _handles = itertools.count(1)
 
     def __init__(self, hub: "FakeHub", size: int) -> None:
-        self._hub = hub
+        self.hub = hub
         self.handle = next(self._handles)
         self.length = size
         self.closed = False
