@@ -145,6 +145,8 @@ class Ordering:
         (default: this ordering's timeout), or FenceError when a producer it would consume
         failed; in every case the access is withdrawn."""
         a = self.enter(offset, length, kind, what)
+        if not a.deps:
+            return a
         try:
             self.wait_deps(a, self.timeout if timeout is None else timeout)
         except BaseException as exc:
