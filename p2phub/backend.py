@@ -1,23 +1,35 @@
-"""The small interface through which GPU allocations reach p2phub.
+"""The small interface through which GPU memory and GPU devices reach p2phub.
 
-The core never imports a vendor runtime. A backend (``p2phub_cuda``,
-``p2phub_rocm``) recognises the objects of its runtime (raw pointers, tensors,
-``__cuda_array_interface__``, DLPack), validates the byte range, and hands the
-core something p2phub.ko can pin: a dma-buf fd of exactly that range, or, for
-the NVIDIA P2P path, a 64 KiB aligned GPU virtual address range.
+The core never imports a vendor runtime and names no device of its own. A
+backend is a plugin: a module named by an entry point of the group
+``p2phub.backends`` (in its distribution's pyproject.toml)::
+
+    [project.entry-points."p2phub.backends"]
+    cuda = "p2phub_cuda"
+
+The module has a ``backend()`` factory returning an object of the `Backend`
+shape below, and may have other factories for other interfaces
+(``stream_ops()``). A backend recognises the objects of its runtime (raw
+pointers, tensors, ``__cuda_array_interface__``, DLPack), validates the byte
+range, and hands the core something p2phub.ko can pin: a dma-buf fd of exactly
+that range, or, for the NVIDIA P2P path, a 64 KiB aligned GPU virtual address
+range. It may also claim PCI functions as GPUs for `p2phub doctor`
+(``discover_gpu``) and give the doctor's active test a buffer of GPU memory
+(``test_buffer``). Every hook but ``name`` is optional.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Any, Iterator, Protocol
 
 from .errors import UsageError
 
-# Where each vendor backend lives; imported only when an object needs it.
-BACKENDS = ("p2phub_cuda", "p2phub_rocm")
+GROUP = "p2phub.backends"
 
 NVIDIA_P2P_ALIGN = 64 << 10
 
@@ -46,6 +58,47 @@ class GpuRange:
         return self.ptr % NVIDIA_P2P_ALIGN == 0 and self.length % NVIDIA_P2P_ALIGN == 0
 
 
+@dataclass(frozen=True)
+class PciFunction:
+    """What the doctor knows of a PCI function when it asks backends which ones are GPUs."""
+
+    bdf: str                 # 0000:04:00.0
+    vendor: int
+    device: int
+    cls: int                 # 24-bit class code
+    driver: str | None       # the bound driver's name
+
+
+@dataclass
+class GpuClaim:
+    """A backend's word that a PCI function is a GPU whose memory it can export."""
+
+    flavour: str             # a short name for reports and verdicts
+    name: str                # shown in the device list
+    vendor: str
+    p2p_bar: int             # the BAR index peers reach the GPU's memory through
+    # extra facts for the report; "bar_covers_memory": True says the whole memory sits in
+    # that BAR, so a small BAR is no limit on what can be registered
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class GpuBuffer:
+    """GPU memory exported as a dma-buf (``fd``), with a CPU path to fill and read it."""
+
+    fd: int = -1
+    describe: str = ""
+    bus_address: int | None = None  # where peers reach the buffer without an IOMMU, when known
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def read(self, n: int) -> bytes:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
 class Backend(Protocol):
     name: str
 
@@ -59,20 +112,82 @@ class Backend(Protocol):
         Raises UsageError for memory p2phub cannot pin (host or managed memory,
         a freed pointer, a range spanning two allocations, misalignment)."""
 
+    # Optional:
+    #   discover_gpu(fn: PciFunction) -> GpuClaim | None   (sysfs facts only: no device I/O)
+    #   test_buffer(bdf: str, length: int) -> GpuBuffer   (doctor --active)
 
-def _load(modname: str) -> Backend | None:
-    try:
-        mod = importlib.import_module(modname)
-    except ImportError:
-        return None
-    return mod.backend()
+
+_broken: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _modules() -> tuple[tuple[str, ModuleType], ...]:
+    out = []
+    eps = sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name)
+    for ep in eps:
+        if any(name == ep.name for name, _ in out):
+            continue  # one plugin per name (a second installed copy is ignored)
+        try:
+            mod = ep.load()
+        except ImportError as exc:  # the vendor runtime is not installed here
+            _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
+            _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        out.append((ep.name, mod))
+    return tuple(out)
+
+
+def backend_modules() -> Iterator[tuple[str, ModuleType]]:
+    """(name, module) of every installed backend plugin that imports here."""
+    yield from _modules()
+
+
+def unavailable() -> dict[str, str]:
+    """Backend plugins installed but not importable here, with the reason."""
+    _modules()
+    return dict(_broken)
+
+
+@functools.lru_cache(maxsize=1)
+def backends() -> tuple[Backend, ...]:
+    out = []
+    for name, mod in _modules():
+        factory = getattr(mod, "backend", None)
+        if factory is not None:
+            out.append(factory())
+    return tuple(out)
 
 
 def find_backend(obj: Any) -> Backend | None:
-    for modname in BACKENDS:
-        be = _load(modname)
-        if be is not None and be.claims(obj):
+    for be in backends():
+        if be.claims(obj):
             return be
+    return None
+
+
+def get_backend(name: str) -> Backend | None:
+    return next((be for be in backends() if be.name == name), None)
+
+
+def backend_names() -> list[str]:
+    return [be.name for be in backends()]
+
+
+def discover_gpu(fn: PciFunction) -> tuple[str, GpuClaim] | None:
+    """(backend name, claim) of the first backend that claims PCI function `fn` as a GPU."""
+    for be in backends():
+        hook = getattr(be, "discover_gpu", None)
+        if hook is None:
+            continue
+        try:
+            claim = hook(fn)
+        except Exception as exc:  # noqa: BLE001 - one plugin's bug must not hide the other GPUs
+            _broken[f"{be.name}.discover_gpu"] = f"{type(exc).__name__}: {exc}"
+            continue
+        if claim is not None:
+            return be.name, claim
     return None
 
 

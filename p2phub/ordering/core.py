@@ -277,6 +277,15 @@ class Ordering:
         for a in live:
             self.withdraw(a, FenceError(f"{a} can never complete: {reason}"))
 
+    def quiesce_registration(self, reg: Any, timeout: float) -> bool:
+        """As a user of its registration (p2phub.hub.RegistrationUser): wait up to `timeout`
+        seconds for the accesses in flight; False (nothing released) when some remain."""
+        try:
+            self.close(timeout=timeout)
+        except P2PHubOSError:
+            return False
+        return True
+
     def fail_all(self, reason: str, match: Callable[[Access], bool] | None = None) -> int:
         """Fail every live access (or those `match` picks) with `reason`: a source that can
         never complete them (a dead controller, a destroyed QP). Returns how many."""
