@@ -17,6 +17,7 @@ class Exit(enum.IntEnum):
     USAGE = 4        # bad command line or arguments (argparse's own 2 is mapped here)
     NOT_LOADED = 5   # p2phub.ko is not loaded (/dev/p2phub absent)
     BUSY = 6         # nvme bind: the controller is in use by the kernel (mounted, swap, held)
+    INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as shells report it
 
 
 MEANING = {
@@ -27,6 +28,7 @@ MEANING = {
     Exit.USAGE: "usage error: unknown command, bad option or argument",
     Exit.NOT_LOADED: "p2phub.ko is not loaded (/dev/p2phub absent)",
     Exit.BUSY: "nvme bind: the controller is in use (a namespace is mounted, swap or held)",
+    Exit.INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",
 }
 
 # which command returns which codes (every command may also return USAGE)
@@ -36,4 +38,5 @@ USED_BY = {
     "doctor": (Exit.OK, Exit.FAIL, Exit.WARN, Exit.UNKNOWN),
     "nvme": (Exit.OK, Exit.FAIL, Exit.BUSY),
     "bench": (Exit.OK, Exit.FAIL),
+    "kv": (Exit.OK, Exit.FAIL, Exit.INTERRUPTED),
 }

@@ -451,6 +451,12 @@ class Hub(Resource):
             raise UsageError(f"{self!r} is closed")
         self._check_owner()
 
+    def _check_p2p(self, what: str) -> None:
+        """P2P-only calls: in staged mode the placeholder device refuses them, naming why."""
+        self._check_open()
+        if self.mode != "p2p":
+            self.device.ioctl(0, None, what)  # type: ignore[arg-type]  # raises StagedModeError
+
     def _cached(self, key: Hashable | None) -> Registration | None:
         pin = self._cache.get(key) if key is not None else None
         if pin is None or not pin.check_live():
@@ -460,6 +466,7 @@ class Hub(Resource):
     def _register(self, src: sources.Source, device: "str | PciAddress | None",
                   cached: bool = True) -> Registration:
         """P2PHUB_REGISTER of a resolved source (or the live pin of the same memory)."""
+        self._check_p2p(f"P2PHUB_REGISTER {src.what}")
         hit = self._cached(src.key) if cached else None
         if hit is not None:
             src.finish()

@@ -157,16 +157,17 @@ def _send(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+    from ..exitcodes import Exit
     try:
         return _serve(args) if args.kv == "serve" else _send(args)
     except UsageError as exc:
         print(f"p2phub kv: {exc}", file=sys.stderr)
-        return 4
+        return Exit.USAGE
     except (P2PHubError, OSError, TimeoutError) as exc:
         if getattr(args, "json", False):
             print(json.dumps({"event": "error", "error": str(exc)}))
         else:
             print(f"p2phub kv: {exc}", file=sys.stderr)
-        return 1
+        return Exit.FAIL
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED

@@ -1,5 +1,5 @@
 """Fences for KV transfers: the ordering layer's HostFence where it is installed, else a
-minimal future-like stand-in with the same calls (set/fail, wait/done/failed/exception,
+minimal future-like fallback with the same calls (set/fail, wait/done/failed/exception,
 add_done_callback, await)."""
 
 from __future__ import annotations

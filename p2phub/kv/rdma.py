@@ -3,8 +3,8 @@
 carrying (request, layer); the receiver turns each immediate into the completion of that
 layer's fence (RC delivers the WRITEs of a QP before the WRITE_WITH_IMM that follows them).
 
-    rx = RdmaAgent("decode", pool, "rxe-b")       # pool: KVPool.registered(hub, layout)
-    tx = RdmaAgent("prefill", pool2, "rxe-a")
+    rx = RdmaAgent("decode", pool, "mlx5_1")      # pool: KVPool.registered(hub, layout)
+    tx = RdmaAgent("prefill", pool2, "mlx5_0")
     tx.connect(rx.host, rx.port)                  # a TCP control connection + one RC QP
     r = rx.expect("prefill", req=1, blocks=dst)   # layer(l) / done fences
     tx.send_request("decode", 1, src, dst).wait(30)
@@ -35,7 +35,7 @@ from .pool import KVPool
 
 __all__ = ["RdmaAgent", "pack_imm", "unpack_imm"]
 
-GID_INDEX = 1        # the lab's RoCE v2 GID of the node's IPv4 address
+GID_INDEX = 1        # RoCE v2 GID of the port's IPv4 address (default)
 PORT_NUM = 1
 SQ_DEPTH = 512
 RQ_DEPTH = 512

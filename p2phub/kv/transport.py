@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
-from .fence import HostFence
+from .fence import FenceTimeout, HostFence
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -123,7 +123,7 @@ class Xfer:
         """Block until the receiver acknowledged it; raise its error (KVPeerError, KVRejected)."""
         try:
             self.fence.exception(timeout)
-        except TimeoutError:  # FenceTimeout is one
+        except FenceTimeout:
             raise TimeoutError(f"kv xfer {self.id} to {self.peer}: not done after {timeout} s") from None
         if self.error is not None:
             raise self.error

@@ -322,7 +322,7 @@ def _fake_gpu_reg(hub: Hub, ops: StreamOps, buf: bytearray) -> StagedRegistratio
     ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     rng = GpuRange("fakegpu", 0, ptr, len(buf), ptr, len(buf), keepalive=[buf])
     reg = StagedRegistration(hub, rng, ops, "fake GPU buffer")
-    hub._regs.add(reg)
+    hub._staged.add(reg)
     return reg
 
 
