@@ -163,13 +163,18 @@ class _Pin:
             return False
         return True
 
-    def drain(self, timeout: float | None) -> None:
-        """Ask every user to quiesce its I/O on this pin; raise if one cannot in time."""
+    def drain(self, timeout: float | None, force: bool = False) -> None:
+        """Ask every user to quiesce its I/O on this pin; raise if one cannot in time.
+        With `force`, a user that can abandon what it has in flight (the ordering's fences)
+        is told to."""
         if not self.users:
             return
         deadline = time.monotonic() + (DRAIN_TIMEOUT_S if timeout is None else timeout)
         for user, view in list(self.users.items()):
             if user.quiesce_registration(view, max(0.0, deadline - time.monotonic())) is False:
+                if force and hasattr(user, "abandon_registration"):
+                    user.abandon_registration(view)
+                    continue
                 raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
                                     f"{user!r} still has I/O outstanding on it; nothing was released")
 
@@ -183,7 +188,7 @@ class _Pin:
         if self.released:
             return
         if not drained:
-            self.drain(timeout)
+            self.drain(timeout, force)
         live = [d for d in self.dependents if not d.closed] if self.dependents else []
         if live and not force:
             raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
