@@ -137,6 +137,11 @@ class Controller:
             raise P2PHubError(f"doorbell at 0x{offset:x} is beyond the mapped BAR0 (0x{self.kfile.bar_len:x})")
         return self.kfile.regs + offset // 4
 
+    @property
+    def nr_irqs(self) -> int:
+        """MSI-X vectors the kernel allocated for the controller."""
+        return int(self.kfile.nr_irqs)
+
     def status_state(self) -> int:
         st = self.kfile.status
         return int(st.state) if st is not None else 0
