@@ -274,9 +274,11 @@ class Controller:
                 ctrl = ref()
                 if ctrl is None:
                     return
-                ctrl.recovery.remove("the kernel asked for the controller back "
-                                     f"(status page state 0x{ctrl.status_state():x})")
-                return
+                # The kernel signals every change of state: act on what the status page says.
+                ctrl.recovery.state_changed(None)
+                if ctrl.state in ("dead", "removed", "closed"):
+                    return
+                del ctrl
 
         self._watch = threading.Thread(target=watch, name=f"p2phub-nvme-req {self.bdf}", daemon=True)
         self._watch.start()
