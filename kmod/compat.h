@@ -8,6 +8,8 @@
 #ifndef _P2PHUB_COMPAT_H
 #define _P2PHUB_COMPAT_H
 
+#include <linux/dma-buf.h>
+#include <linux/fs.h>
 #include <linux/iommu.h>
 #include <linux/irqdomain.h>
 #include <linux/mm.h>
@@ -80,9 +82,34 @@ static inline bool p2phub_isolated_msi(struct iommu_group *group,
 /*
  * dma_buf_ops.mmap is called without the dma-buf's reservation lock on
  * 6.1 and again since 6.5 ("dma-buf: Change locking policy for mmap()");
- * 6.2-6.4 held it, which p2phub's lock order (p2phub_reg.lock is outside
- * an exported dma-buf's dma_resv) does not allow. The lab kernels are
- * outside that window; no #ifdef, this note keeps the reason.
+ * 6.2-6.4 held it. p2phub's export mmap takes p2phub_reg.lock, and no path
+ * holds p2phub_reg.lock while it takes an export's dma_resv (importers are
+ * notified without it), so both orders are fine; no #ifdef.
  */
+
+/*
+ * dma_buf_vmap() needs the reservation lock held since 6.2 ("dma-buf: Move
+ * dma_buf_vmap() to dynamic locking specification"), which added the
+ * _unlocked variants that take it; 6.1's dma_buf_vmap() locks internally.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 2, 0)
+#define p2phub_dma_buf_vmap(dmabuf, map)	dma_buf_vmap_unlocked(dmabuf, map)
+#define p2phub_dma_buf_vunmap(dmabuf, map)	dma_buf_vunmap_unlocked(dmabuf, map)
+#else
+#define p2phub_dma_buf_vmap(dmabuf, map)	dma_buf_vmap(dmabuf, map)
+#define p2phub_dma_buf_vunmap(dmabuf, map)	dma_buf_vunmap(dmabuf, map)
+#endif
+
+/*
+ * A reference on a struct file that may be on its way out (count zero,
+ * __fput() running): struct file's count became a file_ref_t in 6.13
+ * ("fs: add file_ref"); before, an atomic_long_t f_count. The caller
+ * guarantees the struct itself is not freed meanwhile.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#define p2phub_file_get_unless_zero(f)	file_ref_get(&(f)->f_ref)
+#else
+#define p2phub_file_get_unless_zero(f)	atomic_long_inc_not_zero(&(f)->f_count)
+#endif
 
 #endif /* _P2PHUB_COMPAT_H */

@@ -66,7 +66,7 @@ static_assert(sizeof(struct p2phub_nvme_req_set) == 24);
 static_assert(sizeof(struct p2phub_nvme_status) <= PAGE_SIZE);
 
 static bool allow_unsafe_noiommu;
-module_param(allow_unsafe_noiommu, bool, 0444);
+module_param(allow_unsafe_noiommu, bool, 0644);
 MODULE_PARM_DESC(allow_unsafe_noiommu,
 		 "Let user space own NVMe controllers that no IOMMU confines (their owner can then DMA to any memory); taints the kernel when used");
 

@@ -61,19 +61,37 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
  *
  * Lock order (outer first), in addition to p2phub_file.lock above:
  *   p2phub_file.lock -> p2phub_reg.lock -> dma_resv of the source dma-buf
- *                                        -> dma_resv of an exported dma-buf
- *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere.
- * mmap of an exported dma-buf (called without its dma_resv on 6.1 and
- * since 6.5) and its page faults run under the mm's mmap_lock and take
- * p2phub_reg.lock: mmap_lock -> p2phub_reg.lock. Zapping those mappings
- * (unmap_mapping_range, i_mmap_rwsem) happens under p2phub_reg.lock.
- * Callbacks: the source's move_notify runs under the source's dma_resv and
- * takes only state_lock; the exported dma-buf's map/unmap/pin/unpin run
- * under its dma_resv and take only state_lock; its attach/detach/release
- * take p2phub_reg.lock; the NVIDIA free callback takes p2phub_reg.lock
- * (which is never held across nvidia_p2p_get_pages()/put_pages()).
- * Notifying an export's importers after a revocation happens from a work
- * item, never from inside another dma-buf's callback.
+ *   p2phub_reg.lock of a registration whose source is one of p2phub's
+ *     exports (lockdep class "derived") -> p2phub_reg.lock of the exporting
+ *     registration (plain class). Never deeper: REGISTER resolves an export
+ *     of a derived registration to what that one imports.
+ *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere;
+ *     reg->exports is walked under it (a file reference taken on each
+ *     export, files already at count zero skipped).
+ * The dma_resv of an exported dma-buf is never taken under p2phub_reg.lock:
+ * its importers are told (move_notify, then a wait for their fences) with
+ * no p2phub lock held, by p2phub_export_revoke_sync()/_notify().
+ * mmap of an exported dma-buf (under the mm's mmap_lock, and on 6.2-6.4 the
+ * export's dma_resv) and its page faults take p2phub_reg.lock; the first
+ * mmap then vmaps the source (its dma_resv): mmap_lock -> p2phub_reg.lock
+ * -> source dma_resv. Zapping those mappings (unmap_mapping_range,
+ * i_mmap_rwsem) happens under p2phub_reg.lock.
+ * Callbacks: the source's move_notify runs under the source's dma_resv: it
+ * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), adds a
+ * revocation fence to that resv and queues work. That work takes no
+ * p2phub_reg.lock before the fence signals (an exporter may wait for the
+ * fence holding its resv, which p2phub_reg.lock holders may wait for).
+ * The exported dma-buf's map/unmap/pin/unpin run under its dma_resv and
+ * take nothing of ours; its attach takes p2phub_reg.lock (through
+ * p2phub_reg_map_get()), its detach state_lock, its release
+ * p2phub_reg.lock then state_lock.
+ * NVIDIA: the free callback runs under the driver's API lock and takes
+ * p2phub_reg.lock (and, without it, export dma_resvs, waiting for their
+ * importers' fences). So p2phub_reg.lock is never held across
+ * nvidia_p2p_get_pages(), _dma_map_pages() or _put_pages(), which take the
+ * API lock; _dma_unmap_pages() takes only the table's own lock and is called
+ * under p2phub_reg.lock. The callback runs in an SRCU read section that
+ * release waits for.
  *
  * In-kernel users that make a device DMA into a registration (an owned
  * NVMe controller) hold it through a struct p2phub_reg_user:

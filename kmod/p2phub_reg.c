@@ -45,7 +45,7 @@ u64 p2phub_max_reg_bytes(void)
 }
 
 struct p2phub_reg_stats p2phub_stats;
-static struct workqueue_struct *p2phub_reg_wq;
+struct workqueue_struct *p2phub_reg_wq;
 /* /sys/kernel/debug/p2phub: other parts of the module may add files. */
 struct dentry *p2phub_debugfs_dir;
 

@@ -13,8 +13,8 @@ Three sides, in the same run, each pinned to the same CPU:
 - ``fio_io_uring``: fio with io_uring (polled completion: --hipri, registered
   buffers and files) on a controller left on the kernel nvme driver.
 
-The controllers come from --device/--baseline, or $P2PHUB_NVME_DEVICE and
-$P2PHUB_NVME_BASELINE; nothing is assumed about the machine.
+The controllers come from --device/--baseline, or $P2PHUB_BENCH_DEVICE and
+$P2PHUB_BENCH_BASELINE; nothing is assumed about the machine.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ CHUNK = 4096
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("nvme", help="4 KiB random read IOPS/latency: public batch API, C loop, fio io_uring")
-    p.add_argument("--device", default=os.environ.get("P2PHUB_NVME_DEVICE"),
-                   help="controller for the engine (PCI address; default $P2PHUB_NVME_DEVICE)")
-    p.add_argument("--baseline", default=os.environ.get("P2PHUB_NVME_BASELINE"),
+    p.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+                   help="controller for the engine (PCI address; default $P2PHUB_BENCH_DEVICE)")
+    p.add_argument("--baseline", default=os.environ.get("P2PHUB_BENCH_BASELINE"),
                    help="controller (PCI address) or block device left on the kernel driver, for fio "
-                        "(default $P2PHUB_NVME_BASELINE)")
+                        "(default $P2PHUB_BENCH_BASELINE)")
     p.add_argument("--nsid", type=int, default=1)
     p.add_argument("--qd", default="1,32", help="queue depths (default 1,32)")
     p.add_argument("--bs", type=int, default=4096)
@@ -205,7 +205,7 @@ def bench_fio(dev: str, qds: list[int], bs: int, seconds: float, warmup: float, 
 
 def run_bench(args: argparse.Namespace) -> dict:
     if not args.device:
-        raise RuntimeError("no --device (PCI address of the controller for the engine; or $P2PHUB_NVME_DEVICE)")
+        raise RuntimeError("no --device (PCI address of the controller for the engine; or $P2PHUB_BENCH_DEVICE)")
     qds = [int(x) for x in args.qd.split(",")]
     os.sched_setaffinity(0, {args.cpu})
     from ..nvme import bind
@@ -214,6 +214,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kernel": platform.release(), "machine": platform.machine(), "cpu": args.cpu, "bs": args.bs,
         "seconds": args.seconds, "device": args.device, "baseline": args.baseline,
+        "iommu_groups": any(Path("/sys/kernel/iommu_groups").glob("*")),
     }
     try:
         report["engine"] = bench_engine(args.device, args.nsid, qds, args.bs, args.seconds, args.warmup)

@@ -9,7 +9,9 @@ import sys
 from ..errors import P2PHubError
 
 SCHEMA = "p2phub.nvme/1"
-EXIT_OK, EXIT_FAIL, EXIT_BUSY = 0, 1, 2
+from ..exitcodes import Exit
+
+EXIT_OK, EXIT_FAIL, EXIT_BUSY = Exit.OK, Exit.FAIL, Exit.BUSY
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 from ..errors import UsageError
+from ..ordering import nvme as ordering
 from . import prp, spec
 from .queue import NO_SLOT, BatchFuture, CommandFuture, QueuePair
 
@@ -108,14 +109,18 @@ class Namespace:
         qp = qpair or self.ctrl.io_qpair()
         ops = list(ops)
         ios, piece_futs, op_futs, accesses = self._prepare(ops, qp)
+        # Ordered accesses first: strict mode refuses the batch before anything is sent, and
+        # the batch waits here for earlier conflicting accesses (p2phub.ordering).
+        ordered = ordering.declare(ops, [f.what for f in op_futs])
         tokens: list[object] = []
         try:
             for a in accesses:
                 tokens.append(self._declare(*a))
-        except BaseException:
+        except BaseException as exc:
             for t in tokens:
                 if t is not None:
                     self._release(t)
+            ordering.abandon(ordered, op_futs, exc)
             raise
         for fut, token in zip(op_futs, tokens):
             if token is not None:
@@ -126,7 +131,9 @@ class Namespace:
             for fut in op_futs:
                 if not fut.done() and not fut.cids:
                     fut._fail(exc)  # never reached the device: release its declaration
+            ordering.abandon(ordered, op_futs, exc)
             raise
+        ordering.bind(ordered, op_futs)
         return op_futs
 
     # ---------------------------------------------------------------- the fast path
@@ -185,9 +192,15 @@ class Namespace:
         fut = BatchFuture(qp, ios, n, qd=qd or qp.ntrk, keep=(pl, mapping, c_lbas, c_offs, buf),
                           what=f"{kind} batch of {n} x {nbytes} B nsid={self.nsid}", latencies=latencies)
         fut.mapping = mapping
-        token = self._declare(buf, mapping, lo, hi - lo, kind)
+        ordered = ordering.declare([Op(kind, buf, offset=lo, nbytes=hi - lo)], [fut.what])
+        try:
+            token = self._declare(buf, mapping, lo, hi - lo, kind)
+        except BaseException as exc:
+            ordering.abandon(ordered, [fut], exc)
+            raise
         if token is not None:
             fut.add_done_callback(lambda _f: self._release(token))
+        ordering.bind(ordered, [fut])
         try:
             qp.submit_batch(fut)
         except BaseException as exc:

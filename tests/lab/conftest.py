@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from p2phub import klog, labenv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labkit"))
+from p2phub_lab import klog, labenv  # noqa: E402
 
 
 def _read_env() -> dict[str, str]:
@@ -39,6 +41,6 @@ def klog_clean():
     before = len(klog.read())
     yield
     new = klog.read()[before:]
-    bad = klog.bad_lines(new)
+    bad = [f"{r.kind}: {r.line}" for r in klog.reports(new)]
     if bad:
         pytest.fail("kernel log reports during this test:\n" + "\n".join(bad), pytrace=False)

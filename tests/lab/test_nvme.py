@@ -27,7 +27,7 @@ from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io, spec
 from p2phub.nvme.errors import ControllerBusyError, NvmeStatusError, NvmeTimeoutError
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 

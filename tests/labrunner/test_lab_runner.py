@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 TOP = Path(__file__).resolve().parents[2]
 LAB = [str(TOP / "tools" / "lab"), "run", "--kernel", "6.12"]
 
@@ -42,3 +44,25 @@ def test_a_module_left_in_use_is_a_leak() -> None:
     res = _lab("bash", "-c", "setsid sleep 600 </dev/p2phub >/dev/null 2>&1 & sleep 1")
     assert res.returncode == 126, res.stderr
     assert "leak" in res.stderr
+
+
+# --------------------------------------------------------------------------- the debug lab kernel
+
+DEBUG = [str(TOP / "tools" / "lab"), "run", "--kernel", "debug"]
+
+
+def _debug_kernel_built() -> bool:
+    return subprocess.run([str(TOP / "tools" / "lab"), "kernels"], capture_output=True,
+                          text=True).stdout.find("debug\t") >= 0
+
+
+@pytest.mark.skipif(not _debug_kernel_built(), reason="no debug lab kernel (tools/setup --debug-kernel)")
+def test_a_planted_lockdep_report_fails_the_run() -> None:
+    # p2phub_labcheck takes two mutexes in both orders: only a lockdep kernel sees it, and the
+    # scan must name it as lockdep.
+    res = subprocess.run([*DEBUG, "--", "bash", "-c",
+                          "insmod $P2PHUB_LAB_MODULES/p2phub_labcheck.ko lockdep=1 sleep_atomic=1"],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 126, res.stderr
+    assert "lockdep: " in res.stderr and "circular locking dependency" in res.stderr
+    assert "sleeping function called from invalid context" in res.stderr

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Runs inside the lab VM (started by tools/lab): set the lab up, load
 # p2phub.ko, run the command, unload, save the kernel log and the status.
-#   lab-guest RUN_DIR
+#   guest.sh RUN_DIR
 set -u
 run=$1
 status=125
@@ -93,7 +93,11 @@ echo "modules_dir=$run/ko" >>"$env_file"
 echo "--- lab ready"; cat "$env_file"
 
 export P2PHUB_LAB_ENV=$env_file P2PHUB_LAB_MODULES=$run/ko
-export PATH=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH
+# The benchmarks take their devices from the caller; in the lab, the lab's.
+P2PHUB_BENCH_DEVICE=$(sed -n 's/^nvme_target=//p' "$env_file")
+P2PHUB_BENCH_BASELINE=$(sed -n 's/^nvme_baseline=//p' "$env_file")
+export P2PHUB_BENCH_DEVICE P2PHUB_BENCH_BASELINE P2PHUB_BENCH_RDMA_DEV=rxe-a
+export PATH=$(cd "$(dirname "$0")/../../.." && pwd)/.venv/bin:$PATH
 cmd=$(cat "$run/command")
 echo "--- running: $cmd"
 exec 1>&3 2>&4

@@ -1,0 +1,110 @@
+"""Kernel log reports that mean something went wrong in the kernel.
+
+Used by the lab runner (a whole run) and by lab tests (one test's share of the
+log). Each pattern has a kind, so a failed run says what was seen: an IOMMU
+fault (a device wrote where nothing was mapped), a KASAN or UBSAN report, a
+lockdep report, a DMA-API debug error, a leak, or a WARN/BUG/Oops.
+
+Patterns follow the kernel's own printk formats (6.1 and 6.12): the report's
+headline line, never the informational lines the same subsystems print at
+boot ("DMA-API: preallocated 65536 debug entries", "kmemleak: Kernel memory
+leak detector initialized", lockdep's "Lock dependency validator").
+DMABUF_DEBUG prints nothing itself: it scrambles the struct page pointers of
+every mapped sg_table, so an importer that touches them faults, and the fault
+is caught as an Oops, a general protection fault or a KASAN report.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+PATTERNS: list[tuple[str, str]] = [
+    # IOMMU faults: a device DMA'd to an address its domain does not map.
+    ("iommu", r"DMAR: \[(?:DMA (?:Read|Write)|INTR-REMAP)[^\]]*\] Request device"),
+    ("iommu", r"DMAR: DRHD: handling fault status"),
+    ("iommu", r"AMD-Vi: Event logged \[(?:IO_PAGE_FAULT|INVALID_DEVICE_REQUEST|DEV_TAB_HARDWARE_ERROR"
+              r"|PAGE_TAB_HARDWARE_ERROR|ILLEGAL_DEV_TABLE_ENTRY|IOTLB_INV_TIMEOUT)"),
+    ("iommu", r"\bIO_PAGE_FAULT\b"),
+    ("iommu", r"arm-smmu.*Unhandled context fault"),
+    # Oopses first: their headline also names KASAN on a KASAN kernel.
+    ("oops", r"Oops|general protection fault|Kernel panic|stack-protector:"),
+    # Memory-safety checkers.
+    ("kasan", r"\bKASAN\b"),
+    ("kfence", r"BUG: KFENCE: "),
+    ("ubsan", r"UBSAN: "),
+    ("slub", r"BUG [\w.-]+ \([^)]*\): "),
+    # Locking and context checkers (lockdep, RCU, might_sleep).
+    ("lockdep", r"possible recursive locking detected"),
+    ("lockdep", r"possible circular locking dependency detected"),
+    ("lockdep", r"inconsistent lock state"),
+    ("lockdep", r"possible irq lock inversion dependency detected"),
+    ("lockdep", r"bad unlock balance detected"),
+    ("lockdep", r"held lock freed"),
+    ("lockdep", r"lock held when returning to user space"),
+    ("lockdep", r"[\w-]+/\d+ is leaving the kernel with locks still held"),
+    ("lockdep", r"suspicious RCU usage"),
+    ("lockdep", r"BUG: sleeping function called from invalid context"),
+    ("lockdep", r"BUG: scheduling while atomic"),
+    ("lockdep", r"BUG: workqueue leaked (?:lock|atomic)"),
+    ("lockdep", r"DEBUG_LOCKS_WARN_ON"),
+    # DMA-API debugging: "DMA-API: <driver> <device>: <what>" (printed inside a WARN),
+    # and the debugger giving up.
+    ("dma-api", r"DMA-API: \S+ \S+: "),
+    ("dma-api", r"DMA-API: .*(?:out of memory|disabl|exceeded \d+ overlapping)"),
+    # Leaks.
+    ("kmemleak", r"kmemleak: \d+ new suspected memory leaks?|unreferenced object 0x"),
+    ("leak", r"p2phub: leak"),
+    # Corruption and hangs before the generic BUG:/WARNING: they print in.
+    ("corruption", r"refcount_t:|list_add corruption|list_del corruption|Bad page (?:state|map)"),
+    ("hang", r"INFO: task .* blocked|rcu: INFO: \w+ (?:self-)?detected stalls?|soft lockup|hard LOCKUP"),
+    # Everything else the kernel calls a bug.
+    ("warn", r"WARNING:"),
+    ("bug", r"BUG:|kernel BUG at"),
+    ("trace", r"Call Trace:"),
+]
+
+_COMPILED = [(kind, re.compile(rx)) for kind, rx in PATTERNS]
+BAD = re.compile("|".join(f"(?:{rx})" for _, rx in PATTERNS))
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: str  # the first matching pattern's kind: iommu, kasan, lockdep, dma-api, ...
+    line: str
+
+
+def classify(line: str) -> str | None:
+    """The kind of report this line belongs to, or None for a harmless line."""
+    for kind, rx in _COMPILED:
+        if rx.search(line):
+            return kind
+    return None
+
+
+def reports(lines: list[str]) -> list[Report]:
+    out = []
+    for line in lines:
+        kind = classify(line)
+        if kind is not None:
+            out.append(Report(kind, line))
+    return out
+
+
+def bad_lines(lines: list[str]) -> list[str]:
+    return [r.line for r in reports(lines)]
+
+
+def summary(lines: list[str]) -> dict[str, int]:
+    """Report lines per kind, e.g. {"lockdep": 2, "warn": 1, "trace": 1}."""
+    counts: dict[str, int] = {}
+    for r in reports(lines):
+        counts[r.kind] = counts.get(r.kind, 0) + 1
+    return counts
+
+
+def read() -> list[str]:
+    """The kernel ring buffer, one line per message (needs root)."""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
