@@ -384,6 +384,7 @@ class Controller:
 
     def resolve_buffer(self, buf: Any) -> tuple[prp.PageList, RegMapping | None]:
         """(page list, registration mapping or None) of buf: a DmaBuffer, a PageList or a registration."""
+        self._settle_state()
         self._check_usable()
         if isinstance(buf, prp.PageList):
             return buf, None
@@ -398,6 +399,15 @@ class Controller:
         m = self.mappings.get(buf)
         self.mappings.check_live(m)
         return m.pages, m
+
+    def _settle_state(self) -> None:
+        """Before new work: let a recovery in progress (another thread's) finish, and act on
+        news in the status page nobody has acted on yet (a plain load when there is none)."""
+        if self.state in ("fenced", "resetting") or (self.state == "live" and self.status_state()):
+            with self.recovery.lock:
+                pass
+            if self.state == "live" and self.status_state():
+                self.recovery.state_changed(None)
 
     def _check_usable(self) -> None:
         if self.state == "live":
