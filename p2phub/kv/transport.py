@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
-from .fence import HostFence
+from .fence import FenceTimeout, HostFence
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -121,8 +121,10 @@ class Xfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the receiver acknowledged it; raise its error (KVPeerError, KVRejected)."""
-        if not self.fence._event.wait(timeout):  # noqa: SLF001 - same package
-            raise TimeoutError(f"kv xfer {self.id} to {self.peer}: not done after {timeout} s")
+        try:
+            self.fence.exception(timeout)
+        except FenceTimeout:
+            raise TimeoutError(f"kv xfer {self.id} to {self.peer}: not done after {timeout} s") from None
         if self.error is not None:
             raise self.error
 
