@@ -280,7 +280,14 @@ class RdmaAgent:
         from pyverbs.wr import SGE, RecvWR
         mr = self.mrs[0]
         fd = peer.sock.fileno()
+        prev = time.monotonic()
         while not peer.closed:
+            tick = time.monotonic()
+            if tick - prev > 1.0:
+                # This process was frozen (a verbs call holding the GIL, the host starving us):
+                # silence in that time is ours, not the peer's.
+                peer.last_heard = max(peer.last_heard, tick)
+            prev = tick
             try:
                 with peer.lock:
                     n, wcs = peer.rcq.poll(num_entries=64) if not peer.closed else (0, [])

@@ -23,8 +23,8 @@ from p2phub.kv.rdma import RdmaAgent
 
 TOP = Path(__file__).resolve().parent.parent.parent
 STALL = 60.0     # progress deadline: under TCG on a shared host a layer can take seconds
-PEER = 8.0       # liveness deadline: heartbeats on the control connection
-DEATH = 20.0     # a killed peer is reported within this
+PEER = 10.0      # liveness deadline: heartbeats on the control connection
+DEATH = 25.0     # a killed peer is reported within this
 # 32 layers x (K, V) x 128 pages of 16 KiB per node; a request moves 96 pages of each.
 LAY = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
 PAGES = 96
