@@ -526,12 +526,14 @@ static long p2phub_ioctl_reg_info(struct p2phub_file *pf, void __user *uarg)
 	ret = p2phub_copy_args(&a, sizeof(a), uarg, 0);
 	if (ret)
 		return ret;
-	if (a.__reserved0 || !p2phub_all_zero(a.reserved, sizeof(a.reserved)))
+	if (a.out_flags || !p2phub_all_zero(a.reserved, sizeof(a.reserved)))
 		return -EINVAL;
 	reg = p2phub_reg_get(pf, a.handle);
 	if (IS_ERR(reg))
 		return PTR_ERR(reg);
 
+	a.out_flags = (reg->read_only ? P2PHUB_REG_INFO_F_READ_ONLY : 0) |
+		      (reg->revocable ? P2PHUB_REG_INFO_F_REVOCABLE : 0);
 	mutex_lock(&reg->lock);
 	a.out_nr_devices = reg->nr_maps;
 	a.out_nr_exports = reg->nr_exports;

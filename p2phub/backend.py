@@ -273,20 +273,46 @@ class StreamOps(Protocol):
         device needs none."""
 
 
+def _stream_ops_modules() -> Iterator[tuple[str, ModuleType]]:
+    """Backend modules that may have stream ops: the installed plugins, then (for a
+    checkout run from source, where no entry point is installed) p2phub_cuda/p2phub_rocm
+    if they import."""
+    seen = set()
+    for name, mod in backend_modules():
+        seen.add(name)
+        yield name, mod
+    for name in ("cuda", "rocm"):
+        if name in seen:
+            continue
+        try:
+            mod = importlib.import_module(f"p2phub_{name}")
+        except ImportError:
+            continue
+        yield name, mod
+
+
+def stream_ops_for(name: str) -> StreamOps | None:
+    """The stream ops of backend `name` ("cuda", "rocm"), or None when it has none here."""
+    for n, mod in _stream_ops_modules():
+        if n == name:
+            factory = getattr(mod, "stream_ops", None)
+            return factory() if factory is not None else None
+    return None
+
+
 def find_stream_ops(stream: Any) -> StreamOps:
     """The stream ops of the backend that owns `stream` (raises UsageError if none does).
 
-    A bare int is a raw handle; it goes to the first backend that loads."""
-    for modname in BACKENDS:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError:
-            continue
+    A bare int is a raw handle; it goes to the first backend with stream ops."""
+    tried = []
+    for name, mod in _stream_ops_modules():
         factory = getattr(mod, "stream_ops", None)
         if factory is None:
             continue
+        tried.append(name)
         ops = factory()
         if ops.claims_stream(stream):
             return ops
     raise UsageError(f"{describe(stream)}: not a GPU stream of an installed backend "
-                     f"(tried {', '.join(BACKENDS)}; a torch/CuPy stream or a raw handle)")
+                     f"(backends with stream ops: {', '.join(tried) or 'none'}; a torch/CuPy "
+                     "stream or a raw handle)")

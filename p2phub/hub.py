@@ -86,10 +86,21 @@ class RegInfo:
     nr_exports: int
     nr_attached: int
     io_holds: int
+    flags: int = 0
 
     @property
     def revoked(self) -> bool:
         return self.state == RegState.REVOKED
+
+    @property
+    def read_only(self) -> bool:
+        """The memory came in through an fd not open for writing: devices may only read it."""
+        return bool(self.flags & uapi.REG_INFO_F_READ_ONLY)
+
+    @property
+    def revocable(self) -> bool:
+        """Its owner may take it back (a revoking dma-buf exporter, NVIDIA P2P)."""
+        return bool(self.flags & uapi.REG_INFO_F_REVOCABLE)
 
 
 class RegistrationUser(Protocol):
@@ -164,13 +175,18 @@ class _Pin:
             return False
         return True
 
-    def drain(self, timeout: float | None) -> None:
-        """Ask every user to quiesce its I/O on this pin; raise if one cannot in time."""
+    def drain(self, timeout: float | None, force: bool = False) -> None:
+        """Ask every user to quiesce its I/O on this pin; raise if one cannot in time.
+        With `force`, a user that can abandon what it has in flight (the ordering's fences)
+        is told to."""
         if not self.users:
             return
         deadline = time.monotonic() + (DRAIN_TIMEOUT_S if timeout is None else timeout)
         for user, view in list(self.users.items()):
             if user.quiesce_registration(view, max(0.0, deadline - time.monotonic())) is False:
+                if force and hasattr(user, "abandon_registration"):
+                    user.abandon_registration(view)
+                    continue
                 raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
                                     f"{user!r} still has I/O outstanding on it; nothing was released")
 
@@ -184,7 +200,7 @@ class _Pin:
         if self.released:
             return
         if not drained:
-            self.drain(timeout)
+            self.drain(timeout, force)
         live = [d for d in self.dependents if not d.closed] if self.dependents else []
         if live and not force:
             raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
@@ -265,7 +281,7 @@ class Registration(Resource):
             self._pin.mark_revoked()
         return RegInfo(self.handle, RegState(a.out_state), Provider(a.out_provider),
                        a.out_generation, a.out_length, a.out_page_size, a.out_nr_devices,
-                       a.out_nr_exports, a.out_nr_attached, a.out_io_holds)
+                       a.out_nr_exports, a.out_nr_attached, a.out_io_holds, a.out_flags)
 
     def dma_pages(self, device: "str | PciAddress", page_size: int = 0) -> list[int]:
         """DMA addresses of every page, as `device` must use them (IOVAs under an IOMMU).

@@ -304,6 +304,8 @@ REGISTER_F_DMABUF = 1 << 0
 REGISTER_F_NVIDIA = 1 << 1
 REGISTER_F_DEVICE = 1 << 2
 EXPORT_F_CLOEXEC = 1 << 0
+REG_INFO_F_READ_ONLY = 1 << 0
+REG_INFO_F_REVOCABLE = 1 << 1
 
 
 class Register(_Struct):
@@ -352,7 +354,7 @@ class RegInfo(_Struct):
         ("out_nr_exports", ctypes.c_uint32),
         ("out_nr_attached", ctypes.c_uint32),
         ("out_io_holds", ctypes.c_uint32),
-        ("__reserved0", ctypes.c_uint32),
+        ("out_flags", ctypes.c_uint32),
         ("reserved", ctypes.c_uint64 * 2),
     ]
 
@@ -405,6 +407,8 @@ CONSTANTS.update({
     "REGISTER_F_NVIDIA": "P2PHUB_REGISTER_F_NVIDIA",
     "REGISTER_F_DEVICE": "P2PHUB_REGISTER_F_DEVICE",
     "EXPORT_F_CLOEXEC": "P2PHUB_EXPORT_F_CLOEXEC",
+    "REG_INFO_F_READ_ONLY": "P2PHUB_REG_INFO_F_READ_ONLY",
+    "REG_INFO_F_REVOCABLE": "P2PHUB_REG_INFO_F_REVOCABLE",
     "REGISTER": "P2PHUB_REGISTER",
     "UNREGISTER": "P2PHUB_UNREGISTER",
     "REG_INFO": "P2PHUB_REG_INFO",

@@ -149,9 +149,13 @@ struct p2phub_reg_info {
 	__u32	out_nr_exports;		/* exported dma-bufs still open */
 	__u32	out_nr_attached;	/* importers attached to them */
 	__u32	out_io_holds;		/* in-kernel I/O holding it */
-	__u32	__reserved0;		/* must be 0 */
+	__u32	out_flags;		/* P2PHUB_REG_INFO_F_* (in: must be 0) */
 	__aligned_u64 reserved[2];	/* must be 0 */
 };
+
+/* REG_INFO out_flags */
+#define P2PHUB_REG_INFO_F_READ_ONLY	(1 << 0)	/* devices may only read it */
+#define P2PHUB_REG_INFO_F_REVOCABLE	(1 << 1)	/* its owner may revoke it */
 
 /**
  * P2PHUB_DMA_PAGES - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 4)

@@ -19,6 +19,7 @@ deadline fails the request and drops the QP. A new connect() makes a new QP pair
 
 from __future__ import annotations
 
+import errno
 import json
 import select
 import socket
@@ -39,7 +40,7 @@ GID_INDEX = 1        # RoCE v2 GID of the port's IPv4 address (default)
 PORT_NUM = 1
 SQ_DEPTH = 512
 RQ_DEPTH = 512
-CHUNK = 128          # WRs posted per chain; the last one signaled
+SIGNAL_EVERY = 32    # one signaled WR in this many (selective signaling)
 IMM_LAYER_BITS = 8
 
 
@@ -74,6 +75,8 @@ class _Peer:
         self.closed = False
         self.error: BaseException | None = None
         self.lock = threading.Lock()
+        self.last_heard = time.monotonic()
+        self.outstanding = 0      # signaled WRs posted and not reaped
 
     def info(self) -> dict:
         a = self.agent
@@ -169,10 +172,15 @@ class RdmaAgent:
     """A KV agent over RDMA (RC QPs, one per peer), with a TCP control connection per peer."""
 
     def __init__(self, name: str, pool: KVPool, device: str, host: str = "127.0.0.1",
-                 port: int = 0, stall_timeout: float = 5.0) -> None:
+                 port: int = 0, stall_timeout: float = 5.0,
+                 peer_timeout: float | None = None) -> None:
+        """stall_timeout: seconds a started request may go without progress (a layer on the
+        receiver, a completion on the sender); peer_timeout (default stall_timeout): seconds
+        without a heartbeat on the control connection before a peer counts as dead."""
         from ..rdma import ProtectionDomain
 
         self.name = name
+        self.peer_timeout = float(peer_timeout or stall_timeout)
         self.pool = pool
         self.layout: KVLayout = pool.layout
         self.stall_timeout = stall_timeout
@@ -198,6 +206,20 @@ class RdmaAgent:
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
         threading.Thread(target=self._accept_loop, daemon=True, name=f"kv-rdma-accept-{name}").start()
+        threading.Thread(target=self._heartbeat, daemon=True, name=f"kv-rdma-hb-{name}").start()
+
+    def _heartbeat(self) -> None:
+        """A byte on every control connection every peer_timeout / 4 s: a peer that stops
+        hearing them (a killed or frozen process) drops the connection."""
+        while not self._closed:
+            time.sleep(self.peer_timeout / 4)
+            with self._lock:
+                peers = list(self._peers.values())
+            for p in peers:
+                try:
+                    p.sock.send(b"h", socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ connections
     def _accept_loop(self) -> None:
@@ -258,7 +280,14 @@ class RdmaAgent:
         from pyverbs.wr import SGE, RecvWR
         mr = self.mrs[0]
         fd = peer.sock.fileno()
+        prev = time.monotonic()
         while not peer.closed:
+            tick = time.monotonic()
+            if tick - prev > 1.0:
+                # This process was frozen (a verbs call holding the GIL, the host starving us):
+                # silence in that time is ours, not the peer's.
+                peer.last_heard = max(peer.last_heard, tick)
+            prev = tick
             try:
                 with peer.lock:
                     n, wcs = peer.rcq.poll(num_entries=64) if not peer.closed else (0, [])
@@ -290,7 +319,12 @@ class RdmaAgent:
                     self._drop(peer, KVPeerError(peer.name, "closed",
                                                  "the control connection closed (process gone)"))
                     return
+                peer.last_heard = time.monotonic()
             now = time.monotonic()
+            if now - peer.last_heard > self.peer_timeout:
+                self._drop(peer, KVPeerError(peer.name, "dead", f"no heartbeat for "
+                                             f"{self.peer_timeout} s (process killed or frozen)"))
+                return
             with self._lock:
                 stalled = [q for (p, _), q in self._reqs.items() if p == peer.name and q.landed
                            and not q.done.done() and now - q.last_rx > self.stall_timeout]
@@ -389,41 +423,64 @@ class RdmaAgent:
             fence.fail(exc)
             self._drop(p, exc)
             return fence
+        except Exception as exc:  # a verbs error: fail this request, drop the QP pair
+            err = KVPeerError(peer, "reset", f"{type(exc).__name__}: {exc}")
+            fence.fail(err)
+            self._drop(p, err)
+            return fence
         fence.set()
         return fence
 
     def _post_all(self, p: _Peer, wrs: list[Any]) -> None:
-        """Post in chains of CHUNK WRs, the last of each signaled, and reap each chain's
-        completion before the next (so the send queue never overflows)."""
+        """Post one WR at a time, every SIGNAL_EVERY-th and the last signaled; keep at most
+        two signaled ones outstanding, and on a full send queue (ENOMEM) reap one and retry."""
         import pyverbs.enums as e
-        for k in range(0, len(wrs), CHUNK):
-            chain = wrs[k:k + CHUNK]
-            for a, b in zip(chain, chain[1:]):
-                a.next_wr = b
-            chain[-1].send_flags = e.IBV_SEND_SIGNALED
-            with p.lock:
-                if p.closed:
-                    raise p.error or KVPeerError(p.name, "closed", "connection dropped")
-                p.qp.post_send(chain[0])
+        from pyverbs.pyverbs_error import PyverbsRDMAError
+        for i, wr in enumerate(wrs):
+            signaled = (i + 1) % SIGNAL_EVERY == 0 or i == len(wrs) - 1
+            if signaled:
+                wr.send_flags = e.IBV_SEND_SIGNALED
+                while p.outstanding >= 2:
+                    self._reap_send(p)
+            while True:
+                with p.lock:
+                    if p.closed:
+                        raise p.error or KVPeerError(p.name, "closed", "connection dropped")
+                    try:
+                        p.qp.post_send(wr)
+                        break
+                    except PyverbsRDMAError as exc:
+                        full = exc.error_code == errno.ENOMEM
+                        if not full:
+                            raise KVPeerError(p.name, "reset", f"post_send: {exc}") from None
+                if p.outstanding == 0:
+                    time.sleep(0.001)   # the queue frees as unsignaled WRs retire
+                else:
+                    self._reap_send(p)
+            if signaled:
+                p.outstanding += 1
+        while p.outstanding:
             self._reap_send(p)
 
     def _reap_send(self, p: _Peer) -> None:
+        """Wait for one signaled completion (within stall_timeout); fail on an error status."""
         import pyverbs.enums as e
         deadline = time.monotonic() + self.stall_timeout
         while True:
             with p.lock:
                 if p.closed:
                     raise p.error or KVPeerError(p.name, "closed", "connection dropped")
-                n, wcs = p.scq.poll(num_entries=16)
-            for wc in wcs:
+                n, wcs = p.scq.poll(num_entries=1)
+            if n:
+                p.outstanding -= 1
+                wc = wcs[0]
                 if wc.status != e.IBV_WC_SUCCESS:
                     raise KVPeerError(p.name, "reset", f"RDMA WRITE completed with status "
                                                        f"{wc.status} (peer gone or stalled)")
                 return
             if time.monotonic() > deadline:
                 raise KVPeerError(p.name, "stalled", f"no RDMA completion within {self.stall_timeout} s")
-            if not n:
-                time.sleep(0.0002)
+            time.sleep(0.0002)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

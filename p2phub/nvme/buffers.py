@@ -91,6 +91,11 @@ class RegMapping:
                 self.cond.notify_all()
 
 
+def _same_memory(a: Any, b: Any) -> bool:
+    """Two Registrations of the same pin (the Hub's cache hands out several) are the same memory."""
+    return a is b or (getattr(a, "_pin", None) is not None and getattr(a, "_pin", None) is getattr(b, "_pin", None))
+
+
 class Mappings:
     """The registrations one controller holds, by registration object."""
 
@@ -106,11 +111,11 @@ class Mappings:
     def get(self, reg: Any) -> RegMapping:
         """The mapping of `reg` for this controller, made (MAP_REG) on first use."""
         m = self._by_handle.get(int(reg.handle))
-        if m is not None and m.reg is reg and not m.unmapped:
+        if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
             return m
         if getattr(reg, "closed", False):
             raise UsageError(f"{reg!r} is closed")
-        hub = getattr(reg, "hub", None)
+        hub = getattr(reg, "hub", None)  # Registration.hub: the pin's
         if hub is None or getattr(hub, "device", None) is not self.device:
             raise UsageError(
                 f"{reg!r} was registered through another /dev/p2phub file than the one {self.bdf} was "
@@ -118,7 +123,7 @@ class Mappings:
                 "of the Hub that made the registration")
         with self.lock:
             m = self._by_handle.get(int(reg.handle))
-            if m is not None and m.reg is reg and not m.unmapped:
+            if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
                 return m
             total = int(reg.length) // spec.PAGE
             ffi = self.hot.ffi
@@ -164,7 +169,7 @@ class Mappings:
 
     def inflight(self, reg: Any) -> int:
         m = self._by_handle.get(int(reg.handle))
-        return m.inflight if m is not None and m.reg is reg else 0
+        return m.inflight if m is not None and _same_memory(m.reg, reg) else 0
 
     def quiesce(self, reg: Any, timeout: float | None, drive: Any) -> bool:
         """Wait (driving the queues with drive()) until no command references reg, then UNMAP_REG.
@@ -217,7 +222,7 @@ class Mappings:
 
     def holds(self, reg: Any) -> bool:
         m = self._by_handle.get(int(reg.handle))
-        return m is not None and m.reg is reg and not m.unmapped
+        return m is not None and _same_memory(m.reg, reg) and not m.unmapped
 
 
 __all__ = ["DmaBuffer", "Mappings", "RegMapping", "RevokedError"]

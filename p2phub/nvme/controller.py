@@ -137,6 +137,11 @@ class Controller:
             raise P2PHubError(f"doorbell at 0x{offset:x} is beyond the mapped BAR0 (0x{self.kfile.bar_len:x})")
         return self.kfile.regs + offset // 4
 
+    @property
+    def nr_irqs(self) -> int:
+        """MSI-X vectors the kernel allocated for the controller."""
+        return int(self.kfile.nr_irqs)
+
     def status_state(self) -> int:
         st = self.kfile.status
         return int(st.state) if st is not None else 0
@@ -269,9 +274,11 @@ class Controller:
                 ctrl = ref()
                 if ctrl is None:
                     return
-                ctrl.recovery.remove("the kernel asked for the controller back "
-                                     f"(status page state 0x{ctrl.status_state():x})")
-                return
+                # The kernel signals every change of state: act on what the status page says.
+                ctrl.recovery.state_changed(None)
+                if ctrl.state in ("dead", "removed", "closed"):
+                    return
+                del ctrl
 
         self._watch = threading.Thread(target=watch, name=f"p2phub-nvme-req {self.bdf}", daemon=True)
         self._watch.start()
@@ -377,6 +384,7 @@ class Controller:
 
     def resolve_buffer(self, buf: Any) -> tuple[prp.PageList, RegMapping | None]:
         """(page list, registration mapping or None) of buf: a DmaBuffer, a PageList or a registration."""
+        self._settle_state()
         self._check_usable()
         if isinstance(buf, prp.PageList):
             return buf, None
@@ -391,6 +399,15 @@ class Controller:
         m = self.mappings.get(buf)
         self.mappings.check_live(m)
         return m.pages, m
+
+    def _settle_state(self) -> None:
+        """Before new work: let a recovery in progress (another thread's) finish, and act on
+        news in the status page nobody has acted on yet (a plain load when there is none)."""
+        if self.state in ("fenced", "resetting") or (self.state == "live" and self.status_state()):
+            with self.recovery.lock:
+                pass
+            if self.state == "live" and self.status_state():
+                self.recovery.state_changed(None)
 
     def _check_usable(self) -> None:
         if self.state == "live":

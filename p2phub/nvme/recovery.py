@@ -149,8 +149,9 @@ class Recovery:
         ctrl.state = "live"
 
     # ---------------------------------------------------------------- the status page
-    def state_changed(self, qp: QueuePair) -> None:
-        """The pump saw the status page's state nonzero."""
+    def state_changed(self, qp: QueuePair | None) -> None:
+        """The status page's state is not 0 (seen by the pump, a refused submission, or the
+        request eventfd): REMOVING -> let go; FENCED/ERROR -> fence recovery."""
         ctrl = self.ctrl
         if getattr(self._busy, "on", False):
             return

@@ -14,7 +14,6 @@ await, on_stream.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from .core import AccessFence, GpuAccess, Ordering, as_fence, bind
@@ -30,12 +29,8 @@ __all__ = ["Access", "AccessFence", "AccessKind", "CONSUMERS", "Fence", "FenceEr
 
 def stream_ops_for(backend: str) -> Any:
     """The stream ops of backend `backend` ("cuda", "rocm"), or None when not installed."""
-    try:
-        mod = importlib.import_module(f"p2phub_{backend}")
-    except ImportError:
-        return None
-    factory = getattr(mod, "stream_ops", None)
-    return factory() if factory is not None else None
+    from ..backend import stream_ops_for as _find
+    return _find(backend)
 
 
 def for_registration(reg: Any, strict: bool = False) -> Ordering:

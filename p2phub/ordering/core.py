@@ -145,6 +145,8 @@ class Ordering:
         (default: this ordering's timeout), or FenceError when a producer it would consume
         failed; in every case the access is withdrawn."""
         a = self.enter(offset, length, kind, what)
+        if not a.deps:
+            return a
         try:
             self.wait_deps(a, self.timeout if timeout is None else timeout)
         except BaseException as exc:
@@ -200,6 +202,11 @@ class Ordering:
         if exc is None:
             exc = FenceError(f"{a} was withdrawn")
         f._complete(exc)
+        src = f._source
+        if src is not None and not src._done and not isinstance(src, GpuAccess):
+            # The work's own fence (an RDMA request, a notification) can never count now:
+            # fail it too, so whoever holds it wakes with the reason.
+            src._complete(exc)
 
     def _release(self, a: Access) -> None:
         with self._lock:
@@ -283,6 +290,18 @@ class Ordering:
         except P2PHubOSError:
             return False
         return True
+
+    def abandon_registration(self, reg: Any, reason: str = "the registration was closed") -> None:
+        """Closed with force: every access still in flight fails with `reason`, and its
+        waiters wake (the kernel still keeps device DMA off released memory)."""
+        self.close(timeout=0.0, force=True, reason=reason)
+
+    def __repr__(self) -> str:
+        live = self.live()
+        names = "; ".join(str(a) for a in live[:3])
+        more = f" and {len(live) - 3} more" if len(live) > 3 else ""
+        return (f"<ordering of {self.owner}: {len(live)} access(es) in flight"
+                f"{': ' + names + more if live else ''}>")
 
     def fail_all(self, reason: str, match: Callable[[Access], bool] | None = None) -> int:
         """Fail every live access (or those `match` picks) with `reason`: a source that can

@@ -17,6 +17,8 @@ import itertools
 from bisect import bisect_left, bisect_right, insort
 from typing import TYPE_CHECKING, Iterator
 
+from .fence import Fence, SourceFence
+
 if TYPE_CHECKING:
     from .core import AccessFence
 
@@ -84,8 +86,10 @@ class Access:
     def bind(self, source: object) -> "AccessFence":
         """Tie this access to the completion of its work (a Fence or an NVMe future): when
         that completes, the range is released and ``self.fence`` completes the same way."""
-        from .core import bind
-        return bind(self, source)
+        f = self.fence
+        assert f is not None
+        f._bind(source if isinstance(source, Fence) else SourceFence(source))
+        return f
 
     def cancel(self, exc: BaseException | None = None) -> None:
         """Withdraw this access (its work never started, or can never complete)."""

@@ -434,7 +434,7 @@ def test_revoke_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consu
             t, out = _in_thread(lambda: gpu.revoke(fd))
             try:
                 assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
-                assert consumer.state()["move_notifies"] == 1
+                assert consumer.state()["move_notifies"] >= 1   # again from the notify work
                 time.sleep(0.5)
                 assert t.is_alive(), "REVOKE returned while an importer of the export was busy"
                 assert reg.info().revoked
@@ -462,7 +462,7 @@ def test_free_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consume
         t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
         try:
             assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
-            assert consumer.state()["move_notifies"] == 1
+            assert consumer.state()["move_notifies"] >= 1   # again from the notify work
             time.sleep(0.5)
             assert t.is_alive(), "the free callback returned while an importer of the export was busy"
             assert gpu.query().dma_mappings >= 1, "NVIDIA unmapped before the importers finished"
@@ -509,11 +509,13 @@ def test_pin_of_a_revocable_export_is_refused(gpu: fg.FakeGpu, consumer: Consume
     try:
         with Hub() as hub:
             with hub.register_dmabuf(fd) as reg:
+                assert reg.info().revocable and not reg.info().read_only
                 assert _pin_refused(_attach_once(consumer, reg.dmabuf_fd, peer, pin=True))
                 assert _attach_once(consumer, reg.dmabuf_fd, peer, pin=False)["mapped"] == 1
             with hub.register_nvidia(gpu.va(32 * MiB), 256 * 1024) as reg:
                 assert _pin_refused(_attach_once(consumer, reg.dmabuf_fd, peer, pin=True))
             with VgemBuffer(256 * 1024) as buf, hub.register_dmabuf(buf.fd) as reg:
+                assert not reg.info().revocable
                 st = _attach_once(consumer, reg.dmabuf_fd, peer, pin=True)
                 assert (st["pin_err"], st["map_err"], st["mapped"]) == (0, 0, 1)
     finally:
@@ -611,6 +613,7 @@ def test_read_only_dmabuf_stays_read_only(consumer: Consumer, lab: dict[str, str
         assert fcntl.fcntl(ro, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
         with Hub() as hub, hub.register_dmabuf(ro, device=lab["nvme_target"]) as reg:
             assert len(reg.dma_pages(lab["nvme_target"])) == 16
+            assert reg.info().read_only and not reg.info().revocable   # what the NVMe engine reads
             fd = reg.dmabuf_fd
             assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             with pytest.raises(OSError) as exc:

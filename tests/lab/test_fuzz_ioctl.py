@@ -140,7 +140,7 @@ WRONG_FD = {errno.ENOTTY, errno.EINVAL}
 EXPORTER = {errno.ENOMEM, errno.EINVAL, errno.EBUSY, errno.ENODEV, errno.EOPNOTSUPP, errno.EPERM}
 # Fields a malformed call may set nonzero: they must be rejected with EINVAL.
 CHECKED_FIELDS = ("reserved", "__reserved", "__reserved0", "__reserved1", "out_handle", "out_page_size",
-                  "out_provider")
+                  "out_provider", "out_flags")
 MODES = ("valid", "short_argsz", "zero_argsz", "long_argsz", "unknown_flags", "reserved", "bad_pointer",
          "null_pointer")
 

@@ -22,7 +22,9 @@ from p2phub.kv.pattern import page
 from p2phub.kv.rdma import RdmaAgent
 
 TOP = Path(__file__).resolve().parent.parent.parent
-STALL = 3.0
+STALL = 60.0     # progress deadline: under TCG on a shared host a layer can take seconds
+PEER = 10.0      # liveness deadline: heartbeats on the control connection
+DEATH = 25.0     # a killed peer is reported within this
 # 32 layers x (K, V) x 128 pages of 16 KiB per node; a request moves 96 pages of each.
 LAY = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
 PAGES = 96
@@ -58,8 +60,8 @@ def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) ->
     src, dst = rnd.sample(range(128), PAGES), rnd.sample(range(128), PAGES)
     with KVPool.registered(hub, LAY) as pa, KVPool.registered(hub, LAY) as pb:
         _fill(pa, 21, src)
-        with RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL) as tx, \
-             RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL) as rx:
+        with RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL, peer_timeout=PEER) as tx, \
+             RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL, peer_timeout=PEER) as rx:
             assert tx.connect(rx.host, rx.port) == "decode"
             r = rx.expect("prefill", 5, blocks=dst)
             t0 = time.monotonic()
@@ -67,12 +69,12 @@ def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) ->
             for ly in (0, LAY.num_layers - 1):
                 r.layer(ly).add_done_callback(lambda _f, ly=ly: done_at.setdefault(ly, time.monotonic()))
             # the producer finishes a layer every 50 ms
-            sender = threading.Thread(target=lambda: tx.send_request("decode", 5, src, dst, pace=0.05).wait(60))
+            sender = threading.Thread(target=lambda: tx.send_request("decode", 5, src, dst, pace=0.05).wait(300))
             sender.start()
             r.layer(0).wait(60)
             assert not r.layer(LAY.num_layers - 1).done()     # layer 0 usable, 31 still to come
             assert _bad_pages(pb, 21, src, dst, layers=[0]) == 0
-            r.done.wait(120)
+            r.done.wait(300)
             sender.join(60)
             assert done_at[0] - t0 < done_at[LAY.num_layers - 1] - t0 - 0.5
             assert _bad_pages(pb, 21, src, dst) == 0
@@ -97,7 +99,7 @@ with Hub() as hub, KVPool.registered(hub, lay) as pool:
         for kv in range(2):
             for b in src:
                 pool.block(ly, kv, b)[:] = page(seed, ly, kv, b, 16384)
-    a = RdmaAgent("prefill-child", pool, dev, stall_timeout=3.0)
+    a = RdmaAgent("prefill-child", pool, dev, stall_timeout=60.0, peer_timeout=8.0)
     a.connect("127.0.0.1", port)
     print("connected", flush=True)
     a.send_request("decode", 9, src, dst, pace=0.3).wait(120)
@@ -109,7 +111,7 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
     rnd = random.Random(1)
     src, dst = rnd.sample(range(128), PAGES), rnd.sample(range(128), PAGES)
     with KVPool.registered(hub, LAY) as pb, \
-         RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL) as rx:
+         RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL, peer_timeout=PEER) as rx:
         env = dict(os.environ, PYTHONPATH=str(TOP))
         child = subprocess.Popen([sys.executable, "-c", _CHILD, lab["node_a_rdma"], str(rx.port), "31"],
                                  stdout=subprocess.PIPE, text=True, env=env)
@@ -118,23 +120,24 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
             r = rx.expect("prefill-child", 9, blocks=dst)
             r.layer(2).wait(60)                      # a few layers in
             t_kill = time.monotonic()
-            child.kill()
-            child.wait(10)
+            child.kill()                             # its exit may take long: not waited for
             with pytest.raises(Exception) as ei:
-                r.done.wait(STALL + 5)
+                r.done.wait(DEATH)
             seen = time.monotonic() - t_kill
+            child.wait(300)
         finally:
             if child.poll() is None:
                 child.kill()
-        assert "prefill-child" in str(ei.value) and "closed" in str(ei.value), ei.value
-        assert seen < STALL + 5
+        assert "prefill-child" in str(ei.value), ei.value
+        assert "closed" in str(ei.value) or "no heartbeat" in str(ei.value), ei.value
+        assert seen < DEATH
         assert 3 <= len(r.landed) < LAY.num_layers
         missing = [ly for ly in range(LAY.num_layers) if ly not in r.landed]
         assert r.visible_blocks(missing[0]) == []    # never marked visible
         assert r.layer(missing[0]).failed()
         # the same pool, a new sender on a new QP: the next request lands whole
         with KVPool.registered(hub, LAY) as pa, \
-             RdmaAgent("prefill-2", pa, lab["node_a_rdma"], stall_timeout=STALL) as tx:
+             RdmaAgent("prefill-2", pa, lab["node_a_rdma"], stall_timeout=STALL, peer_timeout=PEER) as tx:
             _fill(pa, 32, src)
             tx.connect(rx.host, rx.port)
             r2 = rx.expect("prefill-2", 10, blocks=dst)
@@ -146,8 +149,8 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
 def test_receiver_gone_fails_the_sender_within_the_deadline(hub: Hub, lab) -> None:
     with KVPool.registered(hub, LAY) as pa, KVPool.registered(hub, LAY) as pb:
         _fill(pa, 5, range(8))
-        tx = RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL)
-        rx = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL)
+        tx = RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL, peer_timeout=PEER)
+        rx = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL, peer_timeout=PEER)
         try:
             tx.connect(rx.host, rx.port)
             rx.close()                                 # QP destroyed, control socket closed
@@ -155,11 +158,11 @@ def test_receiver_gone_fails_the_sender_within_the_deadline(hub: Hub, lab) -> No
             with pytest.raises((KVPeerError, FenceError)) as ei:
                 # refused at once once the sender saw the control socket close, else its
                 # WRITEs fail (retry exhausted / flushed) within the deadline
-                tx.send_request("decode", 1, list(range(8)), list(range(8))).wait(STALL + 10)
-            assert time.monotonic() - t0 < STALL + 10
+                tx.send_request("decode", 1, list(range(8)), list(range(8))).wait(DEATH)
+            assert time.monotonic() - t0 < DEATH
             assert "decode" in str(ei.value)
             # the sender's pool and agent stay usable: a new receiver, a new QP
-            rx2 = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL)
+            rx2 = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL, peer_timeout=PEER)
             try:
                 tx.connect(rx2.host, rx2.port)
                 r = rx2.expect("prefill", 2, blocks=list(range(8)))

@@ -60,7 +60,7 @@ def handle(bdf: str, dev: Device) -> Iterator[int]:
 def test_open_errors(bdf: str, dev: Device, lab: dict[str, str]) -> None:
     assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(bdf, flags=1)) == errno.EINVAL
     a = _open_arg(bdf)
-    a.reserved[1] = 1
+    a.reserved[0] = 1
     assert _errno_of(dev.fd, uapi.NVME_OPEN, a) == errno.EINVAL
     a = _open_arg(bdf, out_bar0_size=1)
     assert _errno_of(dev.fd, uapi.NVME_OPEN, a) == errno.EINVAL

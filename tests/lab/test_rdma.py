@@ -115,7 +115,7 @@ def test_stand_in_gpu_export_cannot_be_mmapped(hub: Hub, lab) -> None:
 def _unregister_errno(reg) -> int:
     try:
         reg.hub.device.ioctl(uapi.UNREGISTER, uapi.Unregister.new(handle=reg.handle),
-                             "P2PHUB_UNREGISTER")
+                              "P2PHUB_UNREGISTER")
     except P2PHubOSError as exc:
         return exc.errno
     return 0

@@ -30,7 +30,7 @@ def load(impl: str):
     return nixl_agent, nixl_agent_config
 
 
-def wait_file(p: Path, timeout: float = 30) -> dict:
+def wait_file(p: Path, timeout: float = 90) -> dict:
     deadline = time.monotonic() + timeout
     while not p.exists():
         if time.monotonic() > deadline:
@@ -69,7 +69,7 @@ def main() -> int:
         put_file(d / "target.json", me)
         peer = wait_file(d / "initiator.json")
         agent.add_remote_agent(base64.b64decode(peer["md"]))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         got: list[bytes] = []
         while b"final" not in got and time.monotonic() < deadline:
             for name, msgs in agent.get_new_notifs().items():
@@ -93,7 +93,7 @@ def main() -> int:
         h = agent.make_prepped_xfer("WRITE", lh, idx, rh, np.array(perm, dtype=np.int32), b"")
         for _ in range(2):           # the same handle, posted twice
             st = agent.transfer(h)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 90
             while st == "PROC" and time.monotonic() < deadline:
                 st = agent.check_xfer_state(h)
             states.append(st)
@@ -103,7 +103,7 @@ def main() -> int:
         tgt = agent.get_xfer_descs([(peer["addr"] + perm[0] * SZ, SZ, 0)], "DRAM")
         h2 = agent.initialize_xfer("WRITE", one, tgt, name, b"final")
         st = agent.transfer(h2)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while st == "PROC" and time.monotonic() < deadline:
             st = agent.check_xfer_state(h2)
         states.append(st)
@@ -114,7 +114,7 @@ def main() -> int:
         bh = agent.prep_xfer_dlist("", [(back.ctypes.data + i * SZ, SZ, 0) for i in range(8)], "DRAM")
         h3 = agent.make_prepped_xfer("READ", bh, list(range(8)), rh, perm[:8])
         st = agent.transfer(h3)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while st == "PROC" and time.monotonic() < deadline:
             st = agent.check_xfer_state(h3)
         states.append(st)

@@ -53,7 +53,7 @@ class FakeRegistration:
     _handles = itertools.count(1)
 
     def __init__(self, hub: "FakeHub", size: int) -> None:
-        self.hub = self._hub = hub  # what p2phub.hub.Registration offers: reg.hub
+        self.hub = hub
         self.handle = next(self._handles)
         self.length = size
         self.closed = False
@@ -98,6 +98,7 @@ class FakeControllerFile:
         self._mem: list[tuple[int, int, Any]] = []   # (dma base, size, writable buffer)
         self._mems: list[DmaMemory] = []
         self.maps: dict[int, tuple[int, int, FakeRegistration]] = {}  # handle -> (slot, gen, reg)
+        self.revoked_handles: set[int] = set()
         self._gen = itertools.count(7)
         self.sqs: dict[int, dict] = {}
         self.cqs: dict[int, dict] = {}
@@ -131,6 +132,8 @@ class FakeControllerFile:
         reg = self._reg_by_handle.get(handle) if hasattr(self, "_reg_by_handle") else None
         if reg is None:
             raise P2PHubOSError(errno.ENOENT, f"P2PHUB_NVME_MAP_REG handle {handle}")
+        if handle in self.revoked_handles:
+            raise RevokedError(f"registration {handle} was revoked (ESTALE)")
         if handle not in self.maps:
             if self._status.state:
                 raise P2PHubOSError(errno.EIO, "P2PHUB_NVME_MAP_REG")
@@ -190,11 +193,14 @@ class FakeControllerFile:
     def revoke(self, handle: int, *, fence: bool = True) -> None:
         """What the kernel does when a held registration's owner takes it back."""
         slot, _gen, _reg = self.maps[handle]
+        self.revoked_handles.add(handle)
         if fence:
             self.bme = False
             self._status.state |= uapi.NVME_ST_FENCED
         self._status.reg_gen[slot] = 0
         self._status.events += 1
+        if self.req_efd >= 0 and fence:
+            os.eventfd_write(self.req_efd, 1)  # the kernel signals every change of state
 
     def request_removal(self) -> None:
         self._status.state |= uapi.NVME_ST_REMOVING

@@ -22,7 +22,7 @@ LAY = KVLayout(num_layers=4, blocks_per_layer=32, block_bytes=4096)
 @pytest.fixture
 def pair() -> Iterator[tuple[Agent, Agent]]:
     pa, pb = KVPool.host(LAY), KVPool.host(LAY)
-    a, b = Agent("a", pa, stall_timeout=2.0), Agent("b", pb, stall_timeout=2.0)
+    a, b = Agent("a", pa, stall_timeout=5.0), Agent("b", pb, stall_timeout=5.0)
     for ly in range(LAY.num_layers):
         for kv in range(2):
             for blk in range(LAY.blocks_per_layer):

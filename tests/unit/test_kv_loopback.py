@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 
 HERE = Path(__file__).resolve().parent
-STALL = 1.5
+STALL = 3.0
 
 
 class Proc:

@@ -34,8 +34,8 @@ def test_nixl_script_two_processes(impl: str, tmp_path: Path) -> None:
     tgt = subprocess.Popen(cmd + ["--role", "target"], stdout=subprocess.PIPE, text=True, env=env)
     ini = subprocess.Popen(cmd + ["--role", "initiator"], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        iout, _ = ini.communicate(timeout=90)
-        tout, _ = tgt.communicate(timeout=90)
+        iout, _ = ini.communicate(timeout=240)
+        tout, _ = tgt.communicate(timeout=240)
     finally:
         for p in (tgt, ini):
             if p.poll() is None:

@@ -173,3 +173,26 @@ def test_access_hooks_see_every_access_declared_then_released(rig) -> None:
                       ("begin", True, 0, 65536 + 4096, "read"), ("end", 3)]
     t0 = time.monotonic()
     assert time.monotonic() - t0 < 1
+
+
+def test_pci_device_numbers_above_0x1f_are_refused() -> None:
+    from p2phub.nvme import bind
+
+    with pytest.raises(UsageError, match="device number 0xff is above 0x1f"):
+        bind.split_bdf("0000:00:ff.0")
+    assert bind.split_bdf("0000:00:1f.7") == (0, 0, 0xFF)
+
+
+def test_close_with_io_outstanding_fails_it_after_the_fd_is_closed() -> None:
+    dev = FakeControllerFile(hot)
+    c = Controller(dev, hot=hot, io_queues=1, queue_depth=16)
+    c.start()
+    reg = _reg(dev, FakeHub(dev.device))
+    dev.hold_lbas.add(5)
+    fut = c.namespace(1).submit([ReadOp(reg, 5, 4096)])[0]
+    order: list[bool] = []
+    fut.add_done_callback(lambda f: order.append(dev.closed))
+    c.close()
+    dev.stop()
+    assert order == [True] and fut.done() and "closed" in str(fut.exception())
+    assert c.inflight(reg) == 0

@@ -206,3 +206,33 @@ def test_status_state_removing_seen_by_the_poll_loop(rig) -> None:
     with pytest.raises(ControllerRemovedError):
         fut.result(timeout=5)
     assert dev.closed
+
+
+def test_fence_with_nobody_waiting_is_handled_by_the_request_watcher(rig) -> None:
+    c, dev = rig
+    ns = c.namespace(1)
+    victim, other = _reg(c, dev), _reg(c, dev)
+    ns.write(victim, 0, 4096)
+    dev.revoke(victim.handle)  # FENCED + the request eventfd; no I/O in flight, nobody polling
+    deadline = time.monotonic() + 5
+    while not ("resume" in dev.log and c.state == "live") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "resume" in dev.log and c.state == "live" and c.recovery.fences == 1
+    assert not c.holds(victim)
+    with pytest.raises(RevokedError):
+        ns.read(victim, 0, 4096)  # MAP_REG again: the kernel says revoked
+    ns.read(other, 0, 4096)  # not a removal: the controller goes on
+
+
+def test_use_right_after_a_revocation_sees_revoked_not_a_reset_in_progress(rig) -> None:
+    c, dev = rig
+    c._stop_watch()  # no watcher: the next call finds the fence itself
+    dev.req_efd = -1
+    ns = c.namespace(1)
+    victim, other = _reg(c, dev), _reg(c, dev)
+    ns.write(victim, 0, 4096)
+    dev.revoke(victim.handle)
+    with pytest.raises(RevokedError):
+        ns.read(victim, 0, 4096)
+    assert "resume" in dev.log and c.state == "live"
+    ns.read(other, 0, 4096)
