@@ -118,6 +118,7 @@ class Backend(Protocol):
 
 
 _broken: dict[str, str] = {}
+VENDOR_BACKENDS = ("cuda", "rocm")  # shipped beside the core as p2phub_cuda, p2phub_rocm
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,6 +137,15 @@ def _modules() -> tuple[tuple[str, ModuleType], ...]:
             _broken[ep.name] = f"{type(exc).__name__}: {exc}"
             continue
         out.append((ep.name, mod))
+    # A checkout run from source (PYTHONPATH, no installed distribution) has no entry
+    # points: the vendor backends shipped beside the core are found by module name.
+    for name in VENDOR_BACKENDS:
+        if name in _broken or any(n == name for n, _ in out):
+            continue
+        try:
+            out.append((name, importlib.import_module(f"p2phub_{name}")))
+        except ImportError:
+            continue
     return tuple(out)
 
 
@@ -273,27 +283,9 @@ class StreamOps(Protocol):
         device needs none."""
 
 
-def _stream_ops_modules() -> Iterator[tuple[str, ModuleType]]:
-    """Backend modules that may have stream ops: the installed plugins, then (for a
-    checkout run from source, where no entry point is installed) p2phub_cuda/p2phub_rocm
-    if they import."""
-    seen = set()
-    for name, mod in backend_modules():
-        seen.add(name)
-        yield name, mod
-    for name in ("cuda", "rocm"):
-        if name in seen:
-            continue
-        try:
-            mod = importlib.import_module(f"p2phub_{name}")
-        except ImportError:
-            continue
-        yield name, mod
-
-
 def stream_ops_for(name: str) -> StreamOps | None:
     """The stream ops of backend `name` ("cuda", "rocm"), or None when it has none here."""
-    for n, mod in _stream_ops_modules():
+    for n, mod in backend_modules():
         if n == name:
             factory = getattr(mod, "stream_ops", None)
             return factory() if factory is not None else None
@@ -305,7 +297,7 @@ def find_stream_ops(stream: Any) -> StreamOps:
 
     A bare int is a raw handle; it goes to the first backend with stream ops."""
     tried = []
-    for name, mod in _stream_ops_modules():
+    for name, mod in backend_modules():
         factory = getattr(mod, "stream_ops", None)
         if factory is None:
             continue

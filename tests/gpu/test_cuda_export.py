@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from p2phub.errors import UsageError
-from p2phub.register import dmabuf_exporter
+from p2phub.sources import dmabuf_exporter
 
 MiB = 1 << 20
 TOP = Path(__file__).resolve().parents[2]

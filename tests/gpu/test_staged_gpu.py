@@ -79,6 +79,10 @@ def test_fence_on_stream_gates_a_kernel(torch, src_file, monkeypatch, kind) -> N
         return real(*a)
     monkeypatch.setattr(staged, "_pread_full", slow)
     s = torch.cuda.Stream()
+    # Load the consumer's kernels first: with CUDA's lazy module loading, a kernel's first
+    # launch waits for every stream, including `s` held by the pending fence (docs/ordering.md).
+    with torch.cuda.stream(s):
+        t.to(torch.int64).sum().item()
     if kind == "cupy":
         cupy = pytest.importorskip("cupy")
         handle = cupy.cuda.ExternalStream(s.cuda_stream)
