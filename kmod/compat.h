@@ -8,6 +8,10 @@
 #ifndef _P2PHUB_COMPAT_H
 #define _P2PHUB_COMPAT_H
 
+#include <linux/dma-buf.h>
+#include <linux/fs.h>
+#include <linux/iommu.h>
+#include <linux/irqdomain.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/version.h>
@@ -39,20 +43,73 @@
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
 #define p2phub_vm_flags_set(vma, flags)	vm_flags_set(vma, flags)
+#define p2phub_vm_flags_clear(vma, flags)	vm_flags_clear(vma, flags)
 #else
 static inline void p2phub_vm_flags_set(struct vm_area_struct *vma,
 				       unsigned long flags)
 {
 	vma->vm_flags |= flags;
 }
+
+static inline void p2phub_vm_flags_clear(struct vm_area_struct *vma,
+					 unsigned long flags)
+{
+	vma->vm_flags &= ~flags;
+}
+#endif
+
+/*
+ * Whether an IOMMU group's MSIs are isolated (interrupt remapping): 6.3
+ * ("iommu: Add iommu_group_has_isolated_msi()") asks the group; before
+ * that, VFIO asked the device's IOMMU for IOMMU_CAP_INTR_REMAP or the MSI
+ * irq domain for remapping.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+static inline bool p2phub_isolated_msi(struct iommu_group *group,
+				       struct device *dev)
+{
+	return iommu_group_has_isolated_msi(group);
+}
+#else
+static inline bool p2phub_isolated_msi(struct iommu_group *group,
+				       struct device *dev)
+{
+	return device_iommu_capable(dev, IOMMU_CAP_INTR_REMAP) ||
+	       irq_domain_check_msi_remap();
+}
 #endif
 
 /*
  * dma_buf_ops.mmap is called without the dma-buf's reservation lock on
  * 6.1 and again since 6.5 ("dma-buf: Change locking policy for mmap()");
- * 6.2-6.4 held it, which p2phub's lock order (p2phub_reg.lock is outside
- * an exported dma-buf's dma_resv) does not allow. The lab kernels are
- * outside that window; no #ifdef, this note keeps the reason.
+ * 6.2-6.4 held it. p2phub's export mmap takes p2phub_reg.lock, and no path
+ * holds p2phub_reg.lock while it takes an export's dma_resv (importers are
+ * notified without it), so both orders are fine; no #ifdef.
  */
+
+/*
+ * dma_buf_vmap() needs the reservation lock held since 6.2 ("dma-buf: Move
+ * dma_buf_vmap() to dynamic locking specification"), which added the
+ * _unlocked variants that take it; 6.1's dma_buf_vmap() locks internally.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 2, 0)
+#define p2phub_dma_buf_vmap(dmabuf, map)	dma_buf_vmap_unlocked(dmabuf, map)
+#define p2phub_dma_buf_vunmap(dmabuf, map)	dma_buf_vunmap_unlocked(dmabuf, map)
+#else
+#define p2phub_dma_buf_vmap(dmabuf, map)	dma_buf_vmap(dmabuf, map)
+#define p2phub_dma_buf_vunmap(dmabuf, map)	dma_buf_vunmap(dmabuf, map)
+#endif
+
+/*
+ * A reference on a struct file that may be on its way out (count zero,
+ * __fput() running): struct file's count became a file_ref_t in 6.13
+ * ("fs: add file_ref"); before, an atomic_long_t f_count. The caller
+ * guarantees the struct itself is not freed meanwhile.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#define p2phub_file_get_unless_zero(f)	file_ref_get(&(f)->f_ref)
+#else
+#define p2phub_file_get_unless_zero(f)	atomic_long_inc_not_zero(&(f)->f_count)
+#endif
 
 #endif /* _P2PHUB_COMPAT_H */

@@ -8,33 +8,150 @@
  * which only attach importers that allow peer-to-peer.
  *
  * move_notify means the exporter takes the memory away (a pinned buffer
- * never moves for any other reason): the mapping is dropped and the
- * registration revoked.
+ * never moves for any other reason). The dma-buf rule is that mappings stay
+ * valid until the fences in the reservation object signal, so nothing is
+ * unmapped there: the registration is revoked (which stops the NVMe
+ * controllers that use it), a fence is added to the source's resv
+ * (DMA_RESV_USAGE_BOOKKEEP), and a work item tells the importers of every
+ * export (p2phub_export_revoke_sync(): move_notify, then wait for their
+ * fences), signals the fence and only then unmaps. The unmap comes after
+ * the signal because an exporter may wait for the fence with its resv held.
+ *
+ * A source that is one of p2phub's own exports is registered as what it
+ * exports: the new registration imports the export of the first
+ * registration in the chain that did not come from such an export (window
+ * offsets added up), so a device map nests at most one registration lock
+ * in another (lock class "derived" -> plain), however long the chain.
+ *
+ * A source fd not open for writing makes a read-only registration: mapped
+ * DMA_TO_DEVICE (with an IOMMU the device cannot write), exports read-only.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/dma-buf.h>
+#include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/mm.h>
+#include <linux/overflow.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
+#include <linux/slab.h>
+#include <linux/vmalloc.h>
 
 #include "compat.h"
 #include "p2phub_reg.h"
 
 P2PHUB_IMPORT_NS_DMA_BUF();
 
+/* A revocation in progress: its fence sits in the source's resv. */
+struct p2phub_db_revoke {
+	struct dma_fence base;		/* first: dma_fence_free() frees it all */
+	spinlock_t lock;
+	struct work_struct work;
+	struct p2phub_reg *reg;		/* reference held by the work */
+};
+
+static const char *p2phub_db_revoke_driver(struct dma_fence *f)
+{
+	return KBUILD_MODNAME;
+}
+
+static const char *p2phub_db_revoke_timeline(struct dma_fence *f)
+{
+	return "revocation";
+}
+
+static const struct dma_fence_ops p2phub_db_revoke_ops = {
+	.get_driver_name = p2phub_db_revoke_driver,
+	.get_timeline_name = p2phub_db_revoke_timeline,
+};
+
+static enum dma_data_direction p2phub_dmabuf_dir(struct p2phub_reg *reg)
+{
+	return reg->read_only ? DMA_TO_DEVICE : DMA_BIDIRECTIONAL;
+}
+
+/* Unmap every device map still mapped. Source resv held. */
+static void p2phub_dmabuf_unmap_all(struct p2phub_reg *reg)
+{
+	struct p2phub_reg_map *map;
+
+	lockdep_assert_held(&reg->lock);
+	dma_resv_assert_held(reg->db.dmabuf->resv);
+	list_for_each_entry(map, &reg->maps, node) {
+		if (!map->db.sgt)
+			continue;
+		dma_buf_unmap_attachment(map->db.attach, map->db.sgt,
+					 p2phub_dmabuf_dir(reg));
+		map->db.sgt = NULL;
+	}
+}
+
+static void p2phub_dmabuf_revoke_work(struct work_struct *work)
+{
+	struct p2phub_db_revoke *rv = container_of(work, struct p2phub_db_revoke,
+						   work);
+	struct p2phub_reg *reg = rv->reg;
+
+	/* The devices stopped in p2phub_reg_revoke(); now the importers. */
+	p2phub_export_revoke_sync(reg);
+	dma_fence_signal(&rv->base);	/* the exporter may move it now */
+
+	/* Nobody uses the mappings any more: drop them. */
+	mutex_lock(&reg->lock);
+	if (!reg->torn_down) {		/* else release unmaps */
+		dma_resv_lock(reg->db.dmabuf->resv, NULL);
+		p2phub_dmabuf_unmap_all(reg);
+		dma_resv_unlock(reg->db.dmabuf->resv);
+	}
+	mutex_unlock(&reg->lock);
+	dma_fence_put(&rv->base);
+	p2phub_reg_put(reg);
+}
+
+/*
+ * Called under the source's resv for each of our attachments, mapped or
+ * not (e.g. while pinning), when the exporter takes the memory back.
+ */
 static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 {
 	struct p2phub_reg_map *map = attach->importer_priv;
+	struct dma_resv *resv = attach->dmabuf->resv;
+	struct p2phub_reg *reg = map->reg;
+	struct p2phub_db_revoke *rv;
 
-	dma_resv_assert_held(attach->dmabuf->resv);
-	/* Called for every attachment, mapped or not (e.g. while pinning). */
+	dma_resv_assert_held(resv);
 	if (map->db.mapping || !map->db.sgt)
 		return;
-	dma_buf_unmap_attachment(attach, map->db.sgt, DMA_BIDIRECTIONAL);
-	map->db.sgt = NULL;
-	p2phub_reg_revoke(map->reg, "dma-buf move_notify");
+	/* First: the devices that use the registration stop. */
+	p2phub_reg_revoke(reg, "dma-buf move_notify");
+	if (reg->db.revoke)
+		return;		/* this revocation's fence is in place */
+
+	rv = kzalloc(sizeof(*rv), GFP_KERNEL);
+	if (!rv || dma_resv_reserve_fences(resv, 1) ||
+	    !kref_get_unless_zero(&reg->kref)) {
+		/*
+		 * No fence (out of memory), or the registration is being
+		 * released (nothing uses it): unmap at once.
+		 */
+		if (rv)
+			pr_err_ratelimited("registration %u: cannot defer the unmap of a revoked dma-buf; importers of its exports are told late\n",
+					   reg->handle);
+		kfree(rv);
+		dma_buf_unmap_attachment(attach, map->db.sgt,
+					 p2phub_dmabuf_dir(reg));
+		map->db.sgt = NULL;
+		return;
+	}
+	spin_lock_init(&rv->lock);
+	dma_fence_init(&rv->base, &p2phub_db_revoke_ops, &rv->lock,
+		       dma_fence_context_alloc(1), 1);
+	INIT_WORK(&rv->work, p2phub_dmabuf_revoke_work);
+	rv->reg = reg;
+	dma_resv_add_fence(resv, &rv->base, DMA_RESV_USAGE_BOOKKEEP);
+	reg->db.revoke = rv;	/* a marker only: never dereferenced */
+	queue_work(p2phub_reg_wq, &rv->work);
 }
 
 static const struct dma_buf_attach_ops p2phub_dmabuf_importer_ops = {
@@ -86,56 +203,10 @@ static int p2phub_dmabuf_flatten(struct p2phub_reg *reg,
 	return 0;
 }
 
-/*
- * The struct pages of the window, for the CPU map (see p2phub_dmabuf_cpu_pages()).
- * -ENODEV when the exporter gave bus addresses without pages (a GPU BAR).
- */
-static int p2phub_dmabuf_pages(struct p2phub_reg *reg,
-			       struct p2phub_reg_map *map,
-			       struct sg_table *sgt)
-{
-	u64 first = reg->db.offset >> PAGE_SHIFT, n = 0, idx = 0;
-	struct scatterlist *sg;
-	unsigned int i;
-
-	/* Check the CPU side of every entry before walking its pages. */
-	for_each_sgtable_sg(sgt, sg, i) {
-		if (!sg_page(sg) || sg->offset || !PAGE_ALIGNED(sg->length)) {
-			pr_info_ratelimited("registration %u: exporter %s gave no struct pages (or unaligned ones); its export cannot be mmapped\n",
-					    reg->handle, reg->db.dmabuf->exp_name);
-			return -ENODEV;
-		}
-	}
-	for_each_sgtable_sg(sgt, sg, i) {
-		u64 j, cnt = sg->length >> PAGE_SHIFT;
-
-		for (j = 0; j < cnt && n < reg->npages; j++, idx++) {
-			if (idx >= first)
-				map->db.pages[n++] = nth_page(sg_page(sg), j);
-		}
-	}
-	if (n != reg->npages) {
-		pr_err_ratelimited("registration %u: exporter %s gave %llu of %llu pages\n",
-				   reg->handle, reg->db.dmabuf->exp_name, n,
-				   reg->npages);
-		return -EIO;
-	}
-	return 0;
-}
-
-/* The device a map is made for: its PCI function, or p2phub's own (CPU). */
-static struct device *p2phub_dmabuf_map_dev(struct p2phub_reg_map *map)
-{
-	return map->pdev ? &map->pdev->dev : p2phub_device;
-}
-
-/*
- * Attach for the map's device, pin, map, then flatten (a PCI device) or
- * collect the pages (the CPU map). Called with reg->lock held.
- */
+/* Attach for the map's device, pin, map, flatten. Called with reg->lock held. */
 static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 {
-	struct device *dev = p2phub_dmabuf_map_dev(map);
+	struct device *dev = &map->pdev->dev;
 	struct dma_buf *dmabuf = reg->db.dmabuf;
 	struct dma_buf_attachment *attach;
 	struct sg_table *sgt;
@@ -150,22 +221,26 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 
 	dma_resv_lock(dmabuf->resv, NULL);
 	map->db.mapping = true;
-	ret = dma_buf_pin(attach);
-	if (ret)
-		goto err_unlock;
-	atomic_inc(&p2phub_stats.dmabuf_pins);
-	map->db.pinned = true;
-	sgt = dma_buf_map_attachment(attach, DMA_BIDIRECTIONAL);
+	/*
+	 * Pin, so that the exporter does not move the memory (any move is a
+	 * revocation here). Not p2phub's own exports: they never move, and
+	 * refuse pins of revocable memory; this import follows move_notify.
+	 */
+	if (!p2phub_export_reg(dmabuf)) {
+		ret = dma_buf_pin(attach);
+		if (ret)
+			goto err_unlock;
+		atomic_inc(&p2phub_stats.dmabuf_pins);
+		map->db.pinned = true;
+	}
+	sgt = dma_buf_map_attachment(attach, p2phub_dmabuf_dir(reg));
 	if (IS_ERR(sgt)) {
 		ret = PTR_ERR(sgt);
 		goto err_unpin;
 	}
 	map->db.sgt = sgt;
 	map->db.mapping = false;
-	if (map->pdev)
-		ret = p2phub_dmabuf_flatten(reg, map, sgt);
-	else
-		ret = p2phub_dmabuf_pages(reg, map, sgt);
+	ret = p2phub_dmabuf_flatten(reg, map, sgt);
 	if (ret)
 		goto err_unmap;
 	dma_resv_unlock(dmabuf->resv);
@@ -183,12 +258,14 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	return 0;
 
 err_unmap:
-	dma_buf_unmap_attachment(attach, sgt, DMA_BIDIRECTIONAL);
+	dma_buf_unmap_attachment(attach, sgt, p2phub_dmabuf_dir(reg));
 	map->db.sgt = NULL;
 err_unpin:
-	dma_buf_unpin(attach);
-	atomic_dec(&p2phub_stats.dmabuf_pins);
-	map->db.pinned = false;
+	if (map->db.pinned) {
+		dma_buf_unpin(attach);
+		atomic_dec(&p2phub_stats.dmabuf_pins);
+		map->db.pinned = false;
+	}
 err_unlock:
 	map->db.mapping = false;
 	dma_resv_unlock(dmabuf->resv);
@@ -210,7 +287,7 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 	dma_resv_lock(dmabuf->resv, NULL);
 	if (map->db.sgt) {
 		dma_buf_unmap_attachment(map->db.attach, map->db.sgt,
-					 DMA_BIDIRECTIONAL);
+					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
 	}
 	if (map->db.pinned) {
@@ -231,16 +308,29 @@ static void p2phub_dmabuf_cpu_map_free(struct p2phub_reg_map *map)
 	atomic_dec(&p2phub_stats.dev_maps);
 }
 
+static struct page *p2phub_dmabuf_vaddr_page(const void *p)
+{
+	if (is_vmalloc_addr(p))
+		return vmalloc_to_page(p);
+	if (virt_addr_valid(p))
+		return virt_to_page(p);
+	return NULL;
+}
+
 /*
- * The pages of the window, through an attachment of p2phub's own device
- * made on the first mmap of an export and kept, pinned, until teardown.
- * Called with reg->lock held. -ENODEV: the exporter has no struct pages
- * (a GPU BAR) or refuses a non-PCI importer; nothing is kept then.
+ * The pages of the window, for mmap of the exports: found through the
+ * source exporter's own kernel mapping of the buffer (dma_buf_vmap(), made
+ * on the first mmap and kept until teardown), never from an importer's
+ * sg_table, whose page links belong to the exporter (CONFIG_DMABUF_DEBUG
+ * scrambles them). Called with reg->lock held. -ENODEV: the exporter gives
+ * no vmap, or one of I/O memory (a GPU BAR); nothing is kept then.
  */
 static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 				   struct page ***pages)
 {
 	struct p2phub_reg_map *map = reg->db.cpu;
+	u8 *vaddr;
+	u64 i;
 	int ret;
 
 	lockdep_assert_held(&reg->lock);
@@ -248,8 +338,6 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 		*pages = map->db.pages;
 		return 0;
 	}
-	if (!p2phub_device)
-		return -ENODEV;
 	map = kzalloc(sizeof(*map), GFP_KERNEL);
 	if (!map)
 		return -ENOMEM;
@@ -262,16 +350,31 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 		ret = -ENOMEM;
 		goto err_free;
 	}
-	ret = p2phub_dmabuf_map(reg, map);
-	if (ret)
+	ret = p2phub_dma_buf_vmap(reg->db.dmabuf, &map->db.vmap);
+	if (ret) {
+		ret = ret == -ENOMEM ? -ENOMEM : -ENODEV;
 		goto err_free;
+	}
+	ret = -ENODEV;
+	if (map->db.vmap.is_iomem || !map->db.vmap.vaddr)
+		goto err_vunmap;
+	vaddr = (u8 *)map->db.vmap.vaddr + reg->db.offset;
+	for (i = 0; i < reg->npages; i++) {
+		map->db.pages[i] = p2phub_dmabuf_vaddr_page(vaddr + i * PAGE_SIZE);
+		if (!map->db.pages[i])
+			goto err_vunmap;
+	}
 	reg->db.cpu = map;
 	*pages = map->db.pages;
 	return 0;
 
+err_vunmap:
+	pr_info_ratelimited("registration %u: exporter %s gave no struct pages; its export cannot be mmapped\n",
+			    reg->handle, reg->db.dmabuf->exp_name);
+	p2phub_dma_buf_vunmap(reg->db.dmabuf, &map->db.vmap);
 err_free:
 	p2phub_dmabuf_cpu_map_free(map);
-	return ret == -EOPNOTSUPP || ret == -EINVAL ? -ENODEV : ret;
+	return ret;
 }
 
 static void p2phub_dmabuf_release(struct p2phub_reg *reg,
@@ -284,7 +387,7 @@ static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 	p2phub_reg_maps_free(maps);
 	/* No export is mapped any more: each mapping holds a reference. */
 	if (reg->db.cpu) {
-		p2phub_dmabuf_unmap(reg, reg->db.cpu);
+		p2phub_dma_buf_vunmap(reg->db.dmabuf, &reg->db.cpu->db.vmap);
 		p2phub_dmabuf_cpu_map_free(reg->db.cpu);
 		reg->db.cpu = NULL;
 	}
@@ -300,6 +403,41 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.release = p2phub_dmabuf_release,
 };
 
+static struct lock_class_key p2phub_reg_derived_key;
+
+/*
+ * @dmabuf is an export of @src: resolve it to what @src imports when that
+ * is itself a p2phub export, so that chains stay one level deep. Replaces
+ * *dmabuf (reference moved) and adds to *offset.
+ */
+static int p2phub_dmabuf_resolve(struct p2phub_reg *src,
+				 struct dma_buf **dmabuf, u64 *offset)
+{
+	struct dma_buf *inner = NULL;
+	u64 inner_off = 0;
+	int ret = 0;
+
+	mutex_lock(&src->lock);
+	if (src->torn_down || !src->provider) {
+		ret = -ENODEV;	/* unregistered: its export maps nothing */
+	} else if (src->provider == &p2phub_dmabuf_provider &&
+		   p2phub_export_reg(src->db.dmabuf)) {
+		inner = src->db.dmabuf;
+		inner_off = src->db.offset;
+		get_dma_buf(inner);
+	}
+	mutex_unlock(&src->lock);
+	if (ret || !inner)
+		return ret;
+	if (check_add_overflow(*offset, inner_off, offset)) {
+		dma_buf_put(inner);
+		return -EOVERFLOW;
+	}
+	dma_buf_put(*dmabuf);
+	*dmabuf = inner;
+	return 0;
+}
+
 /*
  * Take a reference on the dma-buf behind @fd and check the window against
  * it. The caller validated alignment and overflow. Mapping (and with it
@@ -307,19 +445,42 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
  */
 int p2phub_dmabuf_setup(struct p2phub_reg *reg, int fd, u64 offset, u64 length)
 {
+	struct p2phub_reg *src;
 	struct dma_buf *dmabuf;
+	bool read_only;
+	int ret;
 
 	dmabuf = dma_buf_get(fd);	/* -EBADF, or -EINVAL: not a dma-buf */
 	if (IS_ERR(dmabuf))
 		return PTR_ERR(dmabuf);
+	/* Every fd of a dma-buf shares its one struct file, and its mode. */
+	read_only = !(dmabuf->file->f_mode & FMODE_WRITE);
 	if (offset + length > dmabuf->size) {
-		dma_buf_put(dmabuf);
-		return -ERANGE;
+		ret = -ERANGE;
+		goto err_put;
 	}
+	src = p2phub_export_reg(dmabuf);
+	if (src) {
+		/* @dmabuf holds @src: it stays valid while we look. */
+		ret = p2phub_dmabuf_resolve(src, &dmabuf, &offset);
+		if (ret)
+			goto err_put;
+		read_only |= src->read_only;
+		reg->revocable = src->revocable;
+		lockdep_set_class(&reg->lock, &p2phub_reg_derived_key);
+	} else {
+		/* An exporter with pin/unpin may revoke through move_notify. */
+		reg->revocable = !!dmabuf->ops->pin;
+	}
+	reg->read_only = read_only;
 	reg->db.dmabuf = dmabuf;	/* the registration owns the reference */
 	reg->db.offset = offset;
 	reg->page_shift = PAGE_SHIFT;
 	reg->npages = length >> PAGE_SHIFT;
 	reg->provider = &p2phub_dmabuf_provider;
 	return 0;
+
+err_put:
+	dma_buf_put(dmabuf);
+	return ret;
 }

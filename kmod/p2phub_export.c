@@ -7,38 +7,55 @@
  * Importers get bus addresses without struct pages: they must allow
  * peer-to-peer, must be attached to a PCI device (the registration is
  * mapped for it, with the IOMMU when there is one) and must be dynamic, so
- * that a revocation reaches them through move_notify. Pinning is accepted
- * and costs nothing: the memory stays pinned by its source for as long as
- * an importer is attached (UNREGISTER is refused meanwhile).
+ * that a revocation reaches them through move_notify.
  *
- * mmap: where the source's memory has struct pages (a dma-buf source whose
- * sg_table carries them: vgem, udmabuf), the export can be mapped by the
- * CPU, so that a NIC without dma-buf MRs (soft-RoCE) can take a VA MR on
- * it: pin_user_pages() needs normal pages in a VMA that is neither
+ * Revocation. When the owner takes the memory back (a dma-buf source's
+ * move_notify, the NVIDIA free callback), the provider calls
+ * p2phub_export_revoke_sync() before the source mapping goes away: every
+ * export gets move_notify under its reservation lock, and the provider
+ * waits until the fences its importers added there have signalled. Pinning
+ * is therefore refused (-EOPNOTSUPP) when the registration is revocable: a
+ * pinned importer promises nothing on move_notify. Without
+ * CONFIG_DMABUF_MOVE_NOTIFY the dma-buf core pins every dynamic attachment
+ * itself before each map; an importer's own pin is then seen at map time
+ * (more pins than maps) and the map is refused instead.
+ *
+ * Read-only sources (the fd given to REGISTER was not open for writing)
+ * give read-only exports: the file is O_RDONLY, writable mmaps are refused
+ * and importers may map only DMA_TO_DEVICE (the device reads).
+ *
+ * mmap: where the source's memory has struct pages (a dma-buf source that
+ * gives a vmap of its pages: vgem, udmabuf), the export can be mapped by
+ * the CPU, so that a NIC without dma-buf MRs (soft-RoCE) can take a VA MR
+ * on it: pin_user_pages() needs normal pages in a VMA that is neither
  * VM_PFNMAP nor VM_IO, which is what the source's own mapping (vgem's) is
- * not. The pages come from an attachment of p2phub's own device to the
- * source (the CPU map, pinned, kept until teardown); faults insert them
- * with vm_insert_page() into a VM_MIXEDMAP VMA. Memory without pages (a
- * GPU BAR export, NVIDIA P2P) refuses mmap with -ENODEV.
+ * not. The pages come from the source exporter's own CPU mapping
+ * (dma_buf_vmap(), kept until teardown), never from an importer's
+ * sg_table; faults insert them with vm_insert_page() into a VM_MIXEDMAP
+ * VMA. Memory without pages (a GPU BAR export, NVIDIA P2P, an I/O-memory
+ * vmap) and revocable memory refuse mmap with -ENODEV.
  *
  * Page references: each PTE holds a reference on its page (taken by
  * vm_insert_page(), dropped by the zap or munmap), on top of the source's
- * pin through the CPU map. A get_user_pages()/pin_user_pages() user, an
- * RDMA MR in particular, takes its own reference or pin on each page and
- * keeps it after the VMA is unmapped or zapped, until it lets go itself
- * (ib_dereg_mr): p2phub cannot take those back. So a revocation stops CPU
- * access through p2phub's mappings and new pins, not an MR that already
- * holds pages; that MR must be torn down by its owner (p2phub's Python
- * side closes MRs of a revoked registration on next use). The source's
- * pages cannot be freed under any of these references, only left unused.
+ * vmap. A get_user_pages()/pin_user_pages() user, an RDMA MR in particular,
+ * takes its own reference or pin on each page and keeps it after the VMA
+ * is unmapped or zapped, until it lets go itself (ib_dereg_mr): p2phub
+ * cannot take those back. The source's pages cannot be freed under any of
+ * these references, only left unused.
  *
  * Each VMA counts as a user of the registration, like an attached
  * importer: UNREGISTER is refused with -EBUSY while one exists, and the
  * VMA holds the dma-buf file, hence the export and its reference on the
- * registration. When the registration stops being live (revoked, or its
- * file closed), the notify work zaps every export's mappings under
- * p2phub_reg.lock; faults take that lock and check the state, so no PTE
- * is inserted after the zap.
+ * registration. When the registration stops being live (its file closed),
+ * the notify work zaps every export's mappings under p2phub_reg.lock;
+ * faults take that lock and check the state, so no PTE is inserted after
+ * the zap.
+ *
+ * Locking: reg->exports and reg->nr_exports change under both
+ * p2phub_reg.lock and p2phub_reg.state_lock; walks take state_lock only,
+ * with a reference on each export's file (an export whose file count is
+ * already zero is being released and is skipped), so an export's
+ * dma_resv is never taken under p2phub_reg.lock.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -56,14 +73,34 @@
 #define P2PHUB_EXPORT_MAX_SEG	SZ_1G	/* bytes per scatterlist entry */
 
 struct p2phub_export_buf {
-	struct list_head node;		/* on reg->exports, under reg->lock */
+	struct list_head node;		/* on reg->exports: see the top */
 	struct p2phub_reg *reg;		/* reference held */
 	struct dma_buf *dmabuf;
 };
 
+/* attach->priv: one per importer attachment. */
+struct p2phub_export_att {
+	struct p2phub_reg_map *map;	/* lives until teardown */
+	/* under the export's dma_resv */
+	unsigned int pins;
+	unsigned int maps;
+};
+
+static const struct dma_buf_ops p2phub_export_ops;
+
 static bool p2phub_export_live(struct p2phub_reg *reg)
 {
 	return READ_ONCE(reg->state) == P2PHUB_REG_LIVE;
+}
+
+struct p2phub_reg *p2phub_export_reg(struct dma_buf *dmabuf)
+{
+	struct p2phub_export_buf *exp;
+
+	if (dmabuf->ops != &p2phub_export_ops)
+		return NULL;
+	exp = dmabuf->priv;
+	return exp->reg;
 }
 
 static int p2phub_export_attach(struct dma_buf *dmabuf,
@@ -71,6 +108,7 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 {
 	struct p2phub_export_buf *exp = dmabuf->priv;
 	struct p2phub_reg *reg = exp->reg;
+	struct p2phub_export_att *att;
 	struct p2phub_reg_map *map;
 	int ret = 0;
 
@@ -78,6 +116,9 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 	if (!attach->peer2peer || !attach->importer_ops ||
 	    !dev_is_pci(attach->dev))
 		return -EOPNOTSUPP;
+	att = kzalloc(sizeof(*att), GFP_KERNEL);
+	if (!att)
+		return -ENOMEM;
 
 	spin_lock(&reg->state_lock);
 	if (reg->state != P2PHUB_REG_LIVE)
@@ -86,18 +127,24 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 		reg->export_attached++;
 	spin_unlock(&reg->state_lock);
 	if (ret)
-		return ret;
+		goto err_free;
 
 	map = p2phub_reg_map_get(reg, to_pci_dev(attach->dev));
 	if (IS_ERR(map)) {
 		spin_lock(&reg->state_lock);
 		reg->export_attached--;
 		spin_unlock(&reg->state_lock);
-		return PTR_ERR(map) == -ESTALE ? -ENODEV : PTR_ERR(map);
+		ret = PTR_ERR(map) == -ESTALE ? -ENODEV : PTR_ERR(map);
+		goto err_free;
 	}
-	attach->priv = map;	/* lives until teardown, after the last detach */
+	att->map = map;
+	attach->priv = att;
 	atomic_inc(&p2phub_stats.export_attachments);
 	return 0;
+
+err_free:
+	kfree(att);
+	return ret;
 }
 
 static void p2phub_export_detach(struct dma_buf *dmabuf,
@@ -110,23 +157,38 @@ static void p2phub_export_detach(struct dma_buf *dmabuf,
 	if (!WARN_ON_ONCE(!reg->export_attached))
 		reg->export_attached--;
 	spin_unlock(&reg->state_lock);
+	kfree(attach->priv);
+	attach->priv = NULL;
 	atomic_dec(&p2phub_stats.export_attachments);
 }
 
+/* Under the export's dma_resv. */
 static int p2phub_export_pin(struct dma_buf_attachment *attach)
 {
-	return 0;	/* pinned by the source already */
+	struct p2phub_export_buf *exp = attach->dmabuf->priv;
+	struct p2phub_export_att *att = attach->priv;
+
+	/* With MOVE_NOTIFY the core never pins for us: this is the importer. */
+	if (IS_ENABLED(CONFIG_DMABUF_MOVE_NOTIFY) && exp->reg->revocable)
+		return -EOPNOTSUPP;
+	att->pins++;
+	return 0;
 }
 
 static void p2phub_export_unpin(struct dma_buf_attachment *attach)
 {
+	struct p2phub_export_att *att = attach->priv;
+
+	if (!WARN_ON_ONCE(!att->pins))
+		att->pins--;
 }
 
 static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
 					  enum dma_data_direction dir)
 {
 	struct p2phub_export_buf *exp = attach->dmabuf->priv;
-	struct p2phub_reg_map *map = attach->priv;
+	struct p2phub_export_att *att = attach->priv;
+	struct p2phub_reg_map *map = att->map;
 	struct p2phub_reg *reg = exp->reg;
 	size_t ps = p2phub_reg_page_size(reg);
 	struct scatterlist *sg;
@@ -138,6 +200,15 @@ static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
 
 	if (!p2phub_export_live(reg))
 		return ERR_PTR(-ENODEV);
+	if (reg->read_only && dir != DMA_TO_DEVICE)
+		return ERR_PTR(-EACCES);
+	/*
+	 * Without MOVE_NOTIFY the core pinned once for this map; a pin more
+	 * than the maps is the importer's own, refused for revocable memory.
+	 */
+	if (!IS_ENABLED(CONFIG_DMABUF_MOVE_NOTIFY) && reg->revocable &&
+	    att->pins > att->maps + 1)
+		return ERR_PTR(-EOPNOTSUPP);
 
 	/* One entry per run of contiguous DMA addresses. */
 	for (i = 1, len = ps; i < reg->npages; i++, len += ps) {
@@ -170,6 +241,7 @@ static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
 			len = 0;
 		}
 	}
+	att->maps++;
 	return sgt;
 
 err_free_sgt:
@@ -181,6 +253,10 @@ static void p2phub_export_unmap(struct dma_buf_attachment *attach,
 				struct sg_table *sgt,
 				enum dma_data_direction dir)
 {
+	struct p2phub_export_att *att = attach->priv;
+
+	if (!WARN_ON_ONCE(!att->maps))
+		att->maps--;
 	sg_free_table(sgt);
 	kfree(sgt);
 }
@@ -191,8 +267,10 @@ static void p2phub_export_release(struct dma_buf *dmabuf)
 	struct p2phub_reg *reg = exp->reg;
 
 	mutex_lock(&reg->lock);
+	spin_lock(&reg->state_lock);
 	list_del(&exp->node);
 	reg->nr_exports--;
+	spin_unlock(&reg->state_lock);
 	mutex_unlock(&reg->lock);
 	kfree(exp);
 	atomic_dec(&p2phub_stats.exports);
@@ -261,8 +339,8 @@ static const struct vm_operations_struct p2phub_export_vm_ops = {
 };
 
 /*
- * Called with the mm's mmap_lock held for write and without the dma-buf's
- * reservation lock (see compat.h). The dma-buf core checked the range
+ * Called with the mm's mmap_lock held for write (and, on 6.2-6.4, the
+ * export's dma_resv: see compat.h). The dma-buf core checked the range
  * against the buffer's size; the registration's length is the same, but
  * check it here too, so the fault handler's index is known to be sound.
  */
@@ -276,13 +354,17 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 	u64 end;
 	int ret;
 
-	if (!(vma->vm_flags & VM_SHARED))
+	/* VM_MAYSHARE: MAP_SHARED of a read-only file has no VM_SHARED. */
+	if (!(vma->vm_flags & VM_MAYSHARE))
 		return -EINVAL;		/* a private (COW) copy makes no sense */
 	if (check_add_overflow((u64)vma->vm_pgoff, (u64)npages, &end) ||
 	    end > reg->length >> PAGE_SHIFT)
 		return -EINVAL;
-	if (!reg->provider->cpu_pages || reg->page_shift != PAGE_SHIFT) {
-		pr_info_ratelimited("registration %u (%s): memory without struct pages; its export cannot be mmapped\n",
+	if (reg->read_only && (vma->vm_flags & VM_WRITE))
+		return -EACCES;
+	if (!reg->provider->cpu_pages || reg->page_shift != PAGE_SHIFT ||
+	    reg->revocable) {
+		pr_info_ratelimited("registration %u (%s): memory without struct pages, or revocable; its export cannot be mmapped\n",
 				    reg->handle, reg->provider->name);
 		return -ENODEV;
 	}
@@ -303,6 +385,8 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 	 * what was checked above.
 	 */
 	p2phub_vm_flags_set(vma, VM_MIXEDMAP | VM_DONTEXPAND | VM_DONTDUMP);
+	if (reg->read_only)
+		p2phub_vm_flags_clear(vma, VM_MAYWRITE);
 	vma->vm_ops = &p2phub_export_vm_ops;
 	vma->vm_private_data = exp;
 	p2phub_export_vm_open(vma);	/* the core calls open only on copies */
@@ -341,7 +425,8 @@ int p2phub_export_create(struct p2phub_reg *reg, u32 flags)
 
 	exp_info.ops = &p2phub_export_ops;
 	exp_info.size = reg->length;
-	exp_info.flags = O_RDWR;
+	/* The same access as the fd the memory came in through. */
+	exp_info.flags = reg->read_only ? O_RDONLY : O_RDWR;
 	exp_info.priv = exp;
 	dmabuf = dma_buf_export(&exp_info);
 	if (IS_ERR(dmabuf)) {
@@ -351,8 +436,10 @@ int p2phub_export_create(struct p2phub_reg *reg, u32 flags)
 	exp->dmabuf = dmabuf;
 	atomic_inc(&p2phub_stats.exports);
 	mutex_lock(&reg->lock);
+	spin_lock(&reg->state_lock);
 	list_add_tail(&exp->node, &reg->exports);
 	reg->nr_exports++;
+	spin_unlock(&reg->state_lock);
 	mutex_unlock(&reg->lock);
 
 	fd = dma_buf_fd(dmabuf, flags & P2PHUB_EXPORT_F_CLOEXEC ? O_CLOEXEC : 0);
@@ -367,6 +454,82 @@ err_put_reg:
 }
 
 /*
+ * The files of @reg's exports, each with a reference (fput() them), in a
+ * kvmalloc()ed array; *n is set to how many. NULL (and *n 0) when there
+ * are none or on allocation failure (then nobody is told: logged).
+ */
+static struct file **p2phub_export_files(struct p2phub_reg *reg,
+					 unsigned int *n)
+{
+	struct p2phub_export_buf *exp;
+	struct file **files;
+	unsigned int cap, i;
+
+	*n = 0;
+	for (;;) {
+		cap = READ_ONCE(reg->nr_exports);
+		if (!cap)
+			return NULL;
+		files = kvmalloc_array(cap, sizeof(*files), GFP_KERNEL);
+		if (!files) {
+			pr_err_ratelimited("registration %u: no memory to notify %u export(s)\n",
+					   reg->handle, cap);
+			return NULL;
+		}
+		spin_lock(&reg->state_lock);
+		if (reg->nr_exports > cap) {
+			spin_unlock(&reg->state_lock);
+			kvfree(files);
+			continue;	/* grew meanwhile */
+		}
+		i = 0;
+		list_for_each_entry(exp, &reg->exports, node) {
+			struct file *file = exp->dmabuf->file;
+
+			/* Count zero: on its way out, its inode maybe gone. */
+			if (p2phub_file_get_unless_zero(file))
+				files[i++] = file;
+		}
+		spin_unlock(&reg->state_lock);
+		*n = i;
+		return files;
+	}
+}
+
+static void p2phub_export_files_put(struct file **files, unsigned int n)
+{
+	unsigned int i;
+
+	for (i = 0; i < n; i++)
+		fput(files[i]);
+	kvfree(files);
+}
+
+static void p2phub_export_move_notify(struct dma_buf *dmabuf)
+{
+	dma_resv_lock(dmabuf->resv, NULL);
+	dma_buf_move_notify(dmabuf);
+	dma_resv_unlock(dmabuf->resv);
+}
+
+void p2phub_export_revoke_sync(struct p2phub_reg *reg)
+{
+	unsigned int i, n;
+	struct file **files = p2phub_export_files(reg, &n);
+
+	for (i = 0; i < n; i++)
+		p2phub_export_move_notify(files[i]->private_data);
+	/* Importers add a fence for what their devices still do; wait for it. */
+	for (i = 0; i < n; i++) {
+		struct dma_buf *dmabuf = files[i]->private_data;
+
+		dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP,
+				      false, MAX_SCHEDULE_TIMEOUT);
+	}
+	p2phub_export_files_put(files, n);
+}
+
+/*
  * Tell the importers of every export of @reg that its memory is gone
  * (revoked, unregistered or closed), and take away CPU mappings of the
  * exports. Runs from a work item, so it never nests inside another
@@ -374,20 +537,22 @@ err_put_reg:
  */
 void p2phub_export_notify(struct p2phub_reg *reg)
 {
-	struct p2phub_export_buf *exp;
+	unsigned int i, n;
+	struct file **files = p2phub_export_files(reg, &n);
 
+	for (i = 0; i < n; i++)
+		p2phub_export_move_notify(files[i]->private_data);
 	mutex_lock(&reg->lock);
-	list_for_each_entry(exp, &reg->exports, node) {
-		dma_resv_lock(exp->dmabuf->resv, NULL);
-		dma_buf_move_notify(exp->dmabuf);
-		dma_resv_unlock(exp->dmabuf->resv);
+	for (i = 0; i < n; i++) {
 		/*
-		 * Each dma-buf has its own inode, so this reaches exactly the
-		 * VMAs of this export. Under reg->lock, after the state left
-		 * LIVE: a fault either inserted before (zapped now) or sees
-		 * the state and fails with SIGBUS.
+		 * Each dma-buf has its own inode (alive: we hold its file),
+		 * so this reaches exactly the VMAs of this export. Under
+		 * reg->lock, after the state left LIVE: a fault either
+		 * inserted before (zapped now) or sees the state and fails
+		 * with SIGBUS.
 		 */
-		unmap_mapping_range(exp->dmabuf->file->f_mapping, 0, 0, 1);
+		unmap_mapping_range(files[i]->f_mapping, 0, 0, 1);
 	}
 	mutex_unlock(&reg->lock);
+	p2phub_export_files_put(files, n);
 }

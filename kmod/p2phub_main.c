@@ -45,6 +45,9 @@ int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 		return -EFAULT;
 	if (hdr[0] < ksize)
 		return -EINVAL;
+	/* Room to grow, not a 4 GiB scan of user memory. */
+	if (hdr[0] > PAGE_SIZE)
+		return -E2BIG;
 	if (hdr[1] & ~known_flags)
 		return -EINVAL;
 	if (hdr[0] > ksize) {
@@ -96,7 +99,7 @@ static long p2phub_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 	case P2PHUB_GET_INFO:
 		return p2phub_ioctl_get_info(pf, uarg);
 	case P2PHUB_NVME_OPEN:
-		return p2phub_nvme_ioctl_open(pf, uarg);
+		return p2phub_nvme_ioctl_open(file, uarg);
 	case P2PHUB_REGISTER:
 	case P2PHUB_UNREGISTER:
 	case P2PHUB_REG_INFO:

@@ -40,11 +40,13 @@
 #include <linux/module.h>
 #include <linux/overflow.h>
 #include <linux/pci.h>
+#include <linux/security.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 #include <linux/version.h>
 #include <linux/xarray.h>
 
+#include "compat.h"
 #include "p2phub_priv.h"
 
 static_assert(sizeof(struct p2phub_nvme_open) == 48);
@@ -54,6 +56,19 @@ static_assert(sizeof(struct p2phub_nvme_dma_alloc) == 56);
 static_assert(offsetof(struct p2phub_nvme_dma_alloc, out_id) == 32);
 static_assert(sizeof(struct p2phub_nvme_dma_free) == 24);
 static_assert(sizeof(struct p2phub_nvme_irq_set) == 24);
+static_assert(offsetof(struct p2phub_nvme_open, out_bar0_mmap_size) == 32);
+static_assert(sizeof(struct p2phub_nvme_map_reg) == 80);
+static_assert(offsetof(struct p2phub_nvme_map_reg, out_total) == 40);
+static_assert(offsetof(struct p2phub_nvme_map_reg, out_slot) == 56);
+static_assert(sizeof(struct p2phub_nvme_unmap_reg) == 24);
+static_assert(sizeof(struct p2phub_nvme_resume) == 16);
+static_assert(sizeof(struct p2phub_nvme_req_set) == 24);
+static_assert(sizeof(struct p2phub_nvme_status) <= PAGE_SIZE);
+
+static bool allow_unsafe_noiommu;
+module_param(allow_unsafe_noiommu, bool, 0644);
+MODULE_PARM_DESC(allow_unsafe_noiommu,
+		 "Let user space own NVMe controllers that no IOMMU confines (their owner can then DMA to any memory); taints the kernel when used");
 
 /*
  * eventfd_signal() lost its count argument in v6.8 (commit 3652117f8548,
@@ -91,6 +106,7 @@ struct p2phub_nvme_ctrl {
 	struct pci_dev *pdev;
 	void __iomem *regs;		/* kernel view of BAR0, for disable */
 	resource_size_t bar0_len;
+	resource_size_t bar0_mmap_len;	/* up to the MSI-X table / PBA page */
 	int nr_irqs;
 	struct p2phub_nvme_irq *irqs;	/* nr_irqs entries */
 	struct mutex lock;		/* owner, dying */
@@ -113,12 +129,33 @@ struct p2phub_nvme_buf {
 	atomic_t maps;			/* live user VMAs */
 };
 
+/* A registration the controller may DMA to (P2PHUB_NVME_MAP_REG). */
+struct p2phub_nvme_regmap {
+	struct p2phub_reg_user user;
+	struct p2phub_nvme_handle *h;
+	struct p2phub_reg *reg;		/* reference held */
+	struct p2phub_dma_list list;	/* for the controller's pci_dev */
+	u32 slot;			/* index in status->reg_gen */
+	bool revoked;			/* under h->status_lock */
+};
+
 /* The controller fd: the ledger of everything one owner holds. */
 struct p2phub_nvme_handle {
 	struct p2phub_nvme_ctrl *ctrl;
-	struct mutex lock;		/* bufs, dma_bytes, irq attach/detach */
+	struct file *pfile;		/* /dev/p2phub of NVME_OPEN, held */
+	struct mutex lock;		/* bufs, dma_bytes, irqs, regmaps, slots */
 	struct xarray bufs;		/* id -> struct p2phub_nvme_buf */
 	u64 dma_bytes;
+	struct xarray regmaps;		/* reg handle -> struct p2phub_nvme_regmap */
+	DECLARE_BITMAP(slots, P2PHUB_NVME_MAX_MAPS);
+	/*
+	 * status_lock protects status->state and ->events, the regmaps'
+	 * revoked flags, bus mastering and req_trigger. It is taken inside
+	 * p2phub_reg.state_lock (stop_dma) and p2phub_nvme_ctrl.lock.
+	 */
+	spinlock_t status_lock;
+	struct p2phub_nvme_status *status;	/* a page, mmapped read-only */
+	struct eventfd_ctx *req_trigger;
 };
 
 static struct pci_driver p2phub_nvme_driver;
@@ -163,6 +200,54 @@ static void p2phub_nvme_quiesce(struct p2phub_nvme_ctrl *ctrl)
 	pci_clear_master(pdev);
 }
 
+/*
+ * Tell the owner something through the status page and its request
+ * eventfd; with @stop, turn bus mastering off first, which leaves the
+ * controller unable to DMA once the (non-posted) config write completes.
+ * Atomic context is fine.
+ */
+static void p2phub_nvme_signal(struct p2phub_nvme_handle *h, u32 bits,
+			       bool stop)
+{
+	unsigned long flags;
+
+	spin_lock_irqsave(&h->status_lock, flags);
+	if (stop)
+		pci_clear_master(h->ctrl->pdev);
+	WRITE_ONCE(h->status->state, h->status->state | bits);
+	WRITE_ONCE(h->status->events, h->status->events + 1);
+	if (h->req_trigger)
+		p2phub_eventfd_signal(h->req_trigger);
+	spin_unlock_irqrestore(&h->status_lock, flags);
+}
+
+/* Tell the controller's owner, if any; stop its DMA either way if asked. */
+static void p2phub_nvme_request(struct p2phub_nvme_ctrl *ctrl, u32 bits,
+				bool stop)
+{
+	mutex_lock(&ctrl->lock);
+	if (ctrl->owner)
+		p2phub_nvme_signal(ctrl->owner, bits, stop);
+	else if (stop)
+		pci_clear_master(ctrl->pdev);
+	mutex_unlock(&ctrl->lock);
+}
+
+/* p2phub_reg_user.stop_dma: the registration is being revoked. */
+static void p2phub_nvme_stop_dma(struct p2phub_reg_user *u)
+{
+	struct p2phub_nvme_regmap *rm =
+		container_of(u, struct p2phub_nvme_regmap, user);
+	struct p2phub_nvme_handle *h = rm->h;
+	unsigned long flags;
+
+	spin_lock_irqsave(&h->status_lock, flags);
+	rm->revoked = true;
+	WRITE_ONCE(h->status->reg_gen[rm->slot], 0);
+	spin_unlock_irqrestore(&h->status_lock, flags);
+	p2phub_nvme_signal(h, P2PHUB_NVME_ST_FENCED, true);
+}
+
 static irqreturn_t p2phub_nvme_irq_handler(int irq, void *data)
 {
 	struct p2phub_nvme_irq *v = data;
@@ -194,16 +279,44 @@ static void p2phub_nvme_buf_free(struct p2phub_nvme_handle *h,
 	kfree(b);
 }
 
+/* Caller holds h->lock; the controller no longer uses rm's memory. */
+static void p2phub_nvme_regmap_drop(struct p2phub_nvme_handle *h,
+				    struct p2phub_nvme_regmap *rm)
+{
+	lockdep_assert_held(&h->lock);
+	p2phub_reg_user_del(rm->reg, &rm->user);
+	WRITE_ONCE(h->status->reg_gen[rm->slot], 0);
+	clear_bit(rm->slot, h->slots);
+	p2phub_reg_put(rm->reg);
+	kfree(rm);
+}
+
+static void p2phub_nvme_handle_free(struct p2phub_nvme_handle *h)
+{
+	if (h->req_trigger)
+		eventfd_ctx_put(h->req_trigger);
+	free_page((unsigned long)h->status);
+	xa_destroy(&h->regmaps);
+	xa_destroy(&h->bufs);
+	mutex_destroy(&h->lock);
+	kfree(h);
+}
+
 static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
 	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
 	struct pci_dev *pdev = ctrl->pdev;	/* our reference outlives ctrl */
+	struct file *pfile = h->pfile;
+	struct p2phub_nvme_regmap *rm;
 	struct p2phub_nvme_buf *b;
 	unsigned long id;
 	int i;
 
-	/* No VMA is left (each holds the file), so only the device can still touch the buffers. */
+	/*
+	 * No VMA is left (each holds the file), so only the device can still
+	 * touch the buffers and the registrations it holds: stop it first.
+	 */
 	p2phub_nvme_quiesce(ctrl);
 
 	mutex_lock(&h->lock);
@@ -213,9 +326,11 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 		xa_erase(&h->bufs, id);
 		p2phub_nvme_buf_free(h, b);
 	}
+	xa_for_each(&h->regmaps, id, rm) {
+		xa_erase(&h->regmaps, id);
+		p2phub_nvme_regmap_drop(h, rm);
+	}
 	mutex_unlock(&h->lock);
-	xa_destroy(&h->bufs);
-	mutex_destroy(&h->lock);
 
 	/* Hand the controller back; remove() may be waiting for this. */
 	mutex_lock(&ctrl->lock);
@@ -223,9 +338,11 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 	mutex_unlock(&ctrl->lock);
 	complete_all(&ctrl->released);	/* last access to ctrl */
 
+	p2phub_nvme_handle_free(h);
 	pci_dev_put(pdev);
-	kfree(h);
 	atomic_dec(&p2phub_nvme_live_handles);
+	/* Last: the registrations of that file may go now. */
+	fput(pfile);
 	return 0;
 }
 
@@ -377,6 +494,213 @@ out_unlock:
 	return ret;
 }
 
+/* Caller holds h->lock. Hold registration @handle for the controller. */
+static struct p2phub_nvme_regmap *
+p2phub_nvme_regmap_add(struct p2phub_nvme_handle *h, u64 handle)
+{
+	struct p2phub_nvme_regmap *rm;
+	struct p2phub_reg *reg;
+	unsigned long slot;
+	int ret;
+
+	lockdep_assert_held(&h->lock);
+	slot = find_first_zero_bit(h->slots, P2PHUB_NVME_MAX_MAPS);
+	if (slot >= P2PHUB_NVME_MAX_MAPS)
+		return ERR_PTR(-ENOSPC);
+	reg = p2phub_reg_get(h->pfile->private_data, handle);
+	if (IS_ERR(reg))
+		return ERR_CAST(reg);
+	rm = kzalloc(sizeof(*rm), GFP_KERNEL_ACCOUNT);
+	if (!rm) {
+		ret = -ENOMEM;
+		goto err_put_reg;
+	}
+	rm->h = h;
+	rm->reg = reg;
+	rm->slot = slot;
+	INIT_LIST_HEAD(&rm->user.node);
+	rm->user.stop_dma = p2phub_nvme_stop_dma;
+	ret = p2phub_reg_dma_pages(reg, h->ctrl->pdev, &rm->list);
+	if (ret)
+		goto err_free_rm;
+	/*
+	 * Publish the generation before the hold: a revocation after the
+	 * hold clears the word again, one before it fails the hold.
+	 */
+	WRITE_ONCE(h->status->reg_gen[slot], rm->list.generation);
+	ret = p2phub_reg_user_add(reg, &rm->user, rm->list.generation);
+	if (ret)
+		goto err_clear_slot;
+	ret = xa_insert(&h->regmaps, handle, rm, GFP_KERNEL_ACCOUNT);
+	if (ret)
+		goto err_user_del;
+	set_bit(slot, h->slots);
+	return rm;
+
+err_user_del:
+	p2phub_reg_user_del(reg, &rm->user);
+err_clear_slot:
+	WRITE_ONCE(h->status->reg_gen[slot], 0);
+err_free_rm:
+	kfree(rm);
+err_put_reg:
+	p2phub_reg_put(reg);
+	return ERR_PTR(ret);
+}
+
+static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
+				      void __user *uarg)
+{
+	struct p2phub_nvme_map_reg arg;
+	struct p2phub_nvme_regmap *rm;
+	u64 total;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (arg.__reserved || arg.out_total || arg.out_generation ||
+	    arg.out_slot || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	if (!arg.handle || arg.handle > U32_MAX)
+		return -ENOENT;
+
+	mutex_lock(&h->lock);
+	if (READ_ONCE(h->status->state) &
+	    (P2PHUB_NVME_ST_FENCED | P2PHUB_NVME_ST_REMOVING)) {
+		ret = -EIO;
+		goto out_unlock;
+	}
+	rm = xa_load(&h->regmaps, arg.handle);
+	if (!rm) {
+		rm = p2phub_nvme_regmap_add(h, arg.handle);
+		if (IS_ERR(rm)) {
+			ret = PTR_ERR(rm);
+			goto out_unlock;
+		}
+	}
+	ret = p2phub_reg_copy_dma_pages(rm->reg, &rm->list, arg.page_size,
+					arg.first, arg.count,
+					u64_to_user_ptr(arg.addrs), &total);
+	if (ret)
+		goto out_unlock;
+	if (!p2phub_reg_live(rm->reg, rm->list.generation)) {
+		ret = -ESTALE;
+		goto out_unlock;
+	}
+	arg.count = arg.count ? min_t(u64, arg.count, total - arg.first) : 0;
+	arg.out_total = total;
+	arg.out_generation = rm->list.generation;
+	arg.out_slot = rm->slot;
+out_unlock:
+	mutex_unlock(&h->lock);
+	if (!ret && copy_to_user(uarg, &arg, sizeof(arg)))
+		ret = -EFAULT;
+	return ret;
+}
+
+static long p2phub_nvme_ioctl_unmap_reg(struct p2phub_nvme_handle *h,
+					void __user *uarg)
+{
+	struct p2phub_nvme_unmap_reg arg;
+	struct p2phub_nvme_regmap *rm;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	if (!arg.handle || arg.handle > U32_MAX)
+		return -ENOENT;
+
+	mutex_lock(&h->lock);
+	rm = xa_erase(&h->regmaps, arg.handle);
+	if (rm)
+		p2phub_nvme_regmap_drop(h, rm);
+	mutex_unlock(&h->lock);
+	return rm ? 0 : -ENOENT;
+}
+
+static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
+				     void __user *uarg)
+{
+	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
+	struct p2phub_nvme_resume arg;
+	struct p2phub_nvme_regmap *rm;
+	unsigned long id, flags;
+	u32 cc, csts;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (!p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+
+	mutex_lock(&h->lock);
+	spin_lock_irqsave(&h->status_lock, flags);
+	cc = readl(ctrl->regs + NVME_REG_CC);
+	csts = readl(ctrl->regs + NVME_REG_CSTS);
+	if (h->status->state & P2PHUB_NVME_ST_REMOVING ||
+	    cc == U32_MAX || csts == U32_MAX) {
+		ret = -ENODEV;
+		goto out_unlock;
+	}
+	if ((cc & NVME_CC_EN) || (csts & NVME_CSTS_RDY)) {
+		ret = -EBUSY;
+		goto out_unlock;
+	}
+	/* Revoked memory must be let go first: nothing may reach it again. */
+	xa_for_each(&h->regmaps, id, rm) {
+		if (rm->revoked) {
+			ret = -EBUSY;
+			goto out_unlock;
+		}
+	}
+	pci_set_master(ctrl->pdev);
+	WRITE_ONCE(h->status->state, h->status->state &
+		   ~(P2PHUB_NVME_ST_FENCED | P2PHUB_NVME_ST_ERROR));
+	WRITE_ONCE(h->status->events, h->status->events + 1);
+out_unlock:
+	spin_unlock_irqrestore(&h->status_lock, flags);
+	mutex_unlock(&h->lock);
+	return ret;
+}
+
+static long p2phub_nvme_ioctl_req_set(struct p2phub_nvme_handle *h,
+				      void __user *uarg)
+{
+	struct eventfd_ctx *trigger = NULL, *old;
+	struct p2phub_nvme_req_set arg;
+	unsigned long flags;
+	int ret;
+
+	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
+	if (ret)
+		return ret;
+	if (arg.__reserved || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+		return -EINVAL;
+	if (arg.eventfd != -1) {
+		if (arg.eventfd < 0)
+			return -EBADF;
+		trigger = eventfd_ctx_fdget(arg.eventfd);
+		if (IS_ERR(trigger))
+			return PTR_ERR(trigger) == -EINVAL ? -EBADF :
+			       PTR_ERR(trigger);
+	}
+	spin_lock_irqsave(&h->status_lock, flags);
+	old = h->req_trigger;
+	h->req_trigger = trigger;
+	/* Something may already be asked: say so at once. */
+	if (trigger && h->status->state)
+		p2phub_eventfd_signal(trigger);
+	spin_unlock_irqrestore(&h->status_lock, flags);
+	if (old)
+		eventfd_ctx_put(old);
+	return 0;
+}
+
 static long p2phub_nvme_handle_ioctl(struct file *file, unsigned int cmd,
 				     unsigned long arg)
 {
@@ -384,6 +708,14 @@ static long p2phub_nvme_handle_ioctl(struct file *file, unsigned int cmd,
 	void __user *uarg = (void __user *)arg;
 
 	switch (cmd) {
+	case P2PHUB_NVME_MAP_REG:
+		return p2phub_nvme_ioctl_map_reg(h, uarg);
+	case P2PHUB_NVME_UNMAP_REG:
+		return p2phub_nvme_ioctl_unmap_reg(h, uarg);
+	case P2PHUB_NVME_RESUME:
+		return p2phub_nvme_ioctl_resume(h, uarg);
+	case P2PHUB_NVME_REQ_SET:
+		return p2phub_nvme_ioctl_req_set(h, uarg);
 	case P2PHUB_NVME_DMA_ALLOC:
 		return p2phub_nvme_ioctl_dma_alloc(h, uarg);
 	case P2PHUB_NVME_DMA_FREE:
@@ -414,13 +746,19 @@ static const struct vm_operations_struct p2phub_nvme_buf_vm_ops = {
 	.close	= p2phub_nvme_vma_close,
 };
 
+/*
+ * Registers and doorbells only: never the MSI-X table or PBA (the vectors
+ * the kernel programmed), never past the BAR's end.
+ */
 static int p2phub_nvme_mmap_bar0(struct p2phub_nvme_handle *h,
 				 struct vm_area_struct *vma, size_t len)
 {
 	struct pci_dev *pdev = h->ctrl->pdev;
 
-	if (len > PAGE_ALIGN(h->ctrl->bar0_len))
+	if (len > h->ctrl->bar0_mmap_len)
 		return -EINVAL;
+	if (READ_ONCE(h->status->state) & P2PHUB_NVME_ST_REMOVING)
+		return -ENODEV;
 	vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
 	return io_remap_pfn_range(vma, vma->vm_start,
 				  pci_resource_start(pdev, 0) >> PAGE_SHIFT,
@@ -441,6 +779,15 @@ static int p2phub_nvme_mmap(struct file *file, struct vm_area_struct *vma)
 		return -EINVAL;
 	if (off == P2PHUB_NVME_MMAP_BAR0)
 		return p2phub_nvme_mmap_bar0(h, vma, len);
+	if (off == P2PHUB_NVME_MMAP_STATUS) {
+		/* Read-only: the kernel's word on revocations and requests. */
+		if (len != PAGE_SIZE || (vma->vm_flags & VM_WRITE))
+			return -EINVAL;
+		p2phub_vm_flags_clear(vma, VM_MAYWRITE);
+		return remap_pfn_range(vma, vma->vm_start,
+				       virt_to_phys(h->status) >> PAGE_SHIFT,
+				       PAGE_SIZE, vma->vm_page_prot);
+	}
 	if (off & ((1ULL << P2PHUB_NVME_MMAP_DMA_SHIFT) - 1) ||
 	    off >> P2PHUB_NVME_MMAP_DMA_SHIFT > P2PHUB_NVME_DMA_MAX_BUFS)
 		return -EINVAL;
@@ -473,43 +820,112 @@ static const struct file_operations p2phub_nvme_handle_fops = {
 	.llseek		= noop_llseek,
 };
 
+static int p2phub_nvme_group_dev_ok(struct device *dev, void *owned)
+{
+	static const char * const allowed[] = {
+		"p2phub-nvme", "vfio-pci", "pci-stub", "pcieport",
+	};
+	int i;
+
+	if (dev == owned || !dev->driver)
+		return 0;
+	for (i = 0; i < ARRAY_SIZE(allowed); i++)
+		if (!strcmp(dev->driver->name, allowed[i]))
+			return 0;
+	return -EBUSY;
+}
+
+/*
+ * Why the IOMMU does not confine @pdev's DMA to what p2phub mapped for it,
+ * as VFIO requires: NULL when it does.
+ */
+static const char *p2phub_nvme_unconfined(struct pci_dev *pdev)
+{
+	struct iommu_domain *domain;
+	struct iommu_group *group;
+	const char *why = NULL;
+
+	if (!device_iommu_mapped(&pdev->dev))
+		return "no IOMMU translates its DMA";
+	domain = iommu_get_domain_for_dev(&pdev->dev);
+	if (!domain || !(domain->type & __IOMMU_DOMAIN_PAGING))
+		return "its IOMMU domain is identity (passthrough)";
+	group = iommu_group_get(&pdev->dev);
+	if (!group)
+		return "it has no IOMMU group";
+	if (iommu_group_for_each_dev(group, &pdev->dev, p2phub_nvme_group_dev_ok))
+		why = "its IOMMU group holds a device bound to another driver";
+	else if (!p2phub_isolated_msi(group, &pdev->dev))
+		why = "its MSIs are not isolated (no interrupt remapping)";
+	iommu_group_put(group);
+	return why;
+}
+
 /* P2PHUB_NVME_OPEN on /dev/p2phub: become the owner of a bound controller. */
-long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg)
+long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 {
 	struct p2phub_nvme_open arg;
 	struct p2phub_nvme_handle *h;
 	struct p2phub_nvme_ctrl *ctrl;
 	struct pci_dev *pdev;
+	const char *why;
 	int ret, fd;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
 	if (ret)
 		return ret;
 	if (arg.__reserved0 || arg.__reserved1 || arg.out_nr_irqs ||
-	    arg.out_bar0_size ||
+	    arg.out_bar0_size || arg.out_bar0_mmap_size ||
 	    !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
 		return -EINVAL;
 	/* Raw DMA by a device the caller programs: the privilege of /dev/mem. */
 	if (!capable(CAP_SYS_RAWIO))
 		return -EPERM;
+	/* Lockdown keeps root out of PCI BARs; so must p2phub. */
+	ret = security_locked_down(LOCKDOWN_PCI_ACCESS);
+	if (ret)
+		return ret;
 
 	pdev = pci_get_domain_bus_and_slot(arg.domain, arg.bus, arg.devfn);
 	if (!pdev)
 		return -ENODEV;
 
-	h = kzalloc(sizeof(*h), GFP_KERNEL);
+	h = kzalloc(sizeof(*h), GFP_KERNEL_ACCOUNT);
 	if (!h) {
 		ret = -ENOMEM;
 		goto err_put_pdev;
 	}
 	mutex_init(&h->lock);
+	spin_lock_init(&h->status_lock);
 	xa_init_flags(&h->bufs, XA_FLAGS_ALLOC);
+	xa_init(&h->regmaps);
+	h->status = (void *)get_zeroed_page(GFP_KERNEL_ACCOUNT);
+	if (!h->status) {
+		ret = -ENOMEM;
+		goto err_free_handle;
+	}
+	h->status->abi = P2PHUB_NVME_STATUS_ABI;
 
-	/* The device lock keeps the driver binding stable while we look. */
-	device_lock(&pdev->dev);
+	/*
+	 * The device lock keeps the driver binding stable while we look; an
+	 * unbind in progress holds it, and then the answer is "busy", not a
+	 * wait behind it.
+	 */
+	if (!device_trylock(&pdev->dev)) {
+		ret = -EBUSY;
+		goto err_free_handle;
+	}
 	if (pdev->dev.driver != &p2phub_nvme_driver.driver) {
 		device_unlock(&pdev->dev);
 		ret = -ENXIO;	/* not bound to p2phub-nvme */
+		goto err_free_handle;
+	}
+	why = p2phub_nvme_unconfined(pdev);
+	if (why && !allow_unsafe_noiommu) {
+		device_unlock(&pdev->dev);
+		pci_info_ratelimited(pdev, "not handed to user space: %s (allow_unsafe_noiommu=1 overrides, tainting the kernel)\n",
+				     why);
+		ret = -EXDEV;
 		goto err_free_handle;
 	}
 	ctrl = pci_get_drvdata(pdev);
@@ -526,21 +942,29 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg)
 	mutex_unlock(&ctrl->lock);
 	device_unlock(&pdev->dev);
 
+	if (why) {
+		pci_warn(pdev, "owned by user space without IOMMU confinement (%s): its owner can DMA to any memory\n",
+			 why);
+		add_taint(TAINT_USER, LOCKDEP_STILL_OK);
+	}
 	pci_set_master(pdev);
 	atomic_inc(&p2phub_nvme_live_handles);
 
 	arg.argsz = sizeof(arg);
 	arg.out_nr_irqs = ctrl->nr_irqs;
 	arg.out_bar0_size = ctrl->bar0_len;
+	arg.out_bar0_mmap_size = ctrl->bar0_mmap_len;
 	if (copy_to_user(uarg, &arg, sizeof(arg))) {
 		ret = -EFAULT;
 		goto err_disown;
 	}
 
 	/* Last: an installed fd cannot be taken back. It owns pdev's reference. */
+	h->pfile = get_file(pfile);
 	fd = anon_inode_getfd("p2phub-nvme", &p2phub_nvme_handle_fops, h,
 			      O_RDWR | O_CLOEXEC);
 	if (fd < 0) {
+		fput(h->pfile);
 		ret = fd;
 		goto err_disown;
 	}
@@ -555,15 +979,37 @@ err_disown:
 	mutex_unlock(&ctrl->lock);
 	complete_all(&ctrl->released);
 err_free_handle:
-	xa_destroy(&h->bufs);
-	mutex_destroy(&h->lock);
-	kfree(h);
+	p2phub_nvme_handle_free(h);
 err_put_pdev:
 	pci_dev_put(pdev);
 	return ret;
 }
 
 /* ------------------------------------------------------------ pci driver */
+
+/*
+ * BAR0 up to the first page that holds the MSI-X table or PBA, rounded
+ * down to whole pages: no page of it reaches past the BAR.
+ */
+static resource_size_t p2phub_nvme_bar0_mmap_len(struct pci_dev *pdev,
+						 resource_size_t bar0_len)
+{
+	resource_size_t len = round_down(bar0_len, PAGE_SIZE);
+	static const int regs[] = { PCI_MSIX_TABLE, PCI_MSIX_PBA };
+	u32 val;
+	int i;
+
+	if (!pdev->msix_cap)
+		return len;
+	for (i = 0; i < ARRAY_SIZE(regs); i++) {
+		pci_read_config_dword(pdev, pdev->msix_cap + regs[i], &val);
+		if ((val & PCI_MSIX_TABLE_BIR) == 0)
+			len = min_t(resource_size_t, len,
+				    round_down(val & PCI_MSIX_TABLE_OFFSET,
+					       PAGE_SIZE));
+	}
+	return len;
+}
 
 static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 {
@@ -602,6 +1048,7 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 		ret = -ENOMEM;
 		goto err_release_regions;
 	}
+	ctrl->bar0_mmap_len = p2phub_nvme_bar0_mmap_len(pdev, ctrl->bar0_len);
 
 	want = pci_msix_vec_count(pdev);
 	if (want > 0) {
@@ -623,9 +1070,10 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 		snprintf(ctrl->irqs[i].name, sizeof(ctrl->irqs[i].name),
 			 "p2phub-nvme%d@%s", i, pci_name(pdev));
 	}
+	pci_save_state(pdev);
 	pci_set_drvdata(pdev, ctrl);
-	dev_info(&pdev->dev, "owned by p2phub: BAR0 %pa bytes, %d MSI-X vectors\n",
-		 &ctrl->bar0_len, ctrl->nr_irqs);
+	dev_info(&pdev->dev, "owned by p2phub: BAR0 %pa bytes (%pa mappable), %d MSI-X vectors\n",
+		 &ctrl->bar0_len, &ctrl->bar0_mmap_len, ctrl->nr_irqs);
 	return 0;
 
 err_free_vectors:
@@ -648,10 +1096,13 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 
 	mutex_lock(&ctrl->lock);
 	ctrl->dying = true;
+	if (ctrl->owner)
+		p2phub_nvme_signal(ctrl->owner, P2PHUB_NVME_ST_REMOVING, false);
 	mutex_unlock(&ctrl->lock);
 	/*
 	 * The owner maps BAR0 and programs the controller: it must let go
-	 * before the device can change hands. Like VFIO, wait for it.
+	 * before the device can change hands. Like VFIO, ask it (the request
+	 * eventfd and the status page) and wait for it.
 	 */
 	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ))
 		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
@@ -667,11 +1118,53 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 	dev_info(&pdev->dev, "released by p2phub\n");
 }
 
+/*
+ * PCI errors and resets: the owner's controller state is gone or suspect.
+ * Stop its DMA, tell the owner (P2PHUB_NVME_ST_ERROR), and keep bus
+ * mastering off until it re-initialises the controller and RESUMEs.
+ */
+static pci_ers_result_t p2phub_nvme_error_detected(struct pci_dev *pdev,
+						   pci_channel_state_t state)
+{
+	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
+	bool gone = state == pci_channel_io_perm_failure;
+
+	p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_ERROR |
+			    (gone ? P2PHUB_NVME_ST_REMOVING : 0), true);
+	return gone ? PCI_ERS_RESULT_DISCONNECT : PCI_ERS_RESULT_NEED_RESET;
+}
+
+static pci_ers_result_t p2phub_nvme_slot_reset(struct pci_dev *pdev)
+{
+	pci_restore_state(pdev);
+	pci_save_state(pdev);
+	pci_clear_master(pdev);
+	return PCI_ERS_RESULT_RECOVERED;
+}
+
+static void p2phub_nvme_reset_prepare(struct pci_dev *pdev)
+{
+	p2phub_nvme_request(pci_get_drvdata(pdev), P2PHUB_NVME_ST_ERROR, true);
+}
+
+static void p2phub_nvme_reset_done(struct pci_dev *pdev)
+{
+	pci_clear_master(pdev);
+}
+
+static const struct pci_error_handlers p2phub_nvme_err_handler = {
+	.error_detected	= p2phub_nvme_error_detected,
+	.slot_reset	= p2phub_nvme_slot_reset,
+	.reset_prepare	= p2phub_nvme_reset_prepare,
+	.reset_done	= p2phub_nvme_reset_done,
+};
+
 static struct pci_driver p2phub_nvme_driver = {
 	.name		= P2PHUB_NVME_DRV_NAME,
 	.id_table	= NULL,		/* reached only through driver_override */
 	.probe		= p2phub_nvme_probe,
 	.remove		= p2phub_nvme_remove,
+	.err_handler	= &p2phub_nvme_err_handler,
 };
 
 int p2phub_nvme_init(void)

@@ -8,26 +8,46 @@
  * registration exists. symbol_get() only finds EXPORT_SYMBOL_GPL symbols on
  * newer kernels, which is how nvidia.ko exports them.
  *
- * The contract, and how it is kept:
- *  - the free callback may run at any time after get_pages() returns, even
- *    before p2phub has stored the page table: it takes reg->lock, claims
- *    the page table (sets it NULL) and frees it with the callback-safe
- *    nvidia_p2p_free_dma_mapping()/_free_page_table(); if there was none
- *    yet it leaves a note (freed_early) and setup gives up;
- *  - the page table is published (stored under reg->lock) only once it is
- *    checked;
- *  - release happens exactly once: whoever claims the page table under
- *    reg->lock releases it; normal release uses dma_unmap_pages() and
- *    put_pages(), never while holding reg->lock, since put_pages() may wait
- *    for a callback in progress;
+ * The driver's side of the contract (kernel-open/nvidia/nv-p2p.c): the
+ * free callback runs under the driver's API lock, which get_pages(),
+ * dma_map_pages() and put_pages() take too; once the callback returns, the
+ * driver unmaps every DMA mapping of the table and frees the table itself
+ * (nvidia_p2p_free_page_table()/_free_dma_mapping() are no-ops);
+ * put_pages() on a table whose callback ran or is running returns 0 and
+ * frees nothing; dma_unmap_pages() takes only the table's own lock.
+ *
+ * How p2phub keeps it:
+ *  - reg->lock is never held across get_pages(), dma_map_pages() or
+ *    put_pages(), so the callback may take it (no AB-BA with the API lock);
+ *  - whoever claims the page table (sets reg->nv.page_table NULL) under
+ *    reg->lock owns its end. The callback claims it, revokes (devices stop:
+ *    p2phub_reg_revoke() first), tells every export's importers and waits
+ *    for their fences (p2phub_export_revoke_sync()), forgets the DMA
+ *    mappings and returns: NVIDIA frees them. Release claims it and, in the
+ *    same reg->lock section (so a callback cannot let NVIDIA free the table
+ *    meanwhile), unmaps every mapping; then, unlocked and once no
+ *    dma_map_pages() of ours is in flight, put_pages();
+ *  - the callback runs inside an SRCU read section and touches reg only
+ *    there; release and a failed setup wait for it (synchronize_srcu())
+ *    before reg can be freed;
+ *  - setup reads the page table only under reg->lock after checking that
+ *    no callback claimed it (freed_early), and publishes it there;
+ *  - a map drops reg->lock around dma_map_pages(); afterwards, if the
+ *    table was claimed meanwhile, the result is dropped unused (NVIDIA or
+ *    put_pages() frees it);
  *  - users re-check the registration after copying addresses out
  *    (p2phub_reg_live()), so addresses freed meanwhile are never trusted.
+ * One window stays open and is the driver's: dma_map_pages() reads the
+ * table before it takes the API lock, so a callback that runs right then
+ * frees it under the call.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/module.h>
 #include <linux/pci.h>
+#include <linux/srcu.h>
 #include <linux/types.h>
+#include <linux/wait_bit.h>
 
 #include "nv-p2p.h"
 #include "p2phub_reg.h"
@@ -42,6 +62,8 @@ static struct {
 } p2phub_nv;
 static unsigned int p2phub_nv_users;	/* registrations holding the symbols */
 static DEFINE_MUTEX(p2phub_nv_sym_lock);
+/* Free callbacks run in a read section; release waits for them. */
+DEFINE_STATIC_SRCU(p2phub_nv_srcu);
 
 static void p2phub_nv_syms_drop(void)
 {
@@ -123,51 +145,85 @@ static int p2phub_nv_page_shift(u32 page_size)
 	return -EPROTO;
 }
 
-/* The NVIDIA driver frees the memory: may run at any time, even in setup. */
+/*
+ * The NVIDIA driver frees the memory: may run at any time after
+ * get_pages(), even in setup, under the driver's API lock.
+ */
 static void p2phub_nv_free_callback(void *data)
 {
 	struct p2phub_reg *reg = data;
 	struct nvidia_p2p_page_table *pt;
 	struct p2phub_reg_map *map;
+	int idx;
 
+	idx = srcu_read_lock(&p2phub_nv_srcu);
 	mutex_lock(&reg->lock);
 	pt = reg->nv.page_table;
-	reg->nv.page_table = NULL;		/* claimed: we release it */
+	reg->nv.page_table = NULL;		/* claimed: its end is ours */
 	if (!pt) {
 		/* Not yet published (setup sees this), or release has it. */
 		reg->nv.freed_early = true;
 		mutex_unlock(&reg->lock);
+		srcu_read_unlock(&p2phub_nv_srcu, idx);
 		return;
 	}
+	/* First: the devices that use the registration stop. */
+	p2phub_reg_revoke(reg, "NVIDIA free callback");
+	mutex_unlock(&reg->lock);
+
+	/* Then the importers of its exports, before NVIDIA unmaps. */
+	p2phub_export_revoke_sync(reg);
+
+	mutex_lock(&reg->lock);
 	list_for_each_entry(map, &reg->maps, node) {
 		if (!map->nv.mapping)
 			continue;
 		p2phub_nv.free_dma_mapping(map->nv.mapping);
-		map->nv.mapping = NULL;
+		map->nv.mapping = NULL;		/* NVIDIA frees it on return */
 		atomic_dec(&p2phub_stats.nv_dma_mappings);
 	}
 	p2phub_nv.free_page_table(pt);
 	atomic_dec(&p2phub_stats.nv_page_tables);
 	mutex_unlock(&reg->lock);
-
-	p2phub_reg_revoke(reg, "NVIDIA free callback");
+	srcu_read_unlock(&p2phub_nv_srcu, idx);
 }
 
-/* Map for map->pdev. Called with reg->lock held, so no callback runs. */
+/*
+ * Map for map->pdev. Called with reg->lock held; drops it around
+ * dma_map_pages(), which takes the driver's API lock.
+ */
 static int p2phub_nv_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 {
 	struct nvidia_p2p_page_table *pt = reg->nv.page_table;
-	struct nvidia_p2p_dma_mapping *m;
+	struct nvidia_p2p_dma_mapping *m = NULL;
 	u64 i;
 	int ret;
 
 	lockdep_assert_held(&reg->lock);
 	if (!pt)
 		return -ESTALE;
+	reg->nv.maps_in_flight++;
+	mutex_unlock(&reg->lock);
 	ret = p2phub_nv.dma_map_pages(map->pdev, pt, &m);
+	mutex_lock(&reg->lock);
+	if (!--reg->nv.maps_in_flight)
+		wake_up_var(&reg->nv.maps_in_flight);
+	if (reg->nv.page_table != pt) {
+		/*
+		 * Claimed meanwhile: by the callback (NVIDIA frees the table
+		 * and this mapping) or by release (put_pages() does).
+		 */
+		return -ESTALE;
+	}
 	if (ret)
 		return ret;
 	atomic_inc(&p2phub_stats.nv_dma_mappings);
+	if (reg->torn_down) {
+		/* Teardown took the maps meanwhile; this one would be lost. */
+		p2phub_nv.dma_unmap_pages(map->pdev, pt, m);
+		atomic_dec(&p2phub_stats.nv_dma_mappings);
+		return -ESTALE;
+	}
 	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(m) ||
 	    p2phub_nv_page_shift(m->page_size_type) != reg->page_shift ||
 	    m->entries != reg->npages) {
@@ -193,28 +249,36 @@ static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 
 	mutex_lock(&reg->lock);
 	pt = reg->nv.page_table;
-	reg->nv.page_table = NULL;		/* claimed: we release it */
-	mutex_unlock(&reg->lock);
-
+	reg->nv.page_table = NULL;		/* claimed: its end is ours */
+	/*
+	 * A callback cannot let NVIDIA free the table while we hold the lock
+	 * (it waits for it). Without the table the callback ran: NVIDIA
+	 * freed the mappings, nothing is left to unmap.
+	 */
 	list_for_each_entry(map, maps, node) {
 		if (!map->nv.mapping)
 			continue;
-		/* Without the page table the callback ran: just free. */
 		if (pt)
 			p2phub_nv.dma_unmap_pages(map->pdev, pt, map->nv.mapping);
-		else
-			p2phub_nv.free_dma_mapping(map->nv.mapping);
 		map->nv.mapping = NULL;
 		atomic_dec(&p2phub_stats.nv_dma_mappings);
 	}
+	mutex_unlock(&reg->lock);
 	p2phub_reg_maps_free(maps);
+
 	if (pt) {
+		/* A map that dropped reg->lock still uses the table. */
+		wait_var_event(&reg->nv.maps_in_flight,
+			       !READ_ONCE(reg->nv.maps_in_flight));
+		/* 0 also when a callback ran meanwhile: NVIDIA frees then. */
 		ret = p2phub_nv.put_pages(0, 0, reg->nv.va, pt);
 		if (ret)
 			pr_warn_ratelimited("registration %u: nvidia_p2p_put_pages(0x%llx) failed: %d\n",
 					    reg->handle, reg->nv.va, ret);
 		atomic_dec(&p2phub_stats.nv_page_tables);
 	}
+	/* A callback still running touches reg: let it finish. */
+	synchronize_srcu(&p2phub_nv_srcu);
 	p2phub_nv_syms_put();
 }
 
@@ -230,36 +294,39 @@ int p2phub_nv_setup(struct p2phub_reg *reg, u64 va, u64 length)
 {
 	struct nvidia_p2p_page_table *pt;
 	int shift, ret;
-	bool early;
 
 	ret = p2phub_nv_syms_get();
 	if (ret)
 		return ret;
 	reg->nv.va = va;
+	reg->revocable = true;
 	ret = p2phub_nv.get_pages(0, 0, va, length, &pt,
 				  p2phub_nv_free_callback, reg);
 	if (ret)
 		goto err_put_syms;
 	atomic_inc(&p2phub_stats.nv_page_tables);
 
+	/* The table is ours to read only while no callback has claimed it. */
+	mutex_lock(&reg->lock);
+	if (reg->nv.freed_early) {
+		/* The callback ran already: NVIDIA frees the table. */
+		mutex_unlock(&reg->lock);
+		atomic_dec(&p2phub_stats.nv_page_tables);
+		ret = -ESTALE;
+		goto err_sync;
+	}
 	shift = p2phub_nv_page_shift(pt->page_size);
 	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(pt) || shift < 0 ||
 	    ((u64)pt->entries << shift) != length) {
 		pr_err_ratelimited("NVIDIA page table for 0x%llx+0x%llx unusable (version 0x%x, %u entries of type %u)\n",
 				   va, length, pt->version, pt->entries,
 				   pt->page_size);
-		ret = -EPROTO;
-		goto err_put_pages;
-	}
-
-	mutex_lock(&reg->lock);
-	if (reg->nv.freed_early) {
-		/* The callback ran already; it could not free what it lacked. */
 		mutex_unlock(&reg->lock);
-		p2phub_nv.free_page_table(pt);
+		/* A callback from now on finds nothing published: fine. */
+		p2phub_nv.put_pages(0, 0, va, pt);
 		atomic_dec(&p2phub_stats.nv_page_tables);
-		ret = -ESTALE;
-		goto err_put_syms;
+		ret = -EPROTO;
+		goto err_sync;
 	}
 	reg->page_shift = shift;
 	reg->npages = pt->entries;
@@ -268,15 +335,9 @@ int p2phub_nv_setup(struct p2phub_reg *reg, u64 va, u64 length)
 	mutex_unlock(&reg->lock);
 	return 0;
 
-err_put_pages:
-	mutex_lock(&reg->lock);
-	early = reg->nv.freed_early;
-	mutex_unlock(&reg->lock);
-	if (early)
-		p2phub_nv.free_page_table(pt);
-	else
-		p2phub_nv.put_pages(0, 0, va, pt);
-	atomic_dec(&p2phub_stats.nv_page_tables);
+err_sync:
+	/* reg is freed once we return: no callback may still be in it. */
+	synchronize_srcu(&p2phub_nv_srcu);
 err_put_syms:
 	p2phub_nv_syms_put();
 	return ret;

@@ -24,7 +24,11 @@
 struct p2phub_file {
 	struct mutex lock;	/* protects everything below */
 	struct xarray regs;	/* handle -> struct p2phub_reg (one ref each) */
+	u64 reg_bytes;		/* sum of the lengths in regs */
 };
+
+/* Per-file cap on registered bytes (module parameter max_reg_gib). */
+u64 p2phub_max_reg_bytes(void);
 
 /* Copy an argsz-prefixed struct from user space, checking argsz and flags. */
 int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
@@ -33,12 +37,16 @@ bool p2phub_all_zero(const void *p, size_t len);
 
 /*
  * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one
- * struct p2phub_nvme_ctrl; lock order there: device_lock(pci_dev) ->
- * p2phub_nvme_ctrl.lock; p2phub_nvme_handle.lock is taken alone.
+ * struct p2phub_nvme_ctrl. Lock order there (outer first):
+ *   device_lock(pci_dev) -> p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
+ *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)
+ * The controller fd holds a reference on the /dev/p2phub file it was
+ * opened from, so that file's registrations outlive the controller's DMA.
  */
 int p2phub_nvme_init(void);
 void p2phub_nvme_exit(void);
-long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
+long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
 
 /*
  * Registrations (p2phub_reg.c, p2phub_dmabuf.c, p2phub_nvp2p.c,
@@ -53,36 +61,61 @@ long p2phub_nvme_ioctl_open(struct p2phub_file *pf, void __user *uarg);
  *
  * Lock order (outer first), in addition to p2phub_file.lock above:
  *   p2phub_file.lock -> p2phub_reg.lock -> dma_resv of the source dma-buf
- *                                        -> dma_resv of an exported dma-buf
- *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere.
- * mmap of an exported dma-buf (called without its dma_resv on 6.1 and
- * since 6.5) and its page faults run under the mm's mmap_lock and take
- * p2phub_reg.lock: mmap_lock -> p2phub_reg.lock. Zapping those mappings
- * (unmap_mapping_range, i_mmap_rwsem) happens under p2phub_reg.lock.
- * Callbacks: the source's move_notify runs under the source's dma_resv and
- * takes only state_lock; the exported dma-buf's map/unmap/pin/unpin run
- * under its dma_resv and take only state_lock; its attach/detach/release
- * take p2phub_reg.lock; the NVIDIA free callback takes p2phub_reg.lock
- * (which is never held across nvidia_p2p_get_pages()/put_pages()).
- * Notifying an export's importers after a revocation happens from a work
- * item, never from inside another dma-buf's callback.
+ *   p2phub_reg.lock of a registration whose source is one of p2phub's
+ *     exports (lockdep class "derived") -> p2phub_reg.lock of the exporting
+ *     registration (plain class). Never deeper: REGISTER resolves an export
+ *     of a derived registration to what that one imports.
+ *   p2phub_reg.state_lock (spinlock) is innermost and may be taken anywhere;
+ *     reg->exports is walked under it (a file reference taken on each
+ *     export, files already at count zero skipped).
+ * The dma_resv of an exported dma-buf is never taken under p2phub_reg.lock:
+ * its importers are told (move_notify, then a wait for their fences) with
+ * no p2phub lock held, by p2phub_export_revoke_sync()/_notify().
+ * mmap of an exported dma-buf (under the mm's mmap_lock, and on 6.2-6.4 the
+ * export's dma_resv) and its page faults take p2phub_reg.lock; the first
+ * mmap then vmaps the source (its dma_resv): mmap_lock -> p2phub_reg.lock
+ * -> source dma_resv. Zapping those mappings (unmap_mapping_range,
+ * i_mmap_rwsem) happens under p2phub_reg.lock.
+ * Callbacks: the source's move_notify runs under the source's dma_resv: it
+ * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), adds a
+ * revocation fence to that resv and queues work. That work takes no
+ * p2phub_reg.lock before the fence signals (an exporter may wait for the
+ * fence holding its resv, which p2phub_reg.lock holders may wait for).
+ * The exported dma-buf's map/unmap/pin/unpin run under its dma_resv and
+ * take nothing of ours; its attach takes p2phub_reg.lock (through
+ * p2phub_reg_map_get()), its detach state_lock, its release
+ * p2phub_reg.lock then state_lock.
+ * NVIDIA: the free callback runs under the driver's API lock and takes
+ * p2phub_reg.lock (and, without it, export dma_resvs, waiting for their
+ * importers' fences). So p2phub_reg.lock is never held across
+ * nvidia_p2p_get_pages(), _dma_map_pages() or _put_pages(), which take the
+ * API lock; _dma_unmap_pages() takes only the table's own lock and is called
+ * under p2phub_reg.lock. The callback runs in an SRCU read section that
+ * release waits for.
  *
- * In-kernel users (the NVMe engine):
+ * In-kernel users that make a device DMA into a registration (an owned
+ * NVMe controller) hold it through a struct p2phub_reg_user:
  *
  *	reg = p2phub_reg_get(pf, handle);		// -ENOENT
  *	ret = p2phub_reg_dma_pages(reg, pdev, &list);	// maps on first ask
- *	ret = p2phub_reg_io_begin(reg, list.generation);	// -ESTALE if revoked
- *	... DMA to list.addrs[i] + off ...
- *	p2phub_reg_io_end(reg);
+ *	ret = p2phub_reg_user_add(reg, &u, list.generation); // -ESTALE if revoked
+ *	... the device DMAs to list.addrs[i] + off ...
+ *	p2phub_reg_user_del(reg, &u);	// only once the device has stopped
  *	p2phub_reg_put(reg);
  *
- * list.addrs stays allocated until p2phub_reg_put(); its contents are valid
- * for DMA only while p2phub_reg_live(reg, list.generation) is true. An I/O
- * hold makes UNREGISTER fail with -EBUSY; it does not stop a revocation
- * (the owner of the memory decides), so the engine must check the
- * generation before each submission and fence its queues on a change.
- * p2phub_reg_put() may sleep (it can release the pin).
+ * While a user is added, UNREGISTER fails with -EBUSY and the pin and the
+ * device's mapping stay. A revocation cannot wait for the user: it calls
+ * u->stop_dma() synchronously, under p2phub_reg.state_lock (atomic
+ * context), before the revocation completes and before any mapping is
+ * torn down; stop_dma must leave the device unable to DMA when it returns
+ * (bus mastering off). list.addrs stays allocated until the user is
+ * deleted. p2phub_reg_put() may sleep (it can release the pin).
  */
+struct p2phub_reg_user {
+	struct list_head node;		/* on p2phub_reg.users, under state_lock */
+	void (*stop_dma)(struct p2phub_reg_user *u);
+};
+
 struct p2phub_reg;
 struct pci_dev;
 struct device;
@@ -98,9 +131,19 @@ struct p2phub_reg *p2phub_reg_get(struct p2phub_file *pf, u64 handle);
 void p2phub_reg_put(struct p2phub_reg *reg);
 int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 			 struct p2phub_dma_list *list);
-int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation);
-void p2phub_reg_io_end(struct p2phub_reg *reg);
+int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
+			u64 generation);
+void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);
 bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation);
+/*
+ * Copy entries [first, first + count) of @reg's DMA addresses for @pdev, in
+ * units of page_size (0: the registration's), to @uaddrs. The caller keeps
+ * the mapping alive (a user added, or an I/O hold).
+ */
+int p2phub_reg_copy_dma_pages(struct p2phub_reg *reg,
+			      const struct p2phub_dma_list *list,
+			      u32 page_size, u64 first, u32 count,
+			      u64 __user *uaddrs, u64 *total);
 
 /*
  * /dev/p2phub's struct device, given a 64-bit DMA mask at load: the

@@ -12,6 +12,7 @@
 #include <linux/build_bug.h>
 #include <linux/debugfs.h>
 #include <linux/log2.h>
+#include <linux/moduleparam.h>
 #include <linux/overflow.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
@@ -33,8 +34,18 @@ static_assert(sizeof(dma_addr_t) <= sizeof(u64));
 
 #define P2PHUB_COPY_CHUNK	512	/* addresses per bounce buffer */
 
+static unsigned int max_reg_gib = 1024;
+module_param(max_reg_gib, uint, 0644);
+MODULE_PARM_DESC(max_reg_gib,
+		 "Bytes one /dev/p2phub open may have registered at once, in GiB (default 1024)");
+
+u64 p2phub_max_reg_bytes(void)
+{
+	return (u64)READ_ONCE(max_reg_gib) << 30;
+}
+
 struct p2phub_reg_stats p2phub_stats;
-static struct workqueue_struct *p2phub_reg_wq;
+struct workqueue_struct *p2phub_reg_wq;
 /* /sys/kernel/debug/p2phub: other parts of the module may add files. */
 struct dentry *p2phub_debugfs_dir;
 
@@ -53,7 +64,7 @@ static struct p2phub_reg *p2phub_reg_alloc(void)
 {
 	struct p2phub_reg *reg;
 
-	reg = kzalloc(sizeof(*reg), GFP_KERNEL);
+	reg = kzalloc(sizeof(*reg), GFP_KERNEL_ACCOUNT);
 	if (!reg)
 		return NULL;
 	kref_init(&reg->kref);
@@ -63,6 +74,7 @@ static struct p2phub_reg *p2phub_reg_alloc(void)
 	mutex_init(&reg->lock);
 	INIT_LIST_HEAD(&reg->maps);
 	INIT_LIST_HEAD(&reg->exports);
+	INIT_LIST_HEAD(&reg->users);
 	INIT_WORK(&reg->notify_work, p2phub_reg_notify_work);
 	atomic_inc(&p2phub_stats.regs);
 	return reg;
@@ -141,6 +153,7 @@ static void p2phub_reg_queue_notify(struct p2phub_reg *reg)
  */
 void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why)
 {
+	struct p2phub_reg_user *u;
 	bool first = false;
 
 	spin_lock(&reg->state_lock);
@@ -148,6 +161,9 @@ void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why)
 		reg->state = P2PHUB_REG_REVOKED;
 		reg->generation++;
 		first = true;
+		/* Devices stop before the memory can go: see p2phub_reg_user. */
+		list_for_each_entry(u, &reg->users, node)
+			u->stop_dma(u);
 	}
 	spin_unlock(&reg->state_lock);
 	if (!first)
@@ -168,7 +184,11 @@ bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation)
 	return live;
 }
 
-int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
+/*
+ * An I/O hold keeps the registration's maps (and so their addrs arrays)
+ * from being torn down: UNREGISTER fails with -EBUSY while one is held.
+ */
+static int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
 {
 	int ret = 0;
 
@@ -181,9 +201,34 @@ int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
 	return ret;
 }
 
-void p2phub_reg_io_end(struct p2phub_reg *reg)
+static void p2phub_reg_io_end(struct p2phub_reg *reg)
 {
 	spin_lock(&reg->state_lock);
+	if (!WARN_ON_ONCE(!reg->io_holds))
+		reg->io_holds--;
+	spin_unlock(&reg->state_lock);
+}
+
+int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
+			u64 generation)
+{
+	int ret = 0;
+
+	spin_lock(&reg->state_lock);
+	if (reg->state != P2PHUB_REG_LIVE || reg->generation != generation) {
+		ret = -ESTALE;
+	} else {
+		reg->io_holds++;
+		list_add_tail(&u->node, &reg->users);
+	}
+	spin_unlock(&reg->state_lock);
+	return ret;
+}
+
+void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u)
+{
+	spin_lock(&reg->state_lock);
+	list_del_init(&u->node);
 	if (!WARN_ON_ONCE(!reg->io_holds))
 		reg->io_holds--;
 	spin_unlock(&reg->state_lock);
@@ -219,7 +264,7 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 			goto out_unlock;
 	}
 
-	map = kzalloc(sizeof(*map), GFP_KERNEL);
+	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
 	if (!map) {
 		ret = -ENOMEM;
 		goto err_unlock;
@@ -228,7 +273,7 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	map->reg = reg;
 	map->pdev = pci_dev_get(pdev);
 	map->addrs = kvmalloc_array(reg->npages, sizeof(*map->addrs),
-				    GFP_KERNEL);
+				    GFP_KERNEL_ACCOUNT);
 	if (!map->addrs) {
 		ret = -ENOMEM;
 		goto err_free_map;
@@ -358,6 +403,8 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 	if (ret)
 		return ret;
 	if (a.flags & P2PHUB_REGISTER_F_DEVICE) {
+		if (!capable(CAP_SYS_ADMIN))	/* as for P2PHUB_DMA_PAGES */
+			return -EPERM;
 		pdev = p2phub_pci_get(a.domain, a.bus, a.devfn);
 		if (!pdev)
 			return -ENODEV;
@@ -391,10 +438,17 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 
 	/* Publish: the handle becomes visible to the file's other users. */
 	mutex_lock(&pf->lock);
-	ret = xa_alloc(&pf->regs, &handle, reg,
-		       XA_LIMIT(1, P2PHUB_MAX_REGS_PER_FILE), GFP_KERNEL);
-	if (!ret)
+	if (reg->length > p2phub_max_reg_bytes() - min(pf->reg_bytes,
+						       p2phub_max_reg_bytes()))
+		ret = -ENOSPC;
+	else
+		ret = xa_alloc(&pf->regs, &handle, reg,
+			       XA_LIMIT(1, P2PHUB_MAX_REGS_PER_FILE),
+			       GFP_KERNEL_ACCOUNT);
+	if (!ret) {
 		reg->handle = handle;
+		pf->reg_bytes += reg->length;
+	}
 	mutex_unlock(&pf->lock);
 	if (ret) {
 		ret = ret == -EBUSY ? -ENOSPC : ret;
@@ -408,9 +462,10 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 		/* Take the handle back, unless a racing UNREGISTER did. */
 		mutex_lock(&pf->lock);
 		if (xa_load(&pf->regs, handle) == reg &&
-		    p2phub_reg_kill(reg, false))
+		    p2phub_reg_kill(reg, false)) {
 			xa_erase(&pf->regs, handle);
-		else
+			pf->reg_bytes -= reg->length;
+		} else
 			reg = NULL;
 		mutex_unlock(&pf->lock);
 		ret = -EFAULT;
@@ -450,6 +505,7 @@ static long p2phub_ioctl_unregister(struct p2phub_file *pf, void __user *uarg)
 		ret = -EBUSY;
 	} else {
 		xa_erase(&pf->regs, a.handle);	/* its reference is ours now */
+		pf->reg_bytes -= reg->length;
 		ret = 0;
 	}
 	mutex_unlock(&pf->lock);
@@ -531,13 +587,35 @@ static int p2phub_copy_addrs(const struct p2phub_dma_list *list, u32 shift,
 	return ret;
 }
 
+int p2phub_reg_copy_dma_pages(struct p2phub_reg *reg,
+			      const struct p2phub_dma_list *list,
+			      u32 page_size, u64 first, u32 count,
+			      u64 __user *uaddrs, u64 *total)
+{
+	u32 shift, n;
+
+	if (page_size && (!is_power_of_2(page_size) || page_size < SZ_4K))
+		return -EINVAL;
+	if (count > P2PHUB_DMA_PAGES_MAX)
+		return -E2BIG;
+	if (count && !uaddrs)
+		return -EINVAL;
+	shift = page_size ? ilog2(page_size) : list->page_shift;
+	if (shift > list->page_shift)
+		return -EINVAL;
+	*total = reg->length >> shift;
+	if (count && first >= *total)
+		return -ERANGE;
+	n = count ? min_t(u64, count, *total - first) : 0;
+	return p2phub_copy_addrs(list, shift, first, n, uaddrs);
+}
+
 static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
 {
 	struct p2phub_dma_pages a;
 	struct p2phub_dma_list list;
 	struct p2phub_reg *reg;
 	struct pci_dev *pdev;
-	u32 shift, n;
 	u64 total;
 	int ret;
 
@@ -547,21 +625,17 @@ static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
 	if (a.__reserved0 || !p2phub_all_zero(a.reserved, sizeof(a.reserved)) ||
 	    a.out_total || a.out_generation)
 		return -EINVAL;
-	if (a.page_size && (!is_power_of_2(a.page_size) || a.page_size < SZ_4K))
-		return -EINVAL;
-	if (a.count > P2PHUB_DMA_PAGES_MAX)
-		return -E2BIG;
-	if (a.count && !a.addrs)
-		return -EINVAL;
+	/*
+	 * Mapping memory for a device of another driver and reading back bus
+	 * addresses is an administrator's business; an NVMe controller's
+	 * owner gets its addresses through P2PHUB_NVME_MAP_REG.
+	 */
+	if (!capable(CAP_SYS_ADMIN))
+		return -EPERM;
 
 	reg = p2phub_reg_get(pf, a.handle);
 	if (IS_ERR(reg))
 		return PTR_ERR(reg);
-	shift = a.page_size ? ilog2(a.page_size) : reg->page_shift;
-	if (shift > reg->page_shift) {
-		ret = -EINVAL;
-		goto out_put_reg;
-	}
 	pdev = p2phub_pci_get(a.domain, a.bus, a.devfn);
 	if (!pdev) {
 		ret = -ENODEV;
@@ -571,14 +645,14 @@ static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
 	ret = p2phub_reg_dma_pages(reg, pdev, &list);
 	if (ret)
 		goto out_put_pdev;
-	total = reg->length >> shift;
-	if (a.count && a.first >= total) {
-		ret = -ERANGE;
+	/* Keep the map's address array from a racing UNREGISTER. */
+	ret = p2phub_reg_io_begin(reg, list.generation);
+	if (ret)
 		goto out_put_pdev;
-	}
-	n = a.count ? min_t(u64, a.count, total - a.first) : 0;
-	ret = p2phub_copy_addrs(&list, shift, a.first, n,
-				u64_to_user_ptr(a.addrs));
+	ret = p2phub_reg_copy_dma_pages(reg, &list, a.page_size, a.first,
+					a.count, u64_to_user_ptr(a.addrs),
+					&total);
+	p2phub_reg_io_end(reg);
 	if (ret)
 		goto out_put_pdev;
 	/* Revoked while copying: what user space holds is already stale. */
@@ -587,7 +661,7 @@ static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
 		goto out_put_pdev;
 	}
 
-	a.count = n;
+	a.count = a.count ? min_t(u64, a.count, total - a.first) : 0;
 	a.out_total = total;
 	a.out_generation = list.generation;
 	if (copy_to_user(uarg, &a, sizeof(a)))

@@ -7,6 +7,7 @@
 #define _P2PHUB_REG_H
 
 #include <linux/atomic.h>
+#include <linux/iosys-map.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/mutex.h>
@@ -17,6 +18,7 @@
 
 struct dma_buf;
 struct dma_buf_attachment;
+struct p2phub_db_revoke;
 struct page;
 struct sg_table;
 
@@ -40,6 +42,7 @@ struct p2phub_reg_map {
 			struct dma_buf_attachment *attach;
 			struct sg_table *sgt;	/* under the source's dma_resv */
 			struct page **pages;	/* CPU map: reg->npages */
+			struct iosys_map vmap;	/* CPU map: the source's vmap */
 			bool pinned;
 			bool mapping;	/* pin/map in progress: ignore moves */
 		} db;
@@ -54,11 +57,16 @@ struct p2phub_reg;
 struct p2phub_provider {
 	u32 id;				/* P2PHUB_PROVIDER_* */
 	const char *name;
-	/* Fill map->addrs for map->pdev. Called with reg->lock held. */
+	/*
+	 * Fill map->addrs for map->pdev. Called with reg->lock held; the
+	 * NVIDIA provider drops it around dma_map_pages() and re-checks
+	 * (claimed table: -ESTALE; torn down meanwhile: -ESTALE, unmapped).
+	 */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/*
 	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
-	 * for mmap of its exports; valid until release(). NULL, or -ENODEV,
+	 * for mmap of its exports, from the exporter's own CPU mapping (never
+	 * an importer's sg_table); valid until release(). NULL, or -ENODEV,
 	 * when the memory has none. Called with reg->lock held.
 	 */
 	int (*cpu_pages)(struct p2phub_reg *reg, struct page ***pages);
@@ -81,7 +89,8 @@ struct p2phub_reg {
 	spinlock_t state_lock;		/* protects the block below */
 	enum p2phub_reg_state state;
 	u64 generation;
-	u32 io_holds;
+	u32 io_holds;			/* users plus ioctls reading the maps */
+	struct list_head users;		/* struct p2phub_reg_user */
 	u32 export_attached;
 	u32 export_mmaps;		/* VMAs mapping one of its exports */
 
@@ -94,16 +103,24 @@ struct p2phub_reg {
 
 	struct work_struct notify_work;	/* tells export importers */
 
+	/* Set up by the provider's setup, constant afterwards. */
+	bool read_only;			/* the source fd was not writable */
+	bool revocable;			/* the owner may take it back (revoke) */
+
 	union {
 		struct {
 			struct dma_buf *dmabuf;	/* reference held */
 			u64 offset;
 			struct p2phub_reg_map *cpu;	/* under lock */
+			/* set once a revocation fence was added (a marker,
+			 * never dereferenced); under the source's resv */
+			struct p2phub_db_revoke *revoke;
 		} db;
 		struct {
 			u64 va;
 			void *page_table;	/* under lock; NULL once claimed */
 			bool freed_early;	/* callback ran before publication */
+			u32 maps_in_flight;	/* under lock: dma_map_pages running */
 		} nv;
 	};
 };
@@ -128,8 +145,14 @@ static inline size_t p2phub_reg_page_size(const struct p2phub_reg *reg)
 	return (size_t)1 << reg->page_shift;
 }
 
-/* Mark @reg revoked (idempotent) and queue the importer notification. */
+/*
+ * Mark @reg revoked (idempotent), stop the devices that use it and queue
+ * the importer notification. Call it first in every revocation path, before
+ * any unmap. Takes only spinlocks.
+ */
 void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why);
+/* Registration work (notify, revocation); drained at module exit. */
+extern struct workqueue_struct *p2phub_reg_wq;
 /* Map @reg for @pdev (cached). Returns the map; reg->lock must not be held. */
 struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 					  struct pci_dev *pdev);
@@ -150,5 +173,12 @@ bool p2phub_nv_live(void);
 /* p2phub_export.c */
 int p2phub_export_create(struct p2phub_reg *reg, u32 flags);
 void p2phub_export_notify(struct p2phub_reg *reg);
+/*
+ * move_notify on every export of @reg, then wait until their importers'
+ * fences signal. Takes no p2phub_reg.lock; sleeps.
+ */
+void p2phub_export_revoke_sync(struct p2phub_reg *reg);
+/* The registration behind @dmabuf when it is one of p2phub's exports. */
+struct p2phub_reg *p2phub_export_reg(struct dma_buf *dmabuf);
 
 #endif /* _P2PHUB_REG_H */

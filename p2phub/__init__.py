@@ -1,3 +1,48 @@
-"""p2phub: one registration makes GPU memory usable by NVMe SSDs and RDMA NICs."""
+"""p2phub: one registration makes GPU memory usable by NVMe SSDs and RDMA NICs.
+
+    from p2phub import Hub
+    with Hub() as hub, hub.register(gpu_tensor) as reg:
+        ...
+
+The names below are imported on first use, so ``import p2phub`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Hub": "hub", "Registration": "hub", "RegInfo": "hub", "RegState": "hub", "Provider": "hub",
+    "RegistrationUser": "hub",
+    "PciAddress": "pci",
+    "P2PHubError": "errors", "P2PHubOSError": "errors", "UsageError": "errors",
+    "RevokedError": "errors", "ModuleNotLoadedError": "errors",
+    "Udmabuf": "hostmem", "VgemBuffer": "hostmem",
+    "ModuleInfo": "device", "get_info": "device",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .device import ModuleInfo, get_info
+    from .errors import (ModuleNotLoadedError, P2PHubError, P2PHubOSError, RevokedError,
+                         UsageError)
+    from .hostmem import Udmabuf, VgemBuffer
+    from .hub import Hub, Provider, RegInfo, Registration, RegistrationUser, RegState
+    from .pci import PciAddress
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'p2phub' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,18 +7,19 @@ import importlib
 import sys
 
 from . import __version__
+from .exitcodes import Exit
 
 # name -> (module, help). Each module has register(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("p2phub.commands.info", "show p2phub.ko's version and capabilities"),
     "doctor": ("p2phub.doctor.command", "can GPU<->NVMe and GPU<->NIC P2P work here, and why not"),
     "nvme": ("p2phub.commands.nvme", "hand an NVMe controller to p2phub and back (bind, unbind, list, identify)"),
+    "kv": ("p2phub.commands.kv", "move KV-cache pages between two agents (serve, send)"),
     "bench": ("p2phub.commands.bench", "measure p2phub against its baselines (register: vs ibv_reg_mr)"),
 }
 
-EXIT_OK = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 4
+# every subcommand returns codes from p2phub/exitcodes.py (docs/cli.md)
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = Exit.OK, Exit.FAIL, Exit.USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return EXIT_USAGE
-    return int(args._run(args) or 0)
+    return int(args._run(args) or Exit.OK)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import uapi
+from ._resource import Resource
 from .errors import ModuleNotLoadedError, P2PHubOSError
 
 
@@ -32,7 +33,7 @@ class ModuleInfo:
         }
 
 
-class Device:
+class Device(Resource):
     """An open file on /dev/p2phub. Everything registered through it dies with it."""
 
     def __init__(self, path: str = uapi.DEVICE_PATH) -> None:
@@ -64,20 +65,14 @@ class Device:
             cap_names=[c.name for c in uapi.Cap if c in caps and c.name],
         )
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
     @property
     def closed(self) -> bool:
-        return self.fd < 0
-
-    def __enter__(self) -> "Device":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._closed or self.fd < 0
 
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:

@@ -15,6 +15,7 @@ import mmap
 import os
 from pathlib import Path
 
+from ._resource import Resource
 from .errors import P2PHubOSError, UsageError
 
 __all__ = ["Udmabuf", "VgemBuffer", "vgem_card"]
@@ -28,24 +29,18 @@ def _iow(typ: int, nr: int, size: int) -> int:
     return (1 << 30) | (size << 16) | (typ << 8) | nr
 
 
-class _HostBuffer:
+class _HostBuffer(Resource):
     fd: int = -1
     size: int = 0
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
     @property
     def closed(self) -> bool:
-        return self.fd < 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._closed or self.fd < 0
 
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
@@ -93,8 +88,8 @@ class Udmabuf(_HostBuffer):
         return mmap.mmap(self.memfd, self.size, mmap.MAP_SHARED,
                          mmap.PROT_READ | mmap.PROT_WRITE)
 
-    def close(self) -> None:
-        super().close()
+    def _close(self) -> None:
+        super()._close()
         if getattr(self, "memfd", -1) >= 0:
             os.close(self.memfd)
             self.memfd = -1

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import enum
 
+from .errors import UsageError
+
 ABI_VERSION = 1
 DEVICE_PATH = "/dev/p2phub"
 
@@ -44,11 +46,69 @@ CONSTANTS: dict[str, str] = {
 }
 
 
+_INT_RANGES: dict[type, tuple[int, int]] = {
+    ctypes.c_uint8: (0, (1 << 8) - 1), ctypes.c_uint16: (0, (1 << 16) - 1),
+    ctypes.c_uint32: (0, (1 << 32) - 1), ctypes.c_uint64: (0, (1 << 64) - 1),
+    ctypes.c_int8: (-(1 << 7), (1 << 7) - 1), ctypes.c_int16: (-(1 << 15), (1 << 15) - 1),
+    ctypes.c_int32: (-(1 << 31), (1 << 31) - 1), ctypes.c_int64: (-(1 << 63), (1 << 63) - 1),
+}
+
+
+def _check_value(struct_name: str, name: str, ctype: type, value: object) -> None:
+    """Raise UsageError where ctypes would silently truncate or wrap `value`."""
+    if isinstance(ctype, type) and issubclass(ctype, ctypes.Array):
+        elem = ctype._type_  # type: ignore[attr-defined]
+        if elem is ctypes.c_char:
+            if isinstance(value, (bytes, bytearray)) and len(value) > ctype._length_:  # type: ignore[attr-defined]
+                raise UsageError(f"{struct_name}.{name}: {len(value)} bytes do not fit in {ctype._length_}")  # type: ignore[attr-defined]
+            return
+        if isinstance(value, ctypes.Array):
+            return
+        items = list(value)  # type: ignore[call-overload]
+        if len(items) > ctype._length_:  # type: ignore[attr-defined]
+            raise UsageError(f"{struct_name}.{name}: {len(items)} values do not fit in {ctype._length_}")  # type: ignore[attr-defined]
+        for i, v in enumerate(items):
+            _check_value(struct_name, f"{name}[{i}]", elem, v)
+        return
+    bounds = _INT_RANGES.get(ctype)
+    if bounds is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{struct_name}.{name}: {value!r} is not an integer")
+    lo, hi = bounds
+    if not lo <= value <= hi:
+        raise UsageError(f"{struct_name}.{name}: {value} is outside {lo}..{hi} ({ctype.__name__})")
+
+
 class _Struct(ctypes.Structure):
+    """A UAPI struct whose fields refuse values that do not fit (never truncated silently)."""
+
     _c_name_ = ""
 
+    def __init__(self, **fields: object) -> None:
+        super().__init__()
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        types = type(self)._field_types()
+        if name in types:
+            _check_value(self._c_name_, name, types[name], value)
+        elif not name.startswith("_"):
+            raise UsageError(f"struct {self._c_name_} has no field {name!r}")
+        super().__setattr__(name, value)
+
     @classmethod
-    def new(cls, **fields: int) -> "_Struct":
+    def _field_types(cls) -> dict[str, type]:
+        cached = cls.__dict__.get("_types_cache_")
+        if cached is None:
+            cached = {f[0]: f[1] for f in cls._fields_}  # type: ignore[attr-defined]
+            cls._types_cache_ = cached  # type: ignore[attr-defined]
+        return cached
+
+    @classmethod
+    def new(cls, **fields: object) -> "_Struct":
+        """The struct with argsz set and `fields` assigned, each checked against its C type."""
         s = cls(**fields)
         s.argsz = ctypes.sizeof(cls)
         return s
@@ -90,7 +150,8 @@ class NvmeOpen(_Struct):
         ("out_nr_irqs", ctypes.c_uint32),
         ("__reserved1", ctypes.c_uint32),
         ("out_bar0_size", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 2),
+        ("out_bar0_mmap_size", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 1),
     ]
 
 
@@ -130,10 +191,83 @@ class NvmeIrqSet(_Struct):
     ]
 
 
+# Registrations held by a controller, and the status page (revocation without a system call).
+NVME_MAX_MAPS = 256
+NVME_MMAP_STATUS = 1 << 31
+NVME_STATUS_ABI = 1
+NVME_ST_FENCED = 1 << 0
+NVME_ST_REMOVING = 1 << 1
+NVME_ST_ERROR = 1 << 2
+
+
+class NvmeStatus(ctypes.Structure):
+    """The read-only status page (mmap NVME_MMAP_STATUS); read in place, never passed to an ioctl."""
+
+    _c_name_ = "p2phub_nvme_status"
+    _fields_ = [
+        ("abi", ctypes.c_uint32),
+        ("state", ctypes.c_uint32),
+        ("events", ctypes.c_uint64),
+        ("reg_gen", ctypes.c_uint64 * NVME_MAX_MAPS),
+    ]
+
+
+class NvmeMapReg(_Struct):
+    _c_name_ = "p2phub_nvme_map_reg"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("addrs", ctypes.c_uint64),
+        ("first", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("page_size", ctypes.c_uint32),
+        ("out_total", ctypes.c_uint64),
+        ("out_generation", ctypes.c_uint64),
+        ("out_slot", ctypes.c_uint32),
+        ("__reserved", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class NvmeUnmapReg(_Struct):
+    _c_name_ = "p2phub_nvme_unmap_reg"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
+class NvmeResume(_Struct):
+    _c_name_ = "p2phub_nvme_resume"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
+class NvmeReqSet(_Struct):
+    _c_name_ = "p2phub_nvme_req_set"
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("eventfd", ctypes.c_int32),
+        ("__reserved", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 1),
+    ]
+
+
 NVME_OPEN = _io(IOCTL_BASE + 16)
 NVME_DMA_ALLOC = _io(IOCTL_BASE + 17)
 NVME_DMA_FREE = _io(IOCTL_BASE + 18)
 NVME_IRQ_SET = _io(IOCTL_BASE + 19)
+NVME_MAP_REG = _io(IOCTL_BASE + 20)
+NVME_UNMAP_REG = _io(IOCTL_BASE + 21)
+NVME_RESUME = _io(IOCTL_BASE + 22)
+NVME_REQ_SET = _io(IOCTL_BASE + 23)
 
 CONSTANTS.update({
     "NVME_MAX_IRQS": "P2PHUB_NVME_MAX_IRQS",
@@ -146,6 +280,16 @@ CONSTANTS.update({
     "NVME_DMA_ALLOC": "P2PHUB_NVME_DMA_ALLOC",
     "NVME_DMA_FREE": "P2PHUB_NVME_DMA_FREE",
     "NVME_IRQ_SET": "P2PHUB_NVME_IRQ_SET",
+    "NVME_MAX_MAPS": "P2PHUB_NVME_MAX_MAPS",
+    "NVME_MMAP_STATUS": "P2PHUB_NVME_MMAP_STATUS",
+    "NVME_STATUS_ABI": "P2PHUB_NVME_STATUS_ABI",
+    "NVME_ST_FENCED": "P2PHUB_NVME_ST_FENCED",
+    "NVME_ST_REMOVING": "P2PHUB_NVME_ST_REMOVING",
+    "NVME_ST_ERROR": "P2PHUB_NVME_ST_ERROR",
+    "NVME_MAP_REG": "P2PHUB_NVME_MAP_REG",
+    "NVME_UNMAP_REG": "P2PHUB_NVME_UNMAP_REG",
+    "NVME_RESUME": "P2PHUB_NVME_RESUME",
+    "NVME_REQ_SET": "P2PHUB_NVME_REQ_SET",
 })
 
 # ---------------------------------------------------------------- registrations
@@ -269,4 +413,9 @@ CONSTANTS.update({
 })
 
 
-STRUCTS: list[type[_Struct]] = [Info, NvmeOpen, NvmeDmaAlloc, NvmeDmaFree, NvmeIrqSet, *REG_STRUCTS]
+NVME_STRUCTS: list[type[ctypes.Structure]] = [NvmeOpen, NvmeDmaAlloc, NvmeDmaFree, NvmeIrqSet, NvmeMapReg,
+                                              NvmeUnmapReg, NvmeResume, NvmeReqSet]
+
+# Every mirrored struct; the status page is the one without argsz/flags (it is no ioctl argument).
+STRUCTS: list[type[ctypes.Structure]] = [Info, *NVME_STRUCTS, NvmeStatus, *REG_STRUCTS]
+IOCTL_STRUCTS: list[type[ctypes.Structure]] = [Info, *NVME_STRUCTS, *REG_STRUCTS]

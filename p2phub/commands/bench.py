@@ -1,11 +1,22 @@
-"""`p2phub bench register`: what one registration costs, next to ibv_reg_mr over the same memory.
+"""`p2phub bench register`: what one registration costs, next to ibv_reg_mr over the same pages.
 
-For each size, the same host memory (a udmabuf where /dev/udmabuf exists, else
-a vgem buffer) is registered with p2phub (REGISTER with the device, so the
-exporter attaches, pins and maps it for that PCI device, then UNREGISTER), and
-registered as a verbs MR (ibv_reg_mr + ibv_dereg_mr on the RDMA device; over
-the udmabuf's own pages, or over an anonymous mapping of the same size when
-the source is vgem, whose CPU mapping verbs cannot pin).
+For each size, one udmabuf (memfd pages) is registered with p2phub and as a
+verbs MR over the very same pages, in the same run:
+
+- cold: ``hub.register_dmabuf(fd, device=...)`` then ``close()``: REGISTER with the
+  device (the exporter attaches, pins and maps the pages for that PCI device)
+  and UNREGISTER, through the public API;
+- ioctl: the same two ioctls issued bare, with prepared arguments: what the
+  kernel costs, so cold - ioctl is the Python API's own share;
+- hit: the same call while a registration of those pages is open: the live
+  registration comes back from the Hub's cache (a new handle on the same pin),
+  and its close() only drops the reference;
+- ibv_reg_mr: ``ibv_reg_mr`` + ``ibv_dereg_mr`` (pyverbs) over the udmabuf's memfd
+  mapping, on the RDMA device given.
+
+udmabuf caps one buffer at its ``size_limit_mb`` parameter (64 MiB by default):
+raise it (``/sys/module/udmabuf/parameters/size_limit_mb``, or the kernel command
+line ``udmabuf.size_limit_mb=N``) to measure larger sizes.
 """
 
 from __future__ import annotations
@@ -13,8 +24,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import errno
+import fcntl
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -23,13 +35,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import P2PHubError
-from ..hostmem import Udmabuf, VgemBuffer
-from ..hub import Hub, PciAddress
-from . import bench_nvme
+from .. import uapi
+from ..errors import P2PHubError, P2PHubOSError
+from ..exitcodes import Exit
+from ..hostmem import Udmabuf
+from ..hub import Hub
+from ..pci import PciAddress
+from . import bench_kv, bench_load, bench_nvme, bench_ordering
 
-SCHEMA = "p2phub.bench.register/1"
+SCHEMA = "p2phub.bench.register/2"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
+UDMABUF_LIMIT = Path("/sys/module/udmabuf/parameters/size_limit_mb")
 
 
 def _parse_size(text: str) -> int:
@@ -47,24 +63,18 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _iommu_groups() -> bool:
-    """Whether an IOMMU translates for devices here (any IOMMU group exists)."""
-    try:
-        return any(os.scandir("/sys/kernel/iommu_groups"))
-    except OSError:
-        return False
-
-
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_nvme.add_parser(sub)
-    r = sub.add_parser("register", help="register+unregister latency vs ibv_reg_mr")
+    bench_ordering.add_parsers(sub)
+    bench_load.add_parsers(sub)
+    bench_kv.add_parser(sub)
+    r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
     r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
                    help="PCI address to map for (default: $P2PHUB_BENCH_DEVICE)")
     r.add_argument("--rdma-dev", default=os.environ.get("P2PHUB_BENCH_RDMA_DEV"),
                    help="verbs device for the ibv_reg_mr baseline (default: $P2PHUB_BENCH_RDMA_DEV)")
-    r.add_argument("--source", choices=("auto", "udmabuf", "vgem"), default="auto")
     r.add_argument("--min-time", type=float, default=1.0, help="seconds per size and method")
     r.add_argument("--max-iters", type=int, default=200)
     r.add_argument("--json", action="store_true", help="print JSON")
@@ -91,36 +101,21 @@ def _time(fn: Callable[[], None], min_time: float, max_iters: int) -> Timing:
                   min(samples), max(samples))
 
 
-class _Source:
-    """The memory for one size: a dma-buf fd for p2phub and an address for verbs."""
-
-    def __init__(self, kind: str, size: int) -> None:
-        self.kind = kind
-        self.size = size
-        if kind == "udmabuf":
-            self.buf: Udmabuf | VgemBuffer = Udmabuf(size)
-            self.map = self.buf.mmap()
-            self.same_memory = True
-        else:
-            self.buf = VgemBuffer(size)
-            self.map = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.same_memory = False
-        for off in range(0, size, mmap.PAGESIZE):   # make the pages resident
-            self.map[off] = 1
-        c = ctypes.c_char.from_buffer(self.map)
-        self.addr = ctypes.addressof(c)
-        del c
-
-    @property
-    def fd(self) -> int:
-        return self.buf.fd
-
-    def close(self) -> None:
-        self.map.close()
-        self.buf.close()
+def _udmabuf(size: int) -> Udmabuf:
+    try:
+        return Udmabuf(size)
+    except P2PHubOSError as exc:
+        limit = UDMABUF_LIMIT.read_text().strip() if UDMABUF_LIMIT.exists() else "?"
+        if exc.errno == errno.E2BIG or (limit.isdigit() and size > int(limit) << 20):
+            raise P2PHubError(f"a {_fmt_size(size)} udmabuf is over udmabuf's size_limit_mb={limit}: "
+                              f"raise it (echo {-(-size >> 20)} > {UDMABUF_LIMIT}) or leave this size "
+                              "out of --sizes") from None
+        raise
 
 
 def _bench_register(args: argparse.Namespace) -> dict:
+    import mmap
+
     import pyverbs.device as vdev
     import pyverbs.enums as venums
     from pyverbs.mr import MR
@@ -131,47 +126,74 @@ def _bench_register(args: argparse.Namespace) -> dict:
     if not args.rdma_dev:
         raise P2PHubError("no --rdma-dev (verbs device for the baseline) and no $P2PHUB_BENCH_RDMA_DEV")
     device = PciAddress.parse(args.device)
-    def source_for(size: int) -> str:
-        if args.source != "auto":
-            return args.source
-        # udmabuf caps one buffer at its size_limit_mb parameter (default 64).
-        limit = Path("/sys/module/udmabuf/parameters/size_limit_mb")
-        if Path("/dev/udmabuf").exists() and (
-                not limit.exists() or size <= int(limit.read_text()) << 20):
-            return "udmabuf"
-        return "vgem"
-
     access = venums.IBV_ACCESS_LOCAL_WRITE | venums.IBV_ACCESS_REMOTE_WRITE | venums.IBV_ACCESS_REMOTE_READ
     results = []
     with Hub() as hub, vdev.Context(name=args.rdma_dev) as ctx, PD(ctx) as pd:
+        dev_fd = hub.device.fd
         for size in (_parse_size(s) for s in args.sizes.split(",")):
-            kind = source_for(size)
-            src = _Source(kind, size)
+            buf = _udmabuf(size)
+            cpu = buf.mmap()
             try:
-                def p2p() -> None:
-                    hub.register_dmabuf(src.fd, 0, size, device=device).close()
+                for off in range(0, size, mmap.PAGESIZE):  # make the pages resident
+                    cpu[off] = 1
+                c = ctypes.c_char.from_buffer(cpu)
+                addr = ctypes.addressof(c)
+                del c
+                reg_arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF | uapi.REGISTER_F_DEVICE,
+                                            fd=buf.fd, offset=0, length=size, domain=device.domain,
+                                            bus=device.bus, devfn=device.devfn)
+                unreg_arg = uapi.Unregister.new()
+
+                def cold() -> None:
+                    hub.register_dmabuf(buf.fd, 0, size, device=device).close()
+
+                def bare() -> None:
+                    reg_arg.out_handle = reg_arg.out_page_size = reg_arg.out_provider = 0
+                    fcntl.ioctl(dev_fd, uapi.REGISTER, reg_arg, True)
+                    unreg_arg.handle = reg_arg.out_handle
+                    fcntl.ioctl(dev_fd, uapi.UNREGISTER, unreg_arg, True)
 
                 def verbs() -> None:
-                    MR(pd, size, access, address=src.addr).close()
+                    MR(pd, size, access, address=addr).close()
 
-                tp = _time(p2p, args.min_time, args.max_iters)
+                tc = _time(cold, args.min_time, args.max_iters)
+                tb = _time(bare, args.min_time, args.max_iters)
+                with hub.register_dmabuf(buf.fd, 0, size, device=device) as held:
+                    def hit() -> None:
+                        hub.register_dmabuf(buf.fd, 0, size, device=device).close()
+                    th = _time(hit, args.min_time, args.max_iters)
+                    assert held.shared == 1
+                    # what a hit is made of: naming the memory (one fstat) and the
+                    # revocation check (one P2PHUB_REG_INFO)
+                    info_arg = uapi.RegInfo.new(handle=held.handle)
+                    tstat = _time(lambda: os.fstat(buf.fd), args.min_time, args.max_iters)
+                    tinfo = _time(lambda: fcntl.ioctl(dev_fd, uapi.REG_INFO, info_arg, True),
+                                  args.min_time, args.max_iters)
                 tv = _time(verbs, args.min_time, args.max_iters)
             finally:
-                src.close()
-            results.append({"size": size, "p2phub": asdict(tp), "ibv_reg_mr": asdict(tv),
-                            "ratio": round(tp.median_us / tv.median_us, 3),
-                            "source": kind, "same_memory": src.same_memory})
+                cpu.close()
+                buf.close()
+            results.append({"size": size, "source": "udmabuf", "same_memory": True,
+                            "p2phub": asdict(tc), "ioctl": asdict(tb), "hit": asdict(th),
+                            "hit_fstat": asdict(tstat), "hit_reg_info": asdict(tinfo),
+                            "ibv_reg_mr": asdict(tv),
+                            "ratio": round(tc.median_us / tv.median_us, 3),
+                            "ioctl_ratio": round(tb.median_us / tv.median_us, 3),
+                            "python_us": round(tc.median_us - tb.median_us, 1)})
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kernel": platform.release(),
-        "iommu_groups": _iommu_groups(),
+        "iommu": bool(os.path.isdir("/sys/class/iommu") and os.listdir("/sys/class/iommu")),
         "cpus": os.cpu_count(),
-        "source": args.source,
         "device": str(device),
         "rdma_dev": args.rdma_dev,
-        "p2phub": "REGISTER(F_DMABUF|F_DEVICE) + UNREGISTER",
-        "ibv_reg_mr": "ibv_reg_mr + ibv_dereg_mr",
+        "p2phub": "hub.register_dmabuf(fd, device=...).close(): REGISTER(F_DMABUF|F_DEVICE) + UNREGISTER",
+        "ioctl": "the same REGISTER + UNREGISTER ioctls, bare",
+        "hit": "the same call while a registration of the same pages is open (cache hit + release)",
+        "hit_fstat": "os.fstat of the dma-buf alone (how a hit names the memory)",
+        "hit_reg_info": "P2PHUB_REG_INFO alone (how a hit checks that the memory was not revoked)",
+        "ibv_reg_mr": "ibv_reg_mr + ibv_dereg_mr over the same pages",
         "ratio": "p2phub median / ibv_reg_mr median",
         "results": results,
     }
@@ -181,23 +203,28 @@ def _render(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"register + unregister, {report['source']} for {report['device']} "
-                    f"vs ibv_reg_mr on {report['rdma_dev']} ({report['kernel']}, "
-                    f"iommu={report['iommu']})")
-    for col in ("size", "source", "p2phub median", "p2phub min", "ibv_reg_mr median", "ibv_reg_mr min",
-                "ratio", "iters"):
+    t = Table(title=f"register + unregister of a udmabuf for {report['device']} vs ibv_reg_mr on "
+                    f"{report['rdma_dev']} ({report['kernel']}, iommu={report['iommu']})")
+    for col in ("size", "p2phub median", "bare ioctls", "cache hit", "ibv_reg_mr median", "ratio",
+                "iters"):
         t.add_column(col, justify="right")
     for r in report["results"]:
-        p, v = r["p2phub"], r["ibv_reg_mr"]
-        t.add_row(_fmt_size(r["size"]), r["source"], f"{p['median_us']:.0f} us", f"{p['min_us']:.0f} us",
-                  f"{v['median_us']:.0f} us", f"{v['min_us']:.0f} us", f"{r['ratio']:.2f}",
-                  f"{p['iters']}/{v['iters']}")
+        p, b, h, v = r["p2phub"], r["ioctl"], r["hit"], r["ibv_reg_mr"]
+        t.add_row(_fmt_size(r["size"]), f"{p['median_us']:.0f} us", f"{b['median_us']:.0f} us",
+                  f"{h['median_us']:.1f} us", f"{v['median_us']:.0f} us", f"{r['ratio']:.2f}",
+                  f"{p['iters']}/{h['iters']}/{v['iters']}")
     Console().print(t)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "nvme":
         return bench_nvme.run(args)
+    if args.bench in ("ordering", "fence"):
+        return bench_ordering.run(args)
+    if args.bench in ("load", "save"):
+        return bench_load.run(args)
+    if args.bench == "kv":
+        return bench_kv.run(args)
     try:
         report = _bench_register(args)
     except (P2PHubError, OSError) as exc:
@@ -205,9 +232,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"schema": SCHEMA, "error": str(exc)}))
         else:
             print(f"p2phub bench: {exc}")
-        return 1
+        return Exit.FAIL
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _render(report)
-    return 0
+    return Exit.OK

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from .. import backend
 from ..device import get_info
 from ..errors import ModuleNotLoadedError, P2PHubOSError
 
-EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = 0, 1, 3
+from ..exitcodes import Exit
+
+EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = Exit.OK, Exit.FAIL, Exit.NOT_LOADED
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +35,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"p2phub: {exc}")
         return EXIT_FAIL
+    plugins = {"backends": backend.backend_names(), "backends_unavailable": backend.unavailable()}
     if args.json:
-        print(json.dumps({"schema": "p2phub.info/1", "loaded": True, **info.as_dict()}, indent=2))
+        print(json.dumps({"schema": "p2phub.info/1", "loaded": True, **info.as_dict(), **plugins},
+                         indent=2))
         return EXIT_OK
 
     from rich.console import Console
@@ -47,5 +52,8 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("capabilities", ", ".join(info.cap_names) or "(none)")
     table.add_row("caps mask", f"0x{int(info.caps):x}")
     table.add_row("registrations per open", str(info.max_regs_per_file))
+    table.add_row("backend plugins", ", ".join(plugins["backends"]) or "(none)")
+    for name, why in plugins["backends_unavailable"].items():
+        table.add_row(f"  {name} (not loaded)", why)
     Console().print(table)
     return EXIT_OK

@@ -9,7 +9,9 @@ import sys
 from ..errors import P2PHubError
 
 SCHEMA = "p2phub.nvme/1"
-EXIT_OK, EXIT_FAIL, EXIT_BUSY = 0, 1, 2
+from ..exitcodes import Exit
+
+EXIT_OK, EXIT_FAIL, EXIT_BUSY = Exit.OK, Exit.FAIL, Exit.BUSY
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                      f"  I/O queues granted {info['queues_granted']}"]
             lines += [f"  nsid {n['nsid']}: {n['blocks']} blocks of {n['lba_size']} B ({n['bytes'] >> 20} MiB)"
                       for n in info["namespaces"]]
+            lines += [f"  nsid {k}: not used: {why}" for k, why in info.get("skipped_namespaces", {}).items()]
             _emit(args, info, "\n".join(lines))
     except ControllerBusyError as exc:
         if args.json:

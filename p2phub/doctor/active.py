@@ -16,7 +16,7 @@ by the kernel driver; all must match the random bytes. The range's previous cont
 through the kernel driver afterwards.
 
 GPU memory comes from the GPU's own exporter: the CUDA driver's dma-buf export for NVIDIA GPUs
-(p2phub_cuda), or, in the lab, the stand-in GPU's driver p2phub_fakegpu (/dev/p2phub_fakegpu).
+(p2phub_cuda), or the test buffer of the backend plugin that claimed the GPU (backend.test_buffer).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import backend
+from ..backend import GpuBuffer
 from .model import FAIL, PASS, SKIP, CheckResult
 
 KiB = 1 << 10
@@ -78,81 +80,7 @@ def sha256(data: bytes) -> str:
 # --------------------------------------------------------------------------- GPU memory
 
 
-class GpuMemory:
-    """A GPU buffer exported as a dma-buf, with a CPU path to read and fill it."""
-
-    fd: int = -1
-    describe: str = ""
-    bus_address: int | None = None  # where peers reach the buffer without an IOMMU, when known
-
-    def write(self, data: bytes) -> None:
-        raise NotImplementedError
-
-    def read(self, n: int) -> bytes:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-# tests/kmod/p2phub_fakegpu.h: the lab's stand-in GPU driver
-_FAKEGPU_DEV = "/dev/p2phub_fakegpu"
-_FAKEGPU_TYPE, _FAKEGPU_BASE = 0xBA, 0x40
-
-
-class _FakeGpuQuery(ctypes.Structure):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("bar_size", ctypes.c_uint64),
-                ("bar_addr", ctypes.c_uint64), ("va_base", ctypes.c_uint64)] + \
-               [(n, ctypes.c_uint32) for n in ("bufs", "bufs_revoked", "attachments", "mappings", "pins",
-                                               "attach_refused", "page_tables", "dma_mappings", "callbacks",
-                                               "callbacks_unacked", "late_calls", "misuse")] + \
-               [("reserved", ctypes.c_uint64 * 4)]
-
-
-class _FakeGpuExport(ctypes.Structure):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("offset", ctypes.c_uint64),
-                ("length", ctypes.c_uint64), ("fd", ctypes.c_int32), ("reserved", ctypes.c_uint32)]
-
-
-class StandinMemory(GpuMemory):
-    """The last `length` bytes (64 KiB aligned) of the stand-in GPU's BAR; restored on close."""
-
-    def __init__(self, length: int) -> None:
-        self.dev = os.open(_FAKEGPU_DEV, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            q = _FakeGpuQuery(argsz=ctypes.sizeof(_FakeGpuQuery))
-            fcntl.ioctl(self.dev, (_FAKEGPU_TYPE << 8) | _FAKEGPU_BASE, q)
-            self.length = -(-length // (64 * KiB)) * (64 * KiB)
-            if self.length > q.bar_size:
-                raise OSError(f"stand-in BAR is {q.bar_size} bytes, {self.length} needed")
-            self.offset = q.bar_size - self.length
-            self.map = mmap.mmap(self.dev, self.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                                 offset=self.offset)
-            self.saved = bytes(self.map[:])
-            e = _FakeGpuExport(argsz=ctypes.sizeof(_FakeGpuExport), offset=self.offset, length=self.length, fd=-1)
-            fcntl.ioctl(self.dev, (_FAKEGPU_TYPE << 8) | (_FAKEGPU_BASE + 1), e)
-            self.fd = int(e.fd)
-            self.bus_address = q.bar_addr + self.offset
-            self.describe = f"stand-in GPU BAR2 [{self.offset:#x}, +{self.length:#x}) (bus {self.bus_address:#x})"
-        except BaseException:
-            os.close(self.dev)
-            raise
-
-    def write(self, data: bytes) -> None:
-        self.map[:len(data)] = data
-
-    def read(self, n: int) -> bytes:
-        return bytes(self.map[:n])
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.dev >= 0:
-            self.map[:] = self.saved
-            self.map.close()
-            os.close(self.dev)
-            self.dev = -1
+GpuMemory = GpuBuffer  # a GPU buffer exported as a dma-buf, with a CPU path to read and fill it
 
 
 class CudaMemory(GpuMemory):
@@ -203,10 +131,17 @@ class CudaMemory(GpuMemory):
             self.cu.cuDevicePrimaryCtxRelease(self.dev)
 
 
+def _plugin(gpu: Any) -> Any:
+    """The backend plugin that claimed `gpu` and can give the test a buffer, or None."""
+    be = backend.get_backend(gpu.info.get("backend") or "")
+    return be if be is not None and hasattr(be, "test_buffer") else None
+
+
 def gpu_memory(gpu: Any, length: int) -> GpuMemory:
     fl = gpu.info.get("flavour")
-    if fl == "standin":
-        return StandinMemory(length)
+    be = _plugin(gpu)
+    if be is not None:
+        return be.test_buffer(gpu.bdf, length)
     if fl == "nvidia":
         return CudaMemory(gpu.bdf, length)
     raise NotImplementedError(f"no dma-buf exporter for {fl} GPUs in the doctor")
@@ -269,7 +204,7 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
         cands = [p for p in cands if p.provider.lower() == g or
                  next((x.bdf for x in ctx.top.gpus if x.id == p.provider), None) in (g, _norm(g))]
     gpus = {x.id: x for x in ctx.top.gpus}
-    cands = [p for p in cands if gpus[p.provider].info.get("flavour") in ("standin", "nvidia")]
+    cands = [p for p in cands if gpus[p.provider].info.get("flavour") == "nvidia" or _plugin(gpus[p.provider])]
     if not cands:
         return R(SKIP, f"no GPU with a dma-buf exporter the doctor can drive pairs with {nvme.id}"
                  + (f" (--active-gpu {opts.gpu})" if opts.gpu else ""))
@@ -357,7 +292,7 @@ def _run(gpu: Any, bdf: str, dev: str, lba: int, lbs: int, n: int, write: bool,
             except Exception:  # noqa: BLE001
                 pass
         return FAIL, f"the DMA test failed: {type(exc).__name__}: {exc}", \
-            "see the kernel log (dmesg) and the pair's verdict; run tests/lab or p2phub's NVMe self-test"
+            "see the kernel log (dmesg) and the pair's verdict"
     finally:
         if mem is not None:
             mem.close()

@@ -10,15 +10,19 @@ import tarfile
 import tempfile
 
 from .. import __version__
-from .core import EXIT_USAGE, diagnose
+from .core import EXIT_FAIL, EXIT_OK, EXIT_USAGE, diagnose
 from .sysroot import SysRoot
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report on stdout")
     parser.add_argument("--root", metavar="DIR",
-                        help="read a captured sysfs/procfs tree (a directory or a .tar.gz from tools/capture-sysfs) "
+                        help="read a captured sysfs/procfs tree (a directory or a .tar.gz made by --capture) "
                              "instead of the live system")
+    parser.add_argument("--capture", metavar="DIR",
+                        help="copy what the doctor reads on this machine into DIR (new or empty), for --root "
+                             "elsewhere; run as root for full PCI config space (ACS/ATS)")
+    parser.add_argument("--tar", action="store_true", help="with --capture: also write DIR.tar.gz")
     parser.add_argument("--strict", action="store_true", help="exit 2 when there are warnings")
     parser.add_argument("-v", "--verbose", action="store_true", help="show every check and its evidence")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing; the exit code is the answer")
@@ -60,6 +64,28 @@ def _open_root(path: str) -> tuple[str, str | None]:
     raise FileNotFoundError(path)
 
 
+def _capture(args: argparse.Namespace) -> int:
+    from .capture import capture, write_tarball
+
+    try:
+        meta = capture(args.capture)
+    except FileExistsError as exc:
+        print(f"p2phub doctor: --capture: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"p2phub doctor: --capture {args.capture}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    out = write_tarball(args.capture) if args.tar else args.capture
+    if not args.quiet:
+        print(out)
+    if os.geteuid() != 0:
+        print("p2phub doctor: not root: PCI config space is limited to 64 bytes (ACS/ATS unknown)", file=sys.stderr)
+    if meta["unreadable"]:
+        print(f"p2phub doctor: {len(meta['unreadable'])} file(s) unreadable (listed in p2phub-capture.json)",
+              file=sys.stderr)
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     from .report import explain, render_json, render_rich
 
@@ -69,7 +95,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"p2phub doctor: unknown check id {args.explain!r}", file=sys.stderr)
             return EXIT_USAGE
         print(text)
-        return 0
+        return EXIT_OK
+    if args.tar and not args.capture:
+        print("p2phub doctor: --tar needs --capture", file=sys.stderr)
+        return EXIT_USAGE
+    if args.capture:
+        if args.root or args.active:
+            print("p2phub doctor: --capture reads the live system; it takes neither --root nor --active",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        return _capture(args)
     opts = None
     if args.active_nvme or args.active_write or args.active_lba is not None or args.active_gpu:
         if not args.active:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..exitcodes import Exit
 from . import SCHEMA
-from . import pairs as _pairs  # registers the pair-level checks
-from .checks import REGISTRY, Context, load_kconfig
+from . import pairs as _pairs
+from .checks import PHASES, REGISTRY, Context, cmdline_tokens, load_kconfig
 from .discovery import Topology, discover
-from .model import BLOCKED, DEGRADED, FAIL, INFO, OK, PASS, SEVERITY, SKIP, UNKNOWN, WARN, CheckResult, PairVerdict
+from .model import BLOCKED, DEGRADED, FAIL, INFO, OK, PASS, SKIP, UNKNOWN, WARN, CheckResult, PairVerdict
 from .sysroot import SysRoot
 
-EXIT_OK, EXIT_FAIL, EXIT_WARN, EXIT_UNKNOWN, EXIT_USAGE = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAIL, EXIT_WARN, EXIT_UNKNOWN, EXIT_USAGE = Exit.OK, Exit.FAIL, Exit.WARN, Exit.UNKNOWN, Exit.USAGE
 # an UNKNOWN in one of these means the doctor could not tell whether P2P works
 KEY_CHECKS = {"kernel.p2pdma", "pcie.acs", "pcie.host_bridge", "pairs.gpu_nvme", "pairs.gpu_nic"}
 
@@ -77,7 +78,6 @@ class Report:
 
     def as_dict(self, version: str) -> dict[str, Any]:
         t = self.top
-        from .checks import cmdline_tokens
         return {
             "schema": SCHEMA,
             "tool": {"name": "p2phub doctor", "version": version, "source": self.sys.source(),
@@ -110,7 +110,7 @@ def diagnose(sr: SysRoot, active: bool = False, active_opts: Any = None) -> Repo
     ctx.cmdline = sr.read("/proc/cmdline") or ""
     load_kconfig(ctx)
     rep = Report(sys=sr, top=top, ctx=ctx)
-    for phase in ("host", "pairs"):
+    for phase in PHASES:
         if phase == "pairs":
             ctx.pairs = _pairs.compute_pairs(ctx)
             rep.pairs = ctx.pairs
@@ -122,16 +122,6 @@ def diagnose(sr: SysRoot, active: bool = False, active_opts: Any = None) -> Repo
             except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
                 r = CheckResult(cid, title, UNKNOWN, f"check crashed: {type(exc).__name__}: {exc}")
             ctx.results[cid] = r
-            rep.checks.append(r)
-    # pcie.link / pcie.numa / pcie.ats depend on the pairs: re-run them now that pairs exist
-    for cid in ("pcie.link", "pcie.numa", "pcie.ats"):
-        fn = next(f for i, _, f, _ in REGISTRY if i == cid)
-        try:
-            r = fn(ctx)
-        except Exception as exc:  # noqa: BLE001
-            r = CheckResult(cid, "", UNKNOWN, f"check crashed: {type(exc).__name__}: {exc}")
-        r.title = r.title or ctx.results[cid].title
-        idx = next(i for i, c in enumerate(rep.checks) if c.id == cid)
-        rep.checks[idx] = r
-        ctx.results[cid] = r
+    # every check ran once, in its phase; the report lists them in registration order
+    rep.checks = [ctx.results[cid] for cid, _, _, _ in REGISTRY]
     return rep

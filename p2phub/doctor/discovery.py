@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import backend
 from .pcie import ConfigSpace, link_gbps, parse_config
 from .sysroot import SysRoot
 
@@ -20,12 +21,8 @@ VENDORS = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x1022: "AMD", 0x8086: "Intel", 0x15
            0x1CC1: "ADATA", 0x15AD: "VMware", 0x1234: "QEMU"}
 
 GPU_VENDORS = {0x10DE: "nvidia", 0x1002: "amd"}
-# The lab's stand-in GPU: QEMU's ivshmem-plain (a BAR backed by host memory). It counts as a GPU only
-# while the test-only driver p2phub_fakegpu.ko is bound to it (that driver exports the BAR as dma-bufs,
-# as a GPU driver exports its memory); an ivshmem device without it is an ordinary PCI function.
-IVSHMEM = (0x1AF4, 0x1110)
-STANDIN_DRIVER = "p2phub_fakegpu"
-STANDIN_VENDOR = "p2phub stand-in"
+# Other GPUs are those a backend plugin claims (p2phub.backend.discover_gpu: entry point group
+# p2phub.backends), from the same sysfs facts: vendor, device, class and bound driver.
 
 
 @dataclass
@@ -244,25 +241,33 @@ def _find_gpus(sr: SysRoot, top: Topology) -> None:
     for bdf, d in sorted(top.pci.items()):
         base = d.cls >> 16
         flavour = None
+        claim = None
         if base == 0x03 and d.vendor in GPU_VENDORS:
             flavour = GPU_VENDORS[d.vendor]
-        elif (d.vendor, d.device) == IVSHMEM and d.driver == STANDIN_DRIVER:
-            flavour = "standin"
+        else:
+            found = backend.discover_gpu(backend.PciFunction(bdf, d.vendor, d.device, d.cls, d.driver))
+            if found is not None:
+                plugin, claim = found
+                flavour = claim.flavour
         if flavour is None:
             continue
         info: dict[str, Any] = {"flavour": flavour, "numa_node": d.numa_node}
         # the peer-visible aperture: NVIDIA's "BAR1" and AMD's VRAM BAR are the largest memory BAR (their
-        # sysfs index depends on whether BAR0 is 64-bit); ivshmem's shared memory is BAR2
+        # sysfs index depends on whether BAR0 is 64-bit); a plugin's GPU names its own
         sizes = [(d.bar_size(i) or 0, i) for i in range(min(6, len(d.resources)))]
-        bar_index = 2 if flavour == "ivshmem" else (max(sizes)[1] if sizes and max(sizes)[0] else 1)
+        bar_index = claim.p2p_bar if claim else (max(sizes)[1] if sizes and max(sizes)[0] else 1)
         info["p2p_bar"] = bar_index
         info["bar_bytes"] = d.bar_size(bar_index)
         if flavour == "amd":
             b = f"{PCI_DEVICES}/{bdf}"
             info["vram_total"] = sr.read_int(f"{b}/mem_info_vram_total", 10)
             info["vis_vram_total"] = sr.read_int(f"{b}/mem_info_vis_vram_total", 10)
-        name = {"nvidia": "NVIDIA", "amd": "AMD", "standin": "lab stand-in GPU (ivshmem)"}[flavour]
-        vendor = STANDIN_VENDOR if flavour == "standin" else d.vendor_name
+        if claim is not None:
+            info.update(claim.info)
+            info["backend"] = plugin
+            name, vendor = claim.name, claim.vendor
+        else:
+            name, vendor = {"nvidia": "NVIDIA", "amd": "AMD"}[flavour], d.vendor_name
         top.gpus.append(Device(f"GPU{n}", "gpu", f"{name} {d.vendor:04x}:{d.device:04x}", bdf,
                                vendor, d.driver, info))
         n += 1

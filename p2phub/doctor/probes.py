@@ -5,8 +5,6 @@ the capture's metadata (``probes`` in p2phub-capture.json), or report why they a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import errno
 from typing import Any
 
 from .. import uapi as _uapi
@@ -58,64 +56,16 @@ def cuda_dmabuf(sr: SysRoot) -> dict[str, Any]:
         return {"error": f"CUDA driver API call failed ({exc})"}
 
 
-class _IbvDevice(ctypes.Structure):
-    pass
-
-
 def ibv_dmabuf(sr: SysRoot) -> dict[str, Any]:
-    """NCCL's technique: ibv_reg_dmabuf_mr(pd, 0, 0, 0, fd=-1, 0) and look at errno."""
+    """dma-buf MR support per RDMA device: p2phub.rdma's own probe (one probe, one errno policy)."""
     cap = _from_capture(sr, "ibv_dmabuf")
     if cap is not None:
         return cap
-    path = ctypes.util.find_library("ibverbs") or "libibverbs.so.1"
     try:
-        lib = ctypes.CDLL(path, use_errno=True)
-    except OSError as exc:
-        return {"error": f"libibverbs not loadable ({exc})"}
-    if not hasattr(lib, "ibv_reg_dmabuf_mr"):
-        return {"error": "libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)"}
-    lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
-    lib.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    lib.ibv_get_device_name.restype = ctypes.c_char_p
-    lib.ibv_get_device_name.argtypes = [ctypes.c_void_p]
-    lib.ibv_open_device.restype = ctypes.c_void_p
-    lib.ibv_open_device.argtypes = [ctypes.c_void_p]
-    lib.ibv_alloc_pd.restype = ctypes.c_void_p
-    lib.ibv_alloc_pd.argtypes = [ctypes.c_void_p]
-    lib.ibv_reg_dmabuf_mr.restype = ctypes.c_void_p
-    lib.ibv_reg_dmabuf_mr.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint64,
-                                      ctypes.c_int, ctypes.c_int]
-    lib.ibv_dereg_mr.argtypes = [ctypes.c_void_p]
-    lib.ibv_dealloc_pd.argtypes = [ctypes.c_void_p]
-    lib.ibv_close_device.argtypes = [ctypes.c_void_p]
-    lib.ibv_free_device_list.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    n = ctypes.c_int(0)
-    lst = lib.ibv_get_device_list(ctypes.byref(n))
-    if not lst:
-        return {"error": "ibv_get_device_list failed (no uverbs access?)"}
-    out: dict[str, bool | None] = {}
-    try:
-        for i in range(n.value):
-            name = (lib.ibv_get_device_name(lst[i]) or b"?").decode()
-            ctx = lib.ibv_open_device(lst[i])
-            if not ctx:
-                out[name] = None
-                continue
-            pd = lib.ibv_alloc_pd(ctx)
-            if pd:
-                ctypes.set_errno(0)
-                mr = lib.ibv_reg_dmabuf_mr(pd, 0, 0, 0, -1, 0)
-                err = ctypes.get_errno()
-                if mr:
-                    lib.ibv_dereg_mr(mr)
-                out[name] = err not in (errno.EOPNOTSUPP, errno.EPROTONOSUPPORT)
-                lib.ibv_dealloc_pd(pd)
-            else:
-                out[name] = None
-            lib.ibv_close_device(ctx)
-    finally:
-        lib.ibv_free_device_list(lst)
-    return {"devices": out}
+        from ..rdma import probe
+    except ImportError as exc:
+        return {"error": f"p2phub.rdma unavailable ({exc})"}
+    return probe.probe_all()
 
 
 def kmod_info(sr: SysRoot) -> dict[str, Any]:
@@ -128,7 +78,7 @@ def kmod_info(sr: SysRoot) -> dict[str, Any]:
     if not sr.exists("/dev/p2phub"):
         return {"skip": "/dev/p2phub absent (module not loaded)"}
     try:
-        from .. import device, uapi
+        from .. import device
     except ImportError as exc:
         return {"error": f"p2phub.device unavailable ({exc})"}
     try:
@@ -138,4 +88,4 @@ def kmod_info(sr: SysRoot) -> dict[str, Any]:
     caps = int(getattr(info, "caps", 0) or 0)
     return {"abi_version": getattr(info, "abi_version", None), "version": getattr(info, "version", None),
             "caps": caps, "caps_names": [v for b, v in CAP_NAMES.items() if caps & (1 << b)],
-            "expected_abi": getattr(uapi, "P2PHUB_ABI_VERSION", getattr(uapi, "ABI_VERSION", None))}
+            "expected_abi": _uapi.ABI_VERSION}

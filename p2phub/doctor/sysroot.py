@@ -3,7 +3,7 @@
 Every read goes through :class:`SysRoot`. Each read is logged as an :class:`Evidence` entry (the path,
 the value found, or the reason it could not be read), so a check can cite exactly the files behind its
 verdict. The root may be "/" (the live system) or a directory holding a captured subset of /sys, /proc,
-/boot and /dev (see ``tools/capture-sysfs``). A capture carries ``p2phub-capture.json`` with facts that a
+/boot and /dev (made by ``p2phub doctor --capture DIR``). A capture carries ``p2phub-capture.json`` with facts that a
 plain file tree cannot hold: uname, the capturing user's euid, and the stat() of device nodes.
 """
 
@@ -15,7 +15,7 @@ import json
 import os
 import stat as _stat
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 # Keeps an empty directory of a captured tree in git (which stores no empty directories);
 # an empty holders/ or lib/modules/ means something. Never a sysfs name.
@@ -76,6 +76,41 @@ def _read_chunked(path: str, limit: int) -> bytes:
     return bytes(out)
 
 
+def walk_links(path: str, islink: Callable[[str], bool], readlink: Callable[[str], str],
+               on_link: Callable[[str, str], None] | None = None, max_hops: int = 40) -> str:
+    """Resolve ``path`` (absolute) component by component, following symlinks as realpath() does.
+
+    ``islink``/``readlink`` answer for a path of the tree being walked; ``on_link(path, target)`` is
+    told of every symlink met on the way (the capture reproduces them). Stops after ``max_hops``
+    links (a loop) and returns the path resolved so far.
+    """
+    parts = [p for p in path.split("/") if p]
+    done: list[str] = []
+    hops = 0
+    while parts:
+        p = parts.pop(0)
+        if p == ".":
+            continue
+        if p == "..":
+            if done:
+                done.pop()
+            continue
+        cand = "/" + "/".join(done + [p])
+        if islink(cand):
+            hops += 1
+            if hops > max_hops:
+                break
+            target = readlink(cand)
+            if on_link is not None:
+                on_link(cand, target)
+            if target.startswith("/"):
+                done = []
+            parts = [t for t in target.split("/") if t] + parts
+            continue
+        done.append(p)
+    return "/" + "/".join(done)
+
+
 @dataclass
 class SysRoot:
     """Reads files under ``root`` as if it were "/"; records every read in ``log``."""
@@ -106,30 +141,7 @@ class SysRoot:
         """realpath() of ``path`` inside the root; absolute symlinks are rebased onto the root."""
         if self.live:
             return os.path.realpath(path)
-        parts = [p for p in path.split("/") if p]
-        done: list[str] = []
-        hops = 0
-        while parts:
-            p = parts.pop(0)
-            if p == ".":
-                continue
-            if p == "..":
-                if done:
-                    done.pop()
-                continue
-            cand = "/" + "/".join(done + [p])
-            hp = self.host(cand)
-            if os.path.islink(hp):
-                hops += 1
-                if hops > 40:
-                    break
-                target = os.readlink(hp)
-                if target.startswith("/"):
-                    done = []
-                parts = [t for t in target.split("/") if t] + parts
-                continue
-            done.append(p)
-        return "/" + "/".join(done)
+        return walk_links(path, lambda p: os.path.islink(self.host(p)), lambda p: os.readlink(self.host(p)))
 
     # -- reads ---------------------------------------------------------------------------------
     def _record(self, path: str, value: str | None, error: str | None) -> None:

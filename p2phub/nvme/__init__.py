@@ -1,17 +1,23 @@
 """The user-space NVMe queue engine: SSD <-> registered memory without the block layer.
 
-    import p2phub.nvme
-    with p2phub.nvme.open("0000:00:05.0") as ctrl:
+    from p2phub.hub import Hub
+    with Hub() as hub, hub.nvme("0000:00:05.0") as ctrl:
         ns = ctrl.namespace(1)
-        buf = ctrl.alloc_dma(1 << 20)
-        ns.read(buf, lba=0, nbytes=1 << 20)
+        reg = hub.alloc_host(1 << 20, device=ctrl.bdf)
+        ns.read(reg, lba=0, nbytes=1 << 20)
+        ns.read_batch(reg, lbas=[0, 8, 16], offsets=[0, 4096, 8192], nbytes=4096).result()
 """
 
-from .controller import Controller, DmaBuffer, Namespace, Op, ReadOp, WriteOp, open
-from .errors import ControllerBusyError, ControllerResetError, NvmeError, NvmeStatusError, NvmeTimeoutError
-from .queue import CommandFuture
+from .buffers import DmaBuffer
+from .controller import Controller, controllers_holding, open, quiesce_registration
+from .errors import (ControllerBusyError, ControllerDeadError, ControllerRemovedError, ControllerResetError,
+                     NvmeError, NvmeStatusError, NvmeTimeoutError, RegistrationRevokedError)
+from .namespace import AccessHook, Namespace, Op, ReadOp, WriteOp
+from .queue import BatchFuture, CommandFuture
 
 __all__ = [
-    "CommandFuture", "Controller", "ControllerBusyError", "ControllerResetError", "DmaBuffer",
-    "Namespace", "NvmeError", "NvmeStatusError", "NvmeTimeoutError", "Op", "ReadOp", "WriteOp", "open",
+    "AccessHook", "BatchFuture", "CommandFuture", "Controller", "ControllerBusyError", "ControllerDeadError",
+    "ControllerRemovedError", "ControllerResetError", "DmaBuffer", "Namespace", "NvmeError", "NvmeStatusError",
+    "NvmeTimeoutError", "Op", "ReadOp", "RegistrationRevokedError", "WriteOp", "controllers_holding", "open",
+    "quiesce_registration",
 ]

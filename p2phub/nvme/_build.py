@@ -1,8 +1,11 @@
-"""Build and load the C hot path (_hot.c) through cffi, in API mode.
+"""Load the C hot path (_hot.c), compiled through cffi in API mode.
 
-The extension is compiled on first use into a directory keyed by a hash of
-the C sources and the Python ABI, so a changed source or another interpreter
-never loads a stale binary. The default directory is ``build/cffi`` in the
+An installed wheel carries it compiled (``p2phub.nvme._hotlib``, built by
+setuptools from ``_hot_build.py``); that module is used when it was built
+from the sources beside it. Otherwise (a developer checkout, ``_hot.c`` just
+edited) the same definition is compiled on first use into a directory keyed
+by a hash of the C sources and the Python ABI, so a changed source or another
+interpreter never loads a stale binary. The default directory is ``build/cffi`` in the
 checkout (the lab VM shares the checkout, so one build serves host and VM),
 else ``$XDG_CACHE_HOME/p2phub``; ``P2PHUB_CFFI_DIR`` overrides both.
 """
@@ -14,23 +17,17 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import re
 import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 
+from . import _hot_build
+
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "_hot.h", HERE / "_hot.c")
 
 _loaded: ModuleType | None = None
-
-
-def _cdef() -> str:
-    """The declarations of _hot.h, stripped to what cffi's parser takes."""
-    text = (HERE / "_hot.h").read_text()
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return text
 
 
 def _build_dir() -> Path:
@@ -58,6 +55,10 @@ def load() -> ModuleType:
     global _loaded
     if _loaded is not None:
         return _loaded
+    built = _prebuilt()
+    if built is not None:
+        _loaded = built
+        return built
     name = f"_p2phub_nvme_hot_{_tag()}"
     out = _build_dir() / name
     out.mkdir(parents=True, exist_ok=True)
@@ -76,16 +77,19 @@ def load() -> ModuleType:
     return mod
 
 
-def _compile(name: str, out: Path) -> None:
-    import cffi  # only needed to build
+def _prebuilt() -> ModuleType | None:
+    """The module compiled with the wheel, when it matches the sources beside it."""
+    try:
+        from . import _hotlib  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        current = _hot_build.sources_tag()
+    except OSError:  # sources not installed: the compiled module is all there is
+        return _hotlib
+    built = _hotlib.ffi.string(_hotlib.lib.p2phub_hot_tag()).decode()
+    return _hotlib if built == current else None
 
-    ffi = cffi.FFI()
-    ffi.cdef(_cdef())
-    # _hot.c includes _hot.h and the system headers it needs.
-    ffi.set_source(
-        name,
-        '#include "_hot.c"\n',
-        include_dirs=[str(HERE)],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
-    )
-    ffi.compile(tmpdir=str(out), verbose=False)
+
+def _compile(name: str, out: Path) -> None:
+    _hot_build.make_ffi(name).compile(tmpdir=str(out), verbose=False)

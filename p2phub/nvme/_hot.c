@@ -9,6 +9,10 @@
  *    expect; read the tag first, then (after a read barrier) the rest; the
  *    phase flips each time the head wraps. SQ head comes from each CQE.
  *    The CQ head doorbell is written once per batch.
+ *  - the gate: just before each SQ doorbell write, the status page of the
+ *    controller fd must say state 0 and the generation of every
+ *    registration the batch touches must be the one it was mapped with;
+ *    else nothing of the batch is rung (p2h_gate). Plain loads only.
  *  - command ids are not SQ slots: cid = generation << 12 | tracker index,
  *    so a completion for a command that is no longer outstanding (late,
  *    duplicated, or from before a reset) is recognised and dropped.
@@ -34,21 +38,53 @@
 #define OPC_WRITE_ZEROES 0x08
 
 /*
- * Orders the SQE stores (write-back DMA-coherent memory) before the doorbell
- * store (uncached MMIO). x86 keeps store order between the two, but the
- * compiler must not sink the entry stores past the doorbell; a full fence
- * also covers weaker architectures. Without it a controller was seen to
- * fetch a still-zero entry (shared/LAB.md).
+ * Barriers, per architecture (what the kernel's dma_wmb()/wmb() and
+ * dma_rmb() are for these orders):
+ *
+ * p2h_wmb() orders the SQE stores (write-back DMA-coherent memory) before
+ * the doorbell store (uncached MMIO), and CQE reads before the CQ head
+ * doorbell store. x86 keeps store order between the two, but the compiler
+ * must not sink the entry stores past the doorbell: a full fence (mfence).
+ * arm64: "dsb st", as the kernel's wmb() before a relaxed MMIO write (an
+ * inner-shareable dmb, what a C11 fence gives, does not order against the
+ * device). Without it a controller was seen to fetch a still-zero entry.
+ *
+ * p2h_rmb() orders reading a CQE's phase tag before reading the rest of the
+ * entry (the device wrote them). x86: loads are not reordered with loads, a
+ * compiler barrier suffices. arm64: "dmb oshld", the kernel's dma_rmb().
  */
+#if defined(__aarch64__)
+static inline void p2h_wmb(void)
+{
+	__asm__ __volatile__("dsb st" ::: "memory");
+}
+
+static inline void p2h_rmb(void)
+{
+	__asm__ __volatile__("dmb oshld" ::: "memory");
+}
+#elif defined(__x86_64__) || defined(__i386__)
 static inline void p2h_wmb(void)
 {
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
-/* Orders reading a CQE's phase tag before reading the rest of the entry. */
 static inline void p2h_rmb(void)
 {
-	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	__asm__ __volatile__("" ::: "memory");
+}
+#else
+#error "p2phub NVMe hot path: no device barriers for this architecture"
+#endif
+
+#define P2H_NO_SLOT	0xffffffffu
+#define P2H_NSLOTS	256u
+#define P2H_MAX_BATCH	64u
+#define P2H_TAG_BATCH	(1ull << 63)
+
+static inline uint32_t p2h_st_state(const struct p2h_qp *q)
+{
+	return q->st ? *(const volatile uint32_t *)&q->st->state : 0;
 }
 
 uint64_t p2h_now_ns(void)
@@ -150,7 +186,7 @@ static inline void p2h_trk_put(struct p2h_qp *q, uint16_t idx)
 
 static inline void p2h_sq_ring(struct p2h_qp *q)
 {
-	if (q->hold_doorbell)
+	if (q->hold_doorbell || q->dead)
 		return;
 	p2h_wmb();
 	*(volatile uint32_t *)q->sq_db = q->sq_tail;
@@ -171,6 +207,10 @@ int p2h_submit_raw(struct p2h_qp *q, const uint32_t *cmds, const uint64_t *tags,
 	uint32_t cmd[16];
 	int i;
 
+	if (q->dead)
+		return -ENODEV;
+	if (p2h_st_state(q))
+		return -EIO;
 	for (i = 0; i < n; i++) {
 		if (!q->nfree || !p2h_sq_free_slots(q))
 			break;
@@ -219,7 +259,6 @@ static inline int p2h_build_prp(struct p2h_qp *q, const struct p2h_io *io,
 	}
 	cmd[6] = (uint32_t)prp1;
 	cmd[7] = (uint32_t)(prp1 >> 32);
-	(void)in_page;
 out:
 	cmd[8] = (uint32_t)prp2;
 	cmd[9] = (uint32_t)(prp2 >> 32);
@@ -250,39 +289,119 @@ static inline int p2h_queue_io(struct p2h_qp *q, const struct p2h_io *io,
 	return 0;
 }
 
-int p2h_submit_io(struct p2h_qp *q, const struct p2h_io *ios, int n,
-		  uint16_t *cids_out, int *bad_index)
+/*
+ * The gate, just before a doorbell write: 0 when the status page's state is
+ * 0 and every request's registration generation is current. Plain loads.
+ */
+static inline int p2h_gate(const struct p2h_qp *q, const struct p2h_io *ios,
+			   int n, int *bad)
+{
+	const volatile uint64_t *gen;
+	int i;
+
+	if (!q->st)
+		return 0;
+	if (p2h_st_state(q))
+		return -EIO;
+	gen = q->st->reg_gen;
+	for (i = 0; i < n; i++) {
+		uint32_t slot = ios[i].slot;
+
+		if (slot == P2H_NO_SLOT)
+			continue;
+		if (slot >= P2H_NSLOTS || gen[slot] != ios[i].gen) {
+			*bad = i;
+			return -ESTALE;
+		}
+	}
+	return 0;
+}
+
+/* Give back what queueing n commands took (nothing was rung). */
+static void p2h_unqueue(struct p2h_qp *q, uint32_t old_tail,
+			const uint16_t *cids, int n)
+{
+	int i;
+
+	for (i = n - 1; i >= 0; i--)
+		p2h_trk_put(q, cids[i] & P2H_CID_IDX);
+	q->sq_tail = old_tail;
+}
+
+/* Queue up to n requests; tag of request i: tag_base + i, or ios[i].tag if tag_base is 0. */
+static int p2h_submit_tagged(struct p2h_qp *q, const struct p2h_io *ios, int n,
+			     uint64_t tag_base, uint16_t *cids_out, int *bad_index)
 {
 	uint64_t now = p2h_now_ns();
-	int i, ret = 0;
+	uint32_t old_tail = q->sq_tail;
+	int i, ret = 0, bad = -1;
 
 	*bad_index = -1;
+	if (q->dead)
+		return -ENODEV;
 	for (i = 0; i < n; i++) {
 		if (!q->nfree || !p2h_sq_free_slots(q))
 			break;
-		if (p2h_queue_io(q, &ios[i], ios[i].tag, now, &cids_out[i])) {
+		if (p2h_queue_io(q, &ios[i], tag_base ? tag_base + (uint64_t)i : ios[i].tag,
+				 now, &cids_out[i])) {
 			*bad_index = i;
 			ret = -EINVAL;
 			break;
 		}
 	}
-	if (i) {
-		q->submitted += (uint64_t)i;
-		p2h_sq_ring(q);
+	if (!i)
+		return ret;
+	ret = p2h_gate(q, ios, i, &bad);
+	if (ret) {
+		p2h_unqueue(q, old_tail, cids_out, i);
+		q->refused++;
+		*bad_index = bad;
+		return ret;
 	}
-	return i ? i : ret;
+	q->submitted += (uint64_t)i;
+	p2h_sq_ring(q);
+	return i;
+}
+
+int p2h_submit_io(struct p2h_qp *q, const struct p2h_io *ios, int n,
+		  uint16_t *cids_out, int *bad_index)
+{
+	return p2h_submit_tagged(q, ios, n, 0, cids_out, bad_index);
+}
+
+/* Record a batch request's completion in its batch; 0 if the batch is gone. */
+static inline int p2h_batch_complete(struct p2h_qp *q, uint64_t tag,
+				     uint16_t status, uint32_t lat)
+{
+	uint32_t id = (uint32_t)(tag >> 32) & (P2H_MAX_BATCH - 1);
+	uint32_t k = (uint32_t)tag;
+	struct p2h_batch *b = q->batch[id];
+
+	if (!b)
+		return 0;
+	if (b->status)
+		b->status[k] = status;
+	if (b->lat_ns)
+		b->lat_ns[k] = lat;
+	if (status)
+		b->errors++;
+	b->done++;
+	return 1;
 }
 
 int p2h_reap(struct p2h_qp *q, struct p2h_cpl *out, int max)
 {
 	uint64_t now = 0;
-	int got = 0, consumed = 0;
+	int got = 0, consumed = 0, ndone = 0;
 
+	if (q->dead)
+		return 0;
 	while (got < max) {
 		volatile uint8_t *e = q->cq + (size_t)q->cq_head * P2H_CQE;
 		uint16_t status = *(volatile uint16_t *)(e + 14);
 		uint16_t cid, idx, sqhd;
 		struct p2h_trk *t;
+		uint32_t lat;
 
 		if ((status & 1u) != q->phase)
 			break;
@@ -305,23 +424,225 @@ int p2h_reap(struct p2h_qp *q, struct p2h_cpl *out, int max)
 		}
 		if (!now)
 			now = p2h_now_ns();
+		lat = now - t->t_submit_ns > 0xffffffffull ?
+		      0xffffffffu : (uint32_t)(now - t->t_submit_ns);
+		ndone++;
+		if (t->tag & P2H_TAG_BATCH) {
+			if (!p2h_batch_complete(q, t->tag, status >> 1, lat))
+				q->stale_cqes++;
+			p2h_trk_put(q, idx);
+			continue;
+		}
 		out[got].tag = t->tag;
 		out[got].dw0 = *(volatile uint32_t *)(e + 0);
 		out[got].dw1 = *(volatile uint32_t *)(e + 4);
 		out[got].cid = cid;
 		out[got].status = status >> 1;
-		out[got].lat_ns = now - t->t_submit_ns > 0xffffffffull ?
-				  0xffffffffu : (uint32_t)(now - t->t_submit_ns);
+		out[got].lat_ns = lat;
 		p2h_trk_put(q, idx);
 		got++;
 	}
 	if (consumed) {
+		q->completed += (uint64_t)ndone;
 		/* Entries are consumed (read) before the controller may reuse them. */
-		p2h_wmb();
-		*(volatile uint32_t *)q->cq_db = q->cq_head;
-		q->completed += (uint64_t)got;
+		if (!(p2h_st_state(q) & 2u)) {	/* P2PHUB_NVME_ST_REMOVING: no MMIO */
+			p2h_wmb();
+			*(volatile uint32_t *)q->cq_db = q->cq_head;
+		}
 	}
 	return got;
+}
+
+int p2h_batch_attach(struct p2h_qp *q, struct p2h_batch *b)
+{
+	uint32_t i;
+
+	for (i = 0; i < P2H_MAX_BATCH; i++) {
+		if (!q->batch[i]) {
+			q->batch[i] = b;
+			b->id = i;
+			b->attached = 1;
+			q->nbatch++;
+			return (int)i;
+		}
+	}
+	return -ENOSPC;
+}
+
+void p2h_batch_detach(struct p2h_qp *q, struct p2h_batch *b)
+{
+	if (!b->attached || b->id >= P2H_MAX_BATCH || q->batch[b->id] != b)
+		return;
+	q->batch[b->id] = NULL;
+	b->attached = 0;
+	q->nbatch--;
+}
+
+static inline uint64_t p2h_xorshift(uint64_t *s)
+{
+	uint64_t x = *s;
+
+	x ^= x << 13;
+	x ^= x >> 7;
+	x ^= x << 17;
+	*s = x;
+	return x;
+}
+
+/* Submit what batch b may (up to its qd in flight); one doorbell. */
+static int p2h_batch_submit(struct p2h_qp *q, struct p2h_batch *b)
+{
+	struct p2h_io local[64];
+	const struct p2h_io *src;
+	uint16_t cids[64];
+	int k, got, bad, i;
+	uint32_t inflight = b->next - b->done;
+
+	if (b->refused || b->next >= b->n || inflight >= b->qd)
+		return 0;
+	k = (int)(b->n - b->next);
+	if ((uint32_t)k > b->qd - inflight)
+		k = (int)(b->qd - inflight);
+	if (k > 64)
+		k = 64;
+	if (b->ios) {
+		src = b->ios + b->next;
+	} else {
+		uint64_t units = b->span_blocks / b->tmpl->nlb;
+
+		for (i = 0; i < k; i++) {
+			local[i] = *b->tmpl;
+			local[i].slba = (p2h_xorshift(&b->rng) % units) * b->tmpl->nlb;
+			local[i].buf_off = (uint64_t)((b->next + (uint32_t)i) % b->nslots) *
+					   b->tmpl->nbytes;
+		}
+		src = local;
+	}
+	got = p2h_submit_tagged(q, src, k, P2H_TAG_BATCH | (uint64_t)b->id << 32 | b->next,
+				cids, &bad);
+	if (got < 0) {
+		b->refused = got;
+		b->bad = b->next + (uint32_t)(bad > 0 ? bad : 0);
+		return got;
+	}
+	b->next += (uint32_t)got;
+	return got;
+}
+
+static inline int p2h_batches_busy(const struct p2h_qp *q)
+{
+	uint32_t i;
+
+	for (i = 0; i < P2H_MAX_BATCH; i++) {
+		const struct p2h_batch *b = q->batch[i];
+
+		if (b && b->done < b->next)
+			return 1;	/* in flight */
+		if (b && !b->refused && b->next < b->n)
+			return 1;	/* still to submit */
+	}
+	return 0;
+}
+
+int p2h_pump(struct p2h_qp *q, struct p2h_cpl *out, int max, uint64_t idle_ns)
+{
+	uint64_t idle_since = 0, before;
+	uint32_t i;
+	int got;
+
+	for (;;) {
+		if (q->dead)
+			return -ENODEV;
+		if (p2h_st_state(q))
+			return -EIO;
+		if (q->nbatch) {
+			for (i = 0; i < P2H_MAX_BATCH; i++) {
+				if (q->batch[i] && p2h_batch_submit(q, q->batch[i]) == -EIO)
+					return -EIO;
+			}
+		}
+		before = q->completed;
+		got = p2h_reap(q, out, max);
+		if (got || !idle_ns || !p2h_batches_busy(q))
+			return got;
+		if (q->completed != before) {
+			idle_since = 0;
+			continue;
+		}
+		if (!idle_since)
+			idle_since = p2h_now_ns();
+		else if (p2h_now_ns() - idle_since > idle_ns)
+			return 0;
+	}
+}
+
+int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
+		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
+		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
+		uint32_t slot, uint64_t gen, uint64_t blocks, int *bad, int *why)
+{
+	uint64_t nlb = (uint64_t)nbytes >> lba_shift, limit = npages * P2H_PAGE;
+	int i;
+
+	*bad = -1;
+	*why = 0;
+	for (i = 0; i < n; i++) {
+		struct p2h_io *io = &ios[i];
+
+		if (lbas[i] >= blocks || nlb > blocks - lbas[i]) {
+			*why = 1;
+			goto bad;
+		}
+		if (offs[i] >= limit || nbytes > limit - offs[i]) {
+			*why = 2;
+			goto bad;
+		}
+		if (offs[i] & 3) {
+			*why = 3;
+			goto bad;
+		}
+		memset(io, 0, sizeof(*io));
+		io->opc = opc;
+		io->nsid = nsid;
+		io->slba = lbas[i];
+		io->nlb = (uint32_t)nlb;
+		io->nbytes = nbytes;
+		io->buf_off = offs[i];
+		io->pages = pages;
+		io->npages = npages;
+		io->slot = slot;
+		io->gen = gen;
+	}
+	return 0;
+bad:
+	*bad = i;
+	return -EINVAL;
+}
+
+int p2h_batch_run(struct p2h_qp *q, struct p2h_batch *b, uint64_t timeout_ns)
+{
+	struct p2h_cpl stray[16];
+	int ret;
+
+	if (b->ios == NULL && (!b->tmpl || !b->tmpl->nlb || !b->nslots ||
+			       b->span_blocks < b->tmpl->nlb))
+		return -EINVAL;
+	if (!b->rng)
+		b->rng = 0x9e3779b97f4a7c15ull;
+	if (!b->qd)
+		b->qd = 1;
+	ret = p2h_batch_attach(q, b);
+	if (ret < 0)
+		return ret;
+	while (b->done < b->next || (!b->refused && b->next < b->n)) {
+		uint32_t before = b->done;
+
+		ret = p2h_pump(q, stray, 16, timeout_ns);
+		if (ret < 0 || (ret == 0 && b->done == before && b->done < b->next))
+			break;	/* gate closed, dead, or stalled for timeout_ns */
+	}
+	p2h_batch_detach(q, b);
+	return (int)b->done;
 }
 
 int p2h_outstanding(struct p2h_qp *q, uint64_t age_ns, uint16_t *cids,
@@ -352,135 +673,4 @@ int p2h_forget(struct p2h_qp *q, uint16_t cid)
 		return -ENOENT;
 	p2h_trk_put(q, idx);
 	return 0;
-}
-
-/*
- * True once commands are in flight and nothing has completed for timeout_ns.
- * *idle_since is when the current completion-less stretch began (0: none).
- */
-static inline int p2h_stalled(uint64_t *idle_since, int got, int inflight,
-			      uint64_t timeout_ns)
-{
-	uint64_t now;
-
-	if (got) {
-		*idle_since = 0;
-		return 0;
-	}
-	if (!inflight)
-		return 0;
-	now = p2h_now_ns();
-	if (!*idle_since) {
-		*idle_since = now;
-		return 0;
-	}
-	return now - *idle_since > timeout_ns;
-}
-
-int p2h_run(struct p2h_qp *q, const struct p2h_io *ios, int n, int qd,
-	    uint64_t timeout_ns, uint16_t *status_out, uint32_t *lat_out)
-{
-	struct p2h_cpl cpl[64];
-	uint64_t idle_since = 0;
-	int next = 0, done = 0, inflight = 0, i, bad;
-	uint16_t cids[64];
-
-	while (done < n) {
-		int room = qd - inflight, batch = n - next, got;
-
-		if (batch > room)
-			batch = room;
-		if (batch > 64)
-			batch = 64;
-		if (batch > 0) {
-			struct p2h_io local[64];
-
-			for (i = 0; i < batch; i++) {
-				local[i] = ios[next + i];
-				local[i].tag = (uint64_t)(next + i);
-			}
-			got = p2h_submit_io(q, local, batch, cids, &bad);
-			if (got < 0)
-				return done;	/* malformed request: caller validated */
-			next += got;
-			inflight += got;
-		}
-		got = p2h_reap(q, cpl, 64);
-		for (i = 0; i < got; i++) {
-			uint64_t k = cpl[i].tag;
-
-			if (status_out)
-				status_out[k] = cpl[i].status;
-			if (lat_out)
-				lat_out[k] = cpl[i].lat_ns;
-		}
-		done += got;
-		inflight -= got;
-		if (p2h_stalled(&idle_since, got, inflight, timeout_ns))
-			return done;
-	}
-	return done;
-}
-
-static inline uint64_t p2h_xorshift(uint64_t *s)
-{
-	uint64_t x = *s;
-
-	x ^= x << 13;
-	x ^= x >> 7;
-	x ^= x << 17;
-	*s = x;
-	return x;
-}
-
-int p2h_bench_rand(struct p2h_qp *q, const struct p2h_io *tmpl,
-		   uint64_t span_blocks, uint32_t nslots, uint64_t seed,
-		   int n, int qd, uint64_t timeout_ns, uint32_t *lat_out,
-		   uint64_t *errors)
-{
-	struct p2h_cpl cpl[64];
-	uint64_t rng = seed ? seed : 0x9e3779b97f4a7c15ull, idle_since = 0;
-	uint64_t units = span_blocks / tmpl->nlb;
-	int next = 0, done = 0, inflight = 0, i, bad;
-	uint16_t cids[64];
-
-	*errors = 0;
-	if (!units || !nslots)
-		return -EINVAL;
-	while (done < n) {
-		int room = qd - inflight, batch = n - next, got;
-
-		if (batch > room)
-			batch = room;
-		if (batch > 64)
-			batch = 64;
-		if (batch > 0) {
-			struct p2h_io local[64];
-
-			for (i = 0; i < batch; i++) {
-				local[i] = *tmpl;
-				local[i].slba = (p2h_xorshift(&rng) % units) * tmpl->nlb;
-				local[i].buf_off = (uint64_t)((uint32_t)(next + i) % nslots) *
-						   tmpl->nbytes;
-				local[i].tag = (uint64_t)(next + i);
-			}
-			got = p2h_submit_io(q, local, batch, cids, &bad);
-			if (got < 0)
-				return got;
-			next += got;
-			inflight += got;
-		}
-		got = p2h_reap(q, cpl, 64);
-		for (i = 0; i < got; i++) {
-			if (lat_out)
-				lat_out[cpl[i].tag] = cpl[i].lat_ns;
-			if (cpl[i].status)
-				(*errors)++;
-		}
-		done += got;
-		inflight -= got;
-		if (p2h_stalled(&idle_since, got, inflight, timeout_ns))
-			return done;
-	}
-	return done;
 }

@@ -11,6 +11,18 @@
  * holds a lock around every call). Different queue pairs are independent.
  */
 
+/*
+ * The controller fd's status page (mmap P2PHUB_NVME_MMAP_STATUS), as the
+ * kernel writes it: struct p2phub_nvme_status of kmod/uapi/p2phub.h (the
+ * unit tests compare the two layouts). Read with plain volatile loads.
+ */
+struct p2h_status {
+	uint32_t abi;
+	uint32_t state;		/* P2PHUB_NVME_ST_*: nonzero stops every doorbell */
+	uint64_t events;
+	uint64_t reg_gen[256];	/* per MAP_REG slot; 0: unused or revoked */
+};
+
 /* Completion handed back to Python. */
 struct p2h_cpl {
 	uint64_t tag;		/* the submitter's cookie */
@@ -35,6 +47,37 @@ struct p2h_io {
 	const uint64_t *pages;	/* 4 KiB-granular DMA addresses of the buffer */
 	uint64_t npages;
 	uint64_t tag;
+	uint32_t slot;		/* status page slot of the registration; 0xffffffff: none */
+	uint32_t _pad1;
+	uint64_t gen;		/* generation MAP_REG returned for that slot */
+};
+
+/*
+ * A batch of requests driven by the pump (p2h_pump): explicit requests
+ * (ios), or generated ones (ios NULL: tmpl at uniformly random aligned LBAs
+ * below span_blocks, request i at buffer offset (i % nslots) * tmpl->nbytes;
+ * the benchmark). Completions are recorded here, not handed back one by one.
+ */
+struct p2h_batch {
+	const struct p2h_io *ios;	/* n requests (their tags are ignored) */
+	const struct p2h_io *tmpl;	/* generator template, when ios is NULL */
+	uint16_t *status;		/* per request, or NULL: CQE status at completion */
+	uint32_t *lat_ns;		/* per request, or NULL */
+	uint64_t span_blocks;		/* generator */
+	uint64_t rng;			/* generator state (nonzero) */
+	uint32_t nslots;		/* generator */
+	uint32_t n;			/* requests */
+	uint32_t qd;			/* at most this many of them in flight */
+	uint32_t next;			/* requests submitted */
+	uint32_t done;			/* requests completed */
+	uint32_t errors;		/* completed with a nonzero status */
+	int32_t refused;		/* 0, or why submission stopped at `next`: -EINVAL
+					 * malformed, -ESTALE a registration's generation
+					 * changed, -EIO the status page's state is not 0,
+					 * -ENODEV the queue pair is dead */
+	uint32_t bad;			/* with refused: the request it stopped at */
+	uint32_t id;			/* slot in the queue pair's batch table */
+	uint32_t attached;
 };
 
 /* Per-command tracker, indexed by the low 12 bits of the command id. */
@@ -73,6 +116,11 @@ struct p2h_qp {
 	uint32_t hold_doorbell;		/* fault injection: never ring the SQ doorbell */
 	uint16_t qid;
 	uint16_t _pad;
+	const struct p2h_status *st;	/* the gate; NULL: none (unit tests of the rings) */
+	uint32_t dead;			/* set: no MMIO at all (BAR0 is going away) */
+	uint32_t nbatch;		/* batches attached */
+	struct p2h_batch *batch[64];	/* attached batches, by id */
+	uint64_t refused;		/* submissions the gate refused */
 };
 
 struct p2h_qp *p2h_qp_create(uint16_t qid, uint32_t depth, uint32_t ntrk,
@@ -92,16 +140,41 @@ int p2h_submit_raw(struct p2h_qp *q, const uint32_t *cmds, const uint64_t *tags,
 
 /*
  * Encode and queue I/O commands, PRPs built from each request's page list.
- * One doorbell for the batch.
- * Return: commands queued (>= 0), or -22 (EINVAL) when the first request
- * that did not fit is malformed (range outside its page list, PRP list
- * longer than a tracker's slot); *bad_index names it.
+ * Just before the one doorbell write of the batch, the gate: the status
+ * page's state must be 0 and reg_gen[slot] must equal each request's gen
+ * (plain loads, no system call); otherwise nothing of the batch is rung and
+ * its trackers and SQ slots are given back.
+ * Return: commands queued (>= 0), or (nothing queued) -22 (EINVAL) when the
+ * first request that did not fit is malformed (range outside its page list,
+ * PRP list longer than a tracker's slot), -116 (ESTALE) when a request's
+ * registration generation is not current, -5 (EIO) when the state is not 0,
+ * -19 (ENODEV) when the queue pair is dead; *bad_index names the request
+ * (-1 for EIO/ENODEV).
  */
 int p2h_submit_io(struct p2h_qp *q, const struct p2h_io *ios, int n,
 		  uint16_t *cids_out, int *bad_index);
 
-/* Reap up to max completions; one CQ doorbell for the batch. */
+/*
+ * Reap up to max completions; one CQ doorbell for the batch. Completions of
+ * attached batches are recorded in their batch and not returned in out.
+ */
 int p2h_reap(struct p2h_qp *q, struct p2h_cpl *out, int max);
+
+/* Attach a batch to the queue pair (it gets an id); -28 (ENOSPC) when 64 are. */
+int p2h_batch_attach(struct p2h_qp *q, struct p2h_batch *b);
+/* Detach it; its commands still in flight are then reaped as stale. */
+void p2h_batch_detach(struct p2h_qp *q, struct p2h_batch *b);
+
+/*
+ * The one submission/reap pump. Repeat: submit from every attached batch
+ * (each up to its qd in flight, one doorbell per round), reap; until every
+ * attached batch is done or refused, or a completion that belongs to no
+ * batch has been returned in out (up to max), or the status page's state is
+ * not 0, or nothing completed for idle_ns (0: one round only).
+ * Return: entries written to out (completions of single commands), or -5
+ * (EIO) when the state is not 0, or -19 (ENODEV) when the queue pair is dead.
+ */
+int p2h_pump(struct p2h_qp *q, struct p2h_cpl *out, int max, uint64_t idle_ns);
 
 /* Outstanding commands submitted before now - age_ns (age_ns 0: all). */
 int p2h_outstanding(struct p2h_qp *q, uint64_t age_ns, uint16_t *cids,
@@ -113,21 +186,21 @@ int p2h_forget(struct p2h_qp *q, uint16_t cid);
 uint64_t p2h_now_ns(void);
 
 /*
- * Keep up to qd of the n requests in flight until every one completes or
- * nothing completes for timeout_ns. Request i gets tag i; its status goes to
- * status_out[i] and its latency to lat_out[i] (either may be NULL).
- * Return: requests completed; the rest are still outstanding.
+ * Fill n read/write requests of nbytes each (at most one command each):
+ * request i reads/writes nbytes at LBA lbas[i], buffer offset offs[i] of the
+ * page list (pages, npages; status page slot and gen). Each is checked: LBA
+ * range inside blocks, buffer range inside npages * 4096, offset dword
+ * aligned. Return: 0, or -22 (EINVAL) with *bad the first bad request and
+ * *why 1 (LBA range) or 2 (buffer range) or 3 (alignment).
  */
-int p2h_run(struct p2h_qp *q, const struct p2h_io *ios, int n, int qd,
-	    uint64_t timeout_ns, uint16_t *status_out, uint32_t *lat_out);
+int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
+		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
+		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
+		uint32_t slot, uint64_t gen, uint64_t blocks, int *bad, int *why);
 
 /*
- * Benchmark loop: n reads of tmpl->nlb blocks at uniformly random aligned
- * LBAs below span_blocks, qd in flight, each into its own nbytes slot of
- * the buffer modulo nslots. Return: requests completed; errors counted in
- * *errors.
+ * Run one batch to completion on a queue pair with nothing else in flight:
+ * attach, pump until done, refused or nothing completes for timeout_ns,
+ * detach. Return: requests completed.
  */
-int p2h_bench_rand(struct p2h_qp *q, const struct p2h_io *tmpl,
-		   uint64_t span_blocks, uint32_t nslots, uint64_t seed,
-		   int n, int qd, uint64_t timeout_ns, uint32_t *lat_out,
-		   uint64_t *errors);
+int p2h_batch_run(struct p2h_qp *q, struct p2h_batch *b, uint64_t timeout_ns);

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..blockuse import BlockDev, usage_reasons
 from ..errors import P2PHubOSError, UsageError
 from .errors import ControllerBusyError
 
@@ -33,6 +34,8 @@ def normalize_bdf(bdf: str) -> str:
     m = _BDF.match(bdf.strip())
     if not m:
         raise UsageError(f"{bdf!r} is not a PCI address (DDDD:BB:DD.F)")
+    if int(m.group(3), 16) > 0x1F:
+        raise UsageError(f"{bdf!r}: PCI device number 0x{m.group(3)} is above 0x1f")
     dom = m.group(1) or "0000"
     return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}".lower()
 
@@ -133,24 +136,16 @@ def busy_reasons(bdf: str) -> list[str]:
     devs = _block_devices(bdf)
     if not devs:
         return reasons
-    majmin = {(_read(d / "dev")): name for name, d in devs}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[2] in majmin:
-                reasons.append(f"/dev/{majmin[fields[2]]} is mounted on {fields[4]}")
-    with open("/proc/swaps") as f:
-        for line in f.readlines()[1:]:
-            name = os.path.basename(os.path.realpath(line.split()[0]))
-            if name in majmin.values():
-                reasons.append(f"/dev/{name} is in use as swap")
+    blk = []
     for name, d in devs:
         holders = sorted(p.name for p in (d / "holders").iterdir()) if (d / "holders").is_dir() else []
-        for h in holders:
-            dm = _read(Path("/sys/class/block") / h / "dm" / "name")
-            kind = f"device-mapper {dm!r} (LVM, dm-crypt, multipath...)" if dm else (
-                "md RAID" if h.startswith("md") else "a stacked block device")
-            reasons.append(f"/dev/{name} is held by {h}: {kind}")
+        blk.append(BlockDev(name, _read(d / "dev") or None,
+                            tuple((h, _read(Path("/sys/class/block") / h / "dm" / "name") or None) for h in holders)))
+    with open("/proc/self/mountinfo") as f:
+        mountinfo = f.read()
+    with open("/proc/swaps") as f:
+        swaps = f.read()
+    reasons = usage_reasons(blk, mountinfo=mountinfo, swaps=swaps, resolve=os.path.realpath)
     if not reasons:
         for name, _d in devs:
             path = f"/dev/{name}"

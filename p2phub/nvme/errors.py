@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from ..errors import P2PHubError, UsageError
+from ..errors import P2PHubError, RevokedError, UsageError
 from . import spec
 
-__all__ = ["ControllerBusyError", "NvmeError", "NvmeStatusError", "NvmeTimeoutError", "UsageError"]
+__all__ = ["ControllerBusyError", "ControllerDeadError", "ControllerRemovedError", "ControllerResetError",
+           "NvmeError", "NvmeStatusError", "NvmeTimeoutError", "RegistrationRevokedError", "UsageError"]
 
 
 class NvmeError(P2PHubError):
@@ -61,3 +62,23 @@ class ControllerBusyError(NvmeError):
         self.bdf = bdf
         self.reasons = reasons
         super().__init__(f"{bdf} is in use, refusing to take it from the kernel: " + "; ".join(reasons))
+
+
+class ControllerDeadError(NvmeError):
+    """The controller failed for good (CSTS.CFS that a reset does not clear, a disable that
+    does not complete): the engine closed its fd, so the kernel stopped its DMA. Open it again."""
+
+
+class ControllerRemovedError(ControllerDeadError):
+    """The controller is gone (surprise removal: registers read all ones) or the kernel asked
+    for it back (unbind, removal: P2PHUB_NVME_ST_REMOVING). The engine closed its fd."""
+
+
+class RegistrationRevokedError(RevokedError, NvmeError):
+    """A registration's owner took its memory back (its generation in the controller's status
+    page changed): the command was not sent, or was cut off by the kernel's fence. ``handle``
+    names the registration; register the memory again."""
+
+    def __init__(self, msg: str, *, handle: int) -> None:
+        self.handle = handle
+        super().__init__(msg)

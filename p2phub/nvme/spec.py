@@ -80,6 +80,10 @@ CNS_ACTIVE_NSIDS = 0x02
 
 FEAT_NUMBER_OF_QUEUES = 0x07
 
+# Identify Namespace: FLBAS bit 4 (metadata inline with the data), DPS bits 2:0 (PI type).
+FLBAS_EXTENDED = 1 << 4
+DPS_PIT_MASK = 0x7
+
 # Status: the 15 bits above the phase tag in CQE DW3 (as the hot path reports them).
 STATUS_SC_MASK = 0xFF
 STATUS_SCT_SHIFT, STATUS_SCT_MASK = 8, 0x7
@@ -269,6 +273,9 @@ class IdentifyNamespace:
     lba_size: int
     metadata_size: int
     flbas: int
+    dps: int = 0
+    lbads: int = 9
+    fmt: int = 0
 
     @classmethod
     def parse(cls, nsid: int, data: bytes) -> "IdentifyNamespace":
@@ -276,8 +283,31 @@ class IdentifyNamespace:
         flbas = data[26]
         fmt = (flbas & 0xF) | (((flbas >> 5) & 0x3) << 4)
         ms, lbads, _rp = struct.unpack_from("<HBB", data, 128 + 4 * fmt)
-        return cls(nsid=nsid, nsze=nsze, ncap=ncap, nuse=nuse, lba_size=1 << lbads,
-                   metadata_size=ms, flbas=flbas)
+        return cls(nsid=nsid, nsze=nsze, ncap=ncap, nuse=nuse, lba_size=1 << min(lbads, 63),
+                   metadata_size=ms, flbas=flbas, dps=data[29], lbads=lbads, fmt=fmt)
+
+    @property
+    def extended_lba(self) -> bool:
+        """FLBAS bit 4: metadata travels inline, at the end of each block's data."""
+        return bool(self.flbas & FLBAS_EXTENDED)
+
+    def unsupported(self) -> str:
+        """Why the engine will not drive this namespace ('' when it will).
+
+        The engine transfers nlb * lba_size bytes per command through PRPs and
+        sets no metadata pointer: a format with metadata (inline: the device
+        moves more bytes than the PRPs describe; separate: MPTR 0) or
+        protection information would make the controller DMA where it must not.
+        """
+        desc = (f"LBA format {self.fmt}: {1 << min(self.lbads, 63)}-byte blocks + {self.metadata_size} "
+                f"bytes of metadata{' (extended LBA)' if self.extended_lba else ''}, "
+                f"protection information type {self.dps & DPS_PIT_MASK}")
+        if self.lbads < 9 or self.lbads > 16:
+            return f"{desc}: LBADS {self.lbads} is outside 9..16 (512 B .. 64 KiB blocks)"
+        if self.metadata_size or self.extended_lba or self.dps & DPS_PIT_MASK:
+            return (f"{desc}: metadata and protection information are not supported; "
+                    "format the namespace without them (nvme format --lbaf=N with ms=0)")
+        return ""
 
     @property
     def size_bytes(self) -> int:
@@ -285,7 +315,9 @@ class IdentifyNamespace:
 
     def as_dict(self) -> dict:
         return {"nsid": self.nsid, "blocks": self.nsze, "lba_size": self.lba_size,
-                "bytes": self.size_bytes, "metadata_size": self.metadata_size}
+                "bytes": self.size_bytes, "metadata_size": self.metadata_size,
+                "extended_lba": self.extended_lba, "protection_type": self.dps & DPS_PIT_MASK,
+                "lba_format": self.fmt}
 
 
 def command(opc: int, *, nsid: int = 0, prp1: int = 0, prp2: int = 0,

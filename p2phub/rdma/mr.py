@@ -17,9 +17,11 @@ import mmap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._resource import Resource
 from ..backend import GpuRange
 from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from . import verbs
+from .probe import dmabuf_mr_support
 
 if TYPE_CHECKING:
     from ..hub import Registration
@@ -33,21 +35,7 @@ class MrPath(enum.Enum):
     HOST_VA = "CPU-mapped VA MR"
 
 
-_probe_cache: dict[str, tuple[bool, str]] = {}
-
-
-def dmabuf_mr_support(device: str) -> tuple[bool, str]:
-    """(supported, evidence) for dma-buf MRs on RDMA device `device`; probed once per device."""
-    if device not in _probe_cache:
-        pd = verbs.VerbsPd.open(device)
-        try:
-            _probe_cache[device] = pd.probe_dmabuf()
-        finally:
-            pd.close()
-    return _probe_cache[device]
-
-
-class ProtectionDomain:
+class ProtectionDomain(Resource):
     """A pyverbs Context and PD on one RDMA device, known by name (for the probe)."""
 
     def __init__(self, device: str) -> None:
@@ -59,27 +47,34 @@ class ProtectionDomain:
         self.pd = PD(self.ctx)
         self._verbs_pd: verbs.VerbsPd | None = None
 
+    def reg_mr(self, reg: "Registration", access: int | None = None) -> "MemoryRegion":
+        """An RDMA memory region of registration `reg`, by the best path the NIC supports.
+
+        ``mr.path`` says which path was taken (dma-buf MR, peer-memory VA MR, CPU-mapped
+        VA MR). The MR keeps `reg` from closing (EBUSY) until it is closed itself, and is
+        closed with it by close(force=True) or Hub.close().
+        """
+        if reg.closed:
+            raise UsageError(f"{reg} is closed")
+        mr = register_mr(reg, self, access)
+        reg.add_dependent(mr)
+        return mr
+
     def verbs_pd(self) -> verbs.VerbsPd:
         """The same kernel PD, imported into libibverbs for the calls pyverbs lacks."""
         if self._verbs_pd is None:
             self._verbs_pd = verbs.VerbsPd.import_from(self.ctx.cmd_fd, self.pd.handle)
         return self._verbs_pd
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self._verbs_pd is not None:
             self._verbs_pd.close()
             self._verbs_pd = None
         self.pd.close()
         self.ctx.close()
 
-    def __enter__(self) -> "ProtectionDomain":
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class MemoryRegion:
+class MemoryRegion(Resource):
     """An MR over a whole registration. ``addr`` is the address peers use in RDMA requests."""
 
     def __init__(self, reg: "Registration", pd: ProtectionDomain, path: MrPath, addr: int,
@@ -94,7 +89,6 @@ class MemoryRegion:
         self.reason = reason      # why this path was chosen
         self._keep = keep         # the pyverbs MR / mapping the MR depends on
         self._release = release
-        self._closed = False
 
     def check(self) -> None:
         """Raise RevokedError when the registration's memory was revoked (the MR is dead)."""
@@ -106,22 +100,10 @@ class MemoryRegion:
             self.close()
             raise RevokedError(f"{self}: the registration's memory was revoked; the MR is closed")
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        self._closed = True  # even if the release below fails: never release twice
         self._release()
         self._keep.clear()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "MemoryRegion":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<MemoryRegion {self.path.value} on {self.pd.device} addr={self.addr:#x} "

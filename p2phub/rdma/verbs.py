@@ -83,6 +83,19 @@ def check_dmabuf_args(offset: int, length: int, iova: int, fd: int, access: int)
         raise UsageError(f"dma-buf MR: unknown access bits {access & ~_KNOWN_ACCESS:#x}")
 
 
+def device_names() -> list[str]:
+    """The names of the RDMA devices libibverbs sees."""
+    L = lib()
+    n = ffi.new("int *")
+    devs = L.ibv_get_device_list(n)
+    if devs == ffi.NULL:
+        raise _err("ibv_get_device_list")
+    try:
+        return [ffi.string(L.ibv_get_device_name(devs[i])).decode() for i in range(n[0])]
+    finally:
+        L.ibv_free_device_list(devs)
+
+
 class VerbsPd:
     """A PD in C: opened from a device name, or imported from a pyverbs Context + PD."""
 

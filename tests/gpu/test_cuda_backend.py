@@ -8,7 +8,7 @@ import pytest
 
 from p2phub.backend import find_backend
 from p2phub.errors import UsageError
-from p2phub.register import dmabuf_exporter
+from p2phub.sources import dmabuf_exporter
 
 MiB = 1 << 20
 
@@ -160,3 +160,19 @@ def test_non_contiguous_tensor_is_refused(be, torch) -> None:
     t = torch.zeros(1024, 1024, dtype=torch.uint8, device="cuda").t()
     with pytest.raises(UsageError, match="contiguous"):
         be.resolve(t)
+
+
+def test_cache_key_names_the_allocation_not_the_address(be, cu) -> None:
+    # the registration cache keys CUDA memory on the allocation's buffer id: a range freed and
+    # allocated again (often at the very same address) must not find the old registration
+    ptr = _alloc(cu, 2 * MiB)
+    key = be.cache_key((ptr, 2 * MiB))
+    assert key == be.cache_key((ptr, 2 * MiB))
+    assert be.cache_key((ptr, MiB)) != key and be.cache_key((ptr, 2 * MiB), MiB) != key
+    cu.cuMemFree(ptr)
+    again = _alloc(cu, 2 * MiB)
+    try:
+        assert be.cache_key((again, 2 * MiB)) != key
+    finally:
+        cu.cuMemFree(again)
+    assert be.cache_key((ptr, 2 * MiB)) is None or ptr == again

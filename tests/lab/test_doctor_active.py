@@ -19,7 +19,7 @@ import pytest
 
 from p2phub.nvme import bind, kernel_io
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 

@@ -12,7 +12,7 @@ import pytest
 from p2phub.doctor import core  # noqa: F401  (importing it registers the pair-level checks)
 from p2phub.doctor.checks import REGISTRY
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 
@@ -59,8 +59,9 @@ def test_doctor_text_and_json(user: str, gpu_driver: str, lab: dict[str, str]) -
     assert {lab["nvme_target"], lab["nvme_baseline"]} <= nvmes
     gpus = [d for d in rep["devices"] if d["kind"] == "gpu"]
     if gpu_driver == "standin":
-        assert [(g["bdf"], g["vendor"], g["driver"]) for g in gpus] == \
-            [(lab["gpu"], "p2phub stand-in", "p2phub_fakegpu")]
+        # found through the stand-in's backend plugin, as a vendor's GPU would be
+        assert [(g["bdf"], g["vendor"], g["driver"], g["backend"]) for g in gpus] == \
+            [(lab["gpu"], "p2phub stand-in", "p2phub_fakegpu", "fakegpu")]
         assert {p["client"] for p in rep["pairs"] if p["kind"] == "gpu-nvme"} == \
             {d["id"] for d in rep["devices"] if d["kind"] == "nvme"}
         assert not [p for p in rep["pairs"] if p["kind"] == "gpu-nic"]  # rxe devices are not PCI

@@ -5,20 +5,27 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
-from p2phub.errors import P2PHubOSError
+from p2phub.errors import P2PHubOSError, RevokedError
+from p2phub.hostmem import VgemBuffer
+from p2phub.hub import Hub
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
+import regutil as ru
 
 pytestmark = pytest.mark.lab
 
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +222,7 @@ def test_abi_checks(gpu: fg.FakeGpu) -> None:
 
 
 def test_free_of_unregistered_range(gpu: fg.FakeGpu) -> None:
+    before = gpu.query()
     with pytest.raises(P2PHubOSError) as exc:
         gpu.free_va(fg.VA_BASE, fg.GPU_PAGE_SIZE)
     assert _errno(exc) == errno.ENOENT
@@ -225,7 +233,8 @@ def test_free_of_unregistered_range(gpu: fg.FakeGpu) -> None:
         gpu.free_va((1 << 64) - fg.GPU_PAGE_SIZE, 2 * fg.GPU_PAGE_SIZE)
     assert _errno(exc) == errno.ERANGE
     q = gpu.query()
-    assert (q.page_tables, q.dma_mappings, q.callbacks) == (0, 0, 0)
+    assert (q.page_tables, q.dma_mappings) == (0, 0)
+    assert q.callbacks == before.callbacks
 
 
 def test_nvidia_p2p_symbols_are_exported(gpu_module: None) -> None:
@@ -381,3 +390,257 @@ def test_nvidia_p2p_bad_ranges(consumer: Consumer, lab: dict[str, str],
         q = gpu.query()
     assert q.page_tables == 0
     assert q.misuse == misuse + 1  # refused with a ratelimited message, nothing else
+
+
+# ------------------------------------------------- p2phub.ko against the stand-in GPU
+# Revocation must reach the importers of p2phub's exports before the exporter (or
+# NVIDIA) takes the memory back, and p2phub must keep the NVIDIA driver's lock rules.
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
+    """Run fn in a daemon thread; the dict gets "result" or "error" when it ends."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _finish(t: threading.Thread, out: dict[str, object], what: str, timeout: float = 60.0) -> object:
+    t.join(timeout)
+    assert not t.is_alive(), f"{what} did not return within {timeout:.0f} s (a deadlock)"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("result")
+
+
+def test_revoke_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consumer: Consumer,
+                                                         lab: dict[str, str]) -> None:
+    """The stand-in GPU revokes a buffer p2phub registered and exported: REVOKE (which waits for
+    the fences in the buffer's resv, as an exporter does) returns only after the export's importer
+    was told and its in-flight work (a fence) finished; p2phub's own mapping stays until then."""
+    fd = gpu.export_dmabuf(6 * MiB, 1 * MiB)
+    try:
+        with Hub() as hub, hub.register_dmabuf(fd, device=lab["nvme_target"]) as reg:
+            consumer.command("hold")
+            consumer.command(f"dmabuf {reg.dmabuf_fd} {lab['nvme_baseline']}")
+            assert consumer.state()["mapped"] == 1
+            mapped = gpu.query().mappings
+            t, out = _in_thread(lambda: gpu.revoke(fd))
+            try:
+                assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
+                assert consumer.state()["move_notifies"] == 1
+                time.sleep(0.5)
+                assert t.is_alive(), "REVOKE returned while an importer of the export was busy"
+                assert reg.info().revoked
+                assert gpu.query().mappings == mapped, "p2phub unmapped before the importers finished"
+            finally:
+                consumer.command("signal")
+                _finish(t, out, "REVOKE")
+                consumer.command("release")
+            assert ru.wait_until(lambda: gpu.query().mappings == 0)
+    finally:
+        os.close(fd)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_free_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consumer: Consumer,
+                                                       lab: dict[str, str]) -> None:
+    """cudaFree (FREE) of memory p2phub pinned through nvidia_p2p and exported: the free callback
+    returns (and NVIDIA unmaps) only after the export's importer was told and finished."""
+    va = gpu.va(28 * MiB)
+    q0 = gpu.query()
+    with Hub() as hub, hub.register_nvidia(va, 1 * MiB, device=lab["nvme_target"]) as reg:
+        consumer.command("hold")
+        consumer.command(f"dmabuf {reg.dmabuf_fd} {lab['nvme_baseline']}")
+        assert consumer.state()["mapped"] == 1
+        t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+        try:
+            assert ru.wait_until(lambda: consumer.state()["fence_pending"] == 1, 60)
+            assert consumer.state()["move_notifies"] == 1
+            time.sleep(0.5)
+            assert t.is_alive(), "the free callback returned while an importer of the export was busy"
+            assert gpu.query().dma_mappings >= 1, "NVIDIA unmapped before the importers finished"
+        finally:
+            consumer.command("signal")
+            callbacks = _finish(t, out, "FREE")
+            consumer.command("release")
+        assert callbacks == 1
+        assert reg.info().revoked
+    q = gpu.query()
+    assert (q.page_tables, q.dma_mappings) == (0, 0)
+    assert q.callbacks_unacked == q0.callbacks_unacked
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+STATE = Path("/sys/kernel/debug/p2phub_fakegpu/state")
+
+
+def _free_is_waiting() -> bool:
+    """FREE holds the stand-in's API lock and has not run its callbacks yet."""
+    return "nv waiting_callbacks 1" in STATE.read_text()
+
+
+def _pin_refused(st: dict[str, int]) -> bool:
+    """Refused at pin (CONFIG_DMABUF_MOVE_NOTIFY) or, when the core pins per map, at the map."""
+    return -errno.EOPNOTSUPP in (st["pin_err"], st["map_err"]) and st["mapped"] == 0
+
+
+def _attach_once(consumer: Consumer, fd: int, peer: str, pin: bool) -> dict[str, int]:
+    """Attach (and map) dma-buf fd for peer, read the consumer's state, release."""
+    try:
+        consumer.command(f"dmabuf {fd} {peer}{' pin' if pin else ''}")
+        return consumer.state()
+    finally:
+        consumer.command("release")
+
+
+def test_pin_of_a_revocable_export_is_refused(gpu: fg.FakeGpu, consumer: Consumer,
+                                              lab: dict[str, str]) -> None:
+    """A pinned importer ignores move_notify, so exports of revocable memory (a dma-buf exporter
+    that revokes, NVIDIA P2P) refuse it; exports of memory that is never revoked (vgem) accept."""
+    peer = lab["nvme_baseline"]
+    fd = gpu.export_dmabuf(8 * MiB, 256 * 1024)
+    try:
+        with Hub() as hub:
+            with hub.register_dmabuf(fd) as reg:
+                assert _pin_refused(_attach_once(consumer, reg.dmabuf_fd, peer, pin=True))
+                assert _attach_once(consumer, reg.dmabuf_fd, peer, pin=False)["mapped"] == 1
+            with hub.register_nvidia(gpu.va(32 * MiB), 256 * 1024) as reg:
+                assert _pin_refused(_attach_once(consumer, reg.dmabuf_fd, peer, pin=True))
+            with VgemBuffer(256 * 1024) as buf, hub.register_dmabuf(buf.fd) as reg:
+                st = _attach_once(consumer, reg.dmabuf_fd, peer, pin=True)
+                assert (st["pin_err"], st["map_err"], st["mapped"]) == (0, 0, 1)
+    finally:
+        os.close(fd)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+@pytest.fixture
+def callback_delay(gpu_module: None) -> Iterator[Callable[[int], None]]:
+    knob = Path("/sys/kernel/debug/p2phub_fakegpu/callback_delay_ms")
+
+    def set_delay(ms: int) -> None:
+        knob.write_text(str(ms))
+
+    yield set_delay
+    set_delay(0)
+
+
+@pytest.mark.parametrize("rounds", [2])
+def test_free_racing_dma_pages_does_not_deadlock(gpu: fg.FakeGpu, callback_delay, rounds: int,
+                                                 lab: dict[str, str]) -> None:
+    """FREE holds the driver's API lock across the free callback (which takes the registration's
+    lock); DMA_PAGES mapping the registration for a new device calls dma_map_pages (API lock).
+    p2phub must not hold its lock across that call: it used to, and both hung for ever."""
+    callback_delay(3000)
+    va = gpu.va(36 * MiB)
+    with Hub() as hub:
+        for _ in range(rounds):
+            reg = hub.register_nvidia(va, 1 * MiB)
+            t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+            assert ru.wait_until(_free_is_waiting, 30)   # FREE holds the API lock now
+            p, pout = _in_thread(lambda: reg.dma_pages(lab["nvme_target"]))
+            assert _finish(t, out, "FREE") == 1
+            try:
+                pages = _finish(p, pout, "DMA_PAGES")
+            except RevokedError:
+                pass                # mapped after the free: refused
+            else:
+                assert False, f"DMA_PAGES after the free callback returned {len(pages)} addresses"
+            assert reg.info().revoked
+            reg.close()
+    q = gpu.query()
+    assert (q.page_tables, q.dma_mappings) == (0, 0)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_free_racing_unregister(gpu: fg.FakeGpu, callback_delay, lab: dict[str, str]) -> None:
+    """UNREGISTER while FREE is about to run the callback: release claims the page table, unmaps
+    under the registration lock (the callback waits), and its put_pages meets a table NVIDIA
+    already freed; nothing is touched after it was freed (the stand-in counts misuse, KASAN
+    sees the rest) and nothing leaks."""
+    callback_delay(2000)
+    va = gpu.va(40 * MiB)
+    with Hub() as hub:
+        for _ in range(3):
+            reg = hub.register_nvidia(va, 1 * MiB, device=lab["nvme_target"])
+            t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+            assert ru.wait_until(_free_is_waiting, 30)
+            u, uout = _in_thread(reg.close)
+            _finish(t, out, "FREE")
+            _finish(u, uout, "UNREGISTER")
+    q = gpu.query()
+    assert (q.page_tables, q.dma_mappings) == (0, 0)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def _vgem_dmabuf_read_only() -> int:
+    """A fresh 64 KiB vgem dumb buffer exported without DRM_RDWR: a read-only dma-buf fd."""
+
+    class CreateDumb(ctypes.Structure):
+        _fields_ = [("height", ctypes.c_uint32), ("width", ctypes.c_uint32), ("bpp", ctypes.c_uint32),
+                    ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint32), ("pitch", ctypes.c_uint32),
+                    ("size", ctypes.c_uint64)]
+
+    create = (3 << 30) | (ctypes.sizeof(CreateDumb) << 16) | (ord("d") << 8) | 0xB2
+    to_fd = (3 << 30) | (ctypes.sizeof(_DrmPrimeHandle) << 16) | (ord("d") << 8) | 0x2D
+    card = next(n for n in sorted(Path("/sys/class/drm").glob("card*"))
+                if "-" not in n.name and "vgem" in str((n / "device").resolve()))
+    drm = os.open(f"/dev/dri/{card.name}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        d = CreateDumb(height=16, width=1024, bpp=32)
+        fcntl.ioctl(drm, create, d, True)
+        h = _DrmPrimeHandle(handle=d.handle, flags=os.O_CLOEXEC)
+        fcntl.ioctl(drm, to_fd, h, True)
+        return int(h.fd)
+    finally:
+        os.close(drm)
+
+
+def test_read_only_dmabuf_stays_read_only(consumer: Consumer, lab: dict[str, str]) -> None:
+    """A dma-buf fd not open for writing gives a read-only export: O_RDONLY, no writable mmap,
+    and no device mapping that lets the device write."""
+    ro = _vgem_dmabuf_read_only()
+    try:
+        assert fcntl.fcntl(ro, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        with Hub() as hub, hub.register_dmabuf(ro, device=lab["nvme_target"]) as reg:
+            assert len(reg.dma_pages(lab["nvme_target"])) == 16
+            fd = reg.dmabuf_fd
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            with pytest.raises(OSError) as exc:
+                mmap.mmap(fd, reg.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            assert exc.value.errno == errno.EACCES
+            with mmap.mmap(fd, reg.length, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+                assert m[:16] == bytes(16)
+            try:
+                consumer.command(f"dmabuf {fd} {lab['nvme_baseline']}")   # maps DMA_BIDIRECTIONAL
+                st = consumer.state()
+            finally:
+                consumer.command("release")
+            assert st["map_err"] == -errno.EACCES and st["mapped"] == 0
+    finally:
+        os.close(ro)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_export_notify_races_export_close(lab: dict[str, str]) -> None:
+    """The registration dies (its file closes) while the last reference to its mapped export is
+    dropped: the notify work must not touch the export's inode once its file is on its way out
+    (KASAN reports it on the debug kernel; elsewhere this must simply leave nothing behind)."""
+    for _ in range(50):
+        hub = Hub()
+        reg = hub.register(VgemBuffer(64 * KiB))
+        fd = reg.export()
+        m = mmap.mmap(fd, reg.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        m[:4] = b"race"
+        t, out = _in_thread(hub.close)
+        m.close()
+        os.close(fd)
+        _finish(t, out, "close")
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}

@@ -27,7 +27,7 @@ from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io, spec
 from p2phub.nvme.errors import ControllerBusyError, NvmeStatusError, NvmeTimeoutError
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 
 pytestmark = pytest.mark.lab
 
@@ -56,8 +56,8 @@ def bdf(lab: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.fixture
-def ctrl(bdf: str) -> Iterator[nvme.Controller]:
-    with nvme.open(bdf, io_queues=4) as c:
+def ctrl(bdf: str, hub: Hub) -> Iterator[nvme.Controller]:
+    with nvme.open(bdf, hub=hub, io_queues=4) as c:
         yield c
     assert _counter("live_handles") == 0 and _counter("live_dma_buffers") == 0
 
@@ -77,6 +77,7 @@ class Vgem:
         self.reg = hub.register_dmabuf(self.buf.fd, 0, size, device=bdf)
 
     def close(self) -> None:
+        assert nvme.quiesce_registration(self.reg, timeout=30)  # the controller lets go of it
         self.reg.close()
         self.map.close()
         self.buf.close()
@@ -161,7 +162,7 @@ def test_write_from_vgem_then_kernel_reads_it(bdf: str, hub: Hub) -> None:
     v = Vgem(hub, bdf, size)
     try:
         v.map[:] = data
-        with nvme.open(bdf) as c:
+        with nvme.open(bdf, hub=hub) as c:
             for nsid, lba in ((1, 2048 + 7), (2, 100)):
                 ns = c.namespace(nsid)
                 ns.write(v.reg, lba=lba, nbytes=size)
@@ -180,7 +181,7 @@ def test_kernel_writes_then_engine_reads_into_vgem(bdf: str, hub: Hub) -> None:
     d1, d2 = os.urandom(size), os.urandom(size)
     kernel_io.write(kernel_io.require_namespace_device(bdf, 1), 77 * 512 * 8, d1)
     kernel_io.write(kernel_io.require_namespace_device(bdf, 2), 3000 * 4096, d2)
-    with nvme.open(bdf) as c:
+    with nvme.open(bdf, hub=hub) as c:
         v = Vgem(hub, bdf, 2 * MiB + 32 * KiB)
         try:
             c.namespace(1).read(v.reg, lba=77 * 8, nbytes=size, offset=4)
@@ -195,7 +196,7 @@ def test_p2p_read_into_stand_in_gpu_lands_in_host_file(bdf: str, hub: Hub, lab: 
     """SSD -> ivshmem BAR: a device-to-device DMA, checked in the file behind the BAR."""
     gpu_file = fg.GpuFile(lab["gpu_file"])
     off, size = 5 * MiB, 2 * MiB + 12 * KiB
-    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu, nvme.open(bdf) as c:
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu, nvme.open(bdf, hub=hub) as c:
         ns = c.namespace(1)
         src = c.alloc_dma(4 * MiB, "src")
         data = os.urandom(size)
@@ -214,6 +215,7 @@ def test_p2p_read_into_stand_in_gpu_lands_in_host_file(bdf: str, hub: Hub, lab: 
                 dst = c.alloc_dma(64 * KiB, "dst")
                 ns.read(dst, lba=8192, nbytes=64 * KiB)
                 assert bytes(dst.view) == back
+                assert c.quiesce_registration(reg, timeout=30)
         finally:
             os.close(fd)
 
@@ -371,6 +373,7 @@ def test_revoked_registration(ctrl: nvme.Controller, hub: Hub, lab: dict[str, st
             gpu.revoke(fd)
             with pytest.raises(RevokedError):
                 ctrl.namespace(1).read(reg, lba=0, nbytes=4096)
+            assert ctrl.quiesce_registration(reg, timeout=30)
             reg.close()
         finally:
             os.close(fd)
@@ -471,3 +474,76 @@ def test_one_owner_and_process_death_releases_everything(bdf: str) -> None:
     with nvme.open(bdf, bind=False) as c:  # usable again at once
         assert c.namespace(1).blocks
         c.close()  # idempotent
+
+
+# --------------------------------------------------------------------------- C1: DMA lifetime
+
+
+def test_registration_held_by_controller_cannot_be_unregistered_until_quiesced(bdf: str) -> None:
+    """Sixteen 1 MiB reads in flight into a registration: UNREGISTER is refused (EBUSY) while the
+    controller holds it; quiesce waits for them and lets go; then it unregisters."""
+    with Hub() as h, h.nvme(bdf, io_queues=1) as c:
+        ns = c.namespace(1)
+        v = Vgem(h, bdf, 16 * MiB)
+        futs = ns.submit([nvme.ReadOp(v.reg, lba=2048 * i, nbytes=MiB, offset=MiB * i) for i in range(16)])
+        assert c.inflight(v.reg) == 16 and c.holds(v.reg)
+        with pytest.raises(OSError) as e:
+            v.reg._hub.device.ioctl(nvme.controller.uapi.UNREGISTER,
+                                    nvme.controller.uapi.Unregister.new(handle=v.reg.handle), "UNREGISTER")
+        assert e.value.errno == 16  # EBUSY: the kernel refuses while the controller holds it
+        assert c.quiesce_registration(v.reg, timeout=60)
+        assert all(f.done() for f in futs) and c.inflight(v.reg) == 0 and not c.holds(v.reg)
+        v.close()
+
+
+def test_batch_api_reads_into_a_registration(bdf: str, hub: Hub) -> None:
+    if bind.current_driver(bdf) != "nvme":
+        bind.unbind(bdf)
+    data = os.urandom(256 * KiB)
+    kernel_io.write(kernel_io.require_namespace_device(bdf, 1), 5000 * 512, data)
+    with nvme.open(bdf, hub=hub, io_queues=1) as c:
+        ns = c.namespace(1)
+        v = Vgem(hub, bdf, 512 * KiB)
+        try:
+            order = list(range(64))
+            random.shuffle(order)
+            lbas = [5000 + 8 * i for i in order]
+            offs = [4096 * k for k in range(64)]
+            fut = ns.read_batch(v.reg, lbas, offs, 4096, qd=8)
+            assert fut.result(timeout=60) == 64 and fut.statuses() == [0] * 64
+            for k, i in enumerate(order):
+                assert v.map[4096 * k:4096 * (k + 1)] == data[4096 * i:4096 * (i + 1)]
+            assert c.io_qps[0].c.refused == 0
+        finally:
+            v.close()
+
+
+def test_revocation_during_io_fences_fails_at_once_and_resumes(bdf: str, hub: Hub, lab: dict[str, str]) -> None:
+    """The stand-in GPU takes its memory back while reads into it are in flight: the kernel
+    fences the controller; the futures fail with RegistrationRevokedError at once; the engine
+    resumes for other memory; no byte of the GPU file changes after revoke returned."""
+    gpu_file = fg.GpuFile(lab["gpu_file"])
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu, nvme.open(bdf, hub=hub, io_queues=1) as c:
+        ns = c.namespace(1)
+        c.io_qps[0].timeout_s = 30.0
+        fd = gpu.export_dmabuf(0, 16 * MiB)
+        try:
+            reg = hub.register_dmabuf(fd, 0, 16 * MiB, device=bdf)
+            futs = [ns.read_batch(reg, [2048 * i for i in range(16)], [MiB * i for i in range(16)], 512 * KiB)
+                    for _ in range(4)]
+            gpu.revoke(fd)
+            snap = gpu_file.read(0, 16 * MiB)
+            t0 = time.monotonic()
+            for f in futs:
+                exc = f.exception(timeout=30)
+                assert exc is None or isinstance(exc, (RevokedError, nvme.ControllerResetError)), exc
+            assert time.monotonic() - t0 < 20
+            time.sleep(0.5)
+            assert gpu_file.read(0, 16 * MiB) == snap
+            assert c.quiesce_registration(reg, timeout=30)
+            reg.close()
+            buf = c.alloc_dma(64 * KiB, "after")
+            ns.read(buf, lba=0, nbytes=64 * KiB)  # the engine works after the fence
+            print(f"fences={c.recovery.fences} resets={c.resets} state={c.state}")
+        finally:
+            os.close(fd)

@@ -161,3 +161,72 @@ def test_unknown_ioctl_on_handle(handle: int) -> None:
     with pytest.raises(OSError) as e:
         fcntl.ioctl(handle, uapi.GET_INFO, uapi.Info.new(), True)
     assert e.value.errno == errno.ENOTTY
+
+
+# --------------------------------------------------------------------------- the controller contract (C1)
+
+
+def test_open_reports_the_mappable_bar0_and_no_more_maps(bdf: str, dev: Device) -> None:
+    arg = _open_arg(bdf)
+    fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, arg, True)
+    try:
+        size = arg.out_bar0_mmap_size
+        assert 0x2000 <= size <= arg.out_bar0_size and size % mmap.PAGESIZE == 0
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        m.close()
+        with pytest.raises(OSError) as e:
+            mmap.mmap(fd, size + mmap.PAGESIZE, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        assert e.value.errno == errno.EINVAL
+    finally:
+        os.close(fd)
+
+
+def test_status_page_is_read_only_and_starts_clean(handle: int) -> None:
+    st = mmap.mmap(handle, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ, offset=uapi.NVME_MMAP_STATUS)
+    try:
+        s = uapi.NvmeStatus.from_buffer_copy(st[:ctypes.sizeof(uapi.NvmeStatus)])
+        assert s.abi == uapi.NVME_STATUS_ABI and s.state == 0 and list(s.reg_gen) == [0] * uapi.NVME_MAX_MAPS
+    finally:
+        st.close()
+    with pytest.raises(OSError):
+        mmap.mmap(handle, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                  offset=uapi.NVME_MMAP_STATUS)
+
+
+def test_map_reg_holds_a_registration_until_unmapped(bdf: str, dev: Device, handle: int) -> None:
+    from p2phub.hostmem import VgemBuffer
+
+    buf = VgemBuffer(64 << 10)
+    try:
+        reg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF, fd=buf.fd, length=64 << 10)
+        dev.ioctl(uapi.REGISTER, reg, "REGISTER")
+        h = reg.out_handle
+        addrs = (ctypes.c_uint64 * 16)()
+        a = uapi.NvmeMapReg.new(handle=h, addrs=ctypes.addressof(addrs), count=16, page_size=4096)
+        assert _errno_of(handle, uapi.NVME_MAP_REG, a) == 0
+        assert a.out_total == 16 and a.out_generation != 0 and a.out_slot < uapi.NVME_MAX_MAPS
+        assert all(addrs[i] and addrs[i] % 4096 == 0 for i in range(16))
+        st = mmap.mmap(handle, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ, offset=uapi.NVME_MMAP_STATUS)
+        s = uapi.NvmeStatus.from_buffer_copy(st[:ctypes.sizeof(uapi.NvmeStatus)])
+        assert s.reg_gen[a.out_slot] == a.out_generation
+        # Held: UNREGISTER is refused.
+        assert _errno_of(dev.fd, uapi.UNREGISTER, uapi.Unregister.new(handle=h)) == errno.EBUSY
+        assert _errno_of(handle, uapi.NVME_MAP_REG, uapi.NvmeMapReg.new(handle=h + 1000)) == errno.ENOENT
+        assert _errno_of(handle, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=h)) == 0
+        assert _errno_of(handle, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=h)) == errno.ENOENT
+        s = uapi.NvmeStatus.from_buffer_copy(st[:ctypes.sizeof(uapi.NvmeStatus)])
+        assert s.reg_gen[a.out_slot] == 0
+        st.close()
+        assert _errno_of(dev.fd, uapi.UNREGISTER, uapi.Unregister.new(handle=h)) == 0
+    finally:
+        buf.close()
+
+
+def test_req_set(handle: int) -> None:
+    efd = os.eventfd(0)
+    try:
+        assert _errno_of(handle, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=efd)) == 0
+        assert _errno_of(handle, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=-1)) == 0
+        assert _errno_of(handle, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=efd, flags=1)) == errno.EINVAL
+    finally:
+        os.close(efd)

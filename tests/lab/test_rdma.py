@@ -24,7 +24,7 @@ from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io
 from p2phub.rdma import MrPath, ProtectionDomain, dmabuf_mr_support
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 import regutil as ru
 from rdmautil import connected_pair
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from p2phub import uapi
-from p2phub.errors import P2PHubOSError, RevokedError
+from p2phub.errors import P2PHubOSError, RevokedError, UsageError
 from p2phub.hostmem import Udmabuf, VgemBuffer
 from p2phub.hub import Hub, Provider, RegState
 
-import fakegpu as fg
+import p2phub_fakegpu as fg
 import regutil as ru
 
 MiB = 1 << 20
@@ -152,6 +152,7 @@ def test_nvidia_p2p_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None
 
 
 def test_export_vgem_reimport(target: str) -> None:
+    """An export registered again is the same memory; an export of that is too (one level deep)."""
     with Hub() as hub, VgemBuffer(256 * KiB) as buf:
         reg = hub.register_dmabuf(buf.fd, device=target)
         pages = reg.dma_pages(target)
@@ -165,7 +166,42 @@ def test_export_vgem_reimport(target: str) -> None:
             with pytest.raises(P2PHubOSError) as ei:
                 reg.close()
             assert ei.value.errno == errno.EBUSY
+            # The export of `again` resolves to `reg`'s: `again` has no importer of its own.
+            window = hub.register_dmabuf(again.dmabuf_fd, offset=64 * KiB, length=64 * KiB,
+                                         device=target)
+            assert window.dma_pages(target) == pages[16:32]
+            assert reg.info().nr_attached == 2 and again.info().nr_attached == 0
+            again.close()
+            assert window.dma_pages(target) == pages[16:32]
+            window.close()
         reg.close()
+
+
+def test_export_chain_64_deep(target: str) -> None:
+    """Registering the export of the export ... 64 times: the last one's page list is the
+    first one's (this used to recurse once per link and overflow the kernel stack)."""
+    with Hub() as hub, VgemBuffer(128 * KiB) as buf:
+        first = hub.register_dmabuf(buf.fd)
+        chain = [first]
+        for _ in range(64):
+            chain.append(hub.register_dmabuf(chain[-1].dmabuf_fd))
+        last = chain[-1]
+        assert last.dma_pages(target) == first.dma_pages(target)
+        assert first.info().nr_attached == 1     # only the last link is mapped
+        for reg in reversed(chain):
+            reg.close()
+
+
+def test_export_of_unregistered_registration_is_refused(target: str) -> None:
+    """An export outlives its registration's UNREGISTER, but registering it then gives ENODEV."""
+    with Hub() as hub, VgemBuffer(64 * KiB) as buf:
+        reg = hub.register_dmabuf(buf.fd)
+        fd = reg.export()
+        try:
+            reg.close()
+            assert _errno_of(lambda: hub.register_dmabuf(fd, device=target)) == errno.ENODEV
+        finally:
+            os.close(fd)
 
 
 def test_export_nvidia_reimport(gpu: fg.FakeGpu, target: str) -> None:
@@ -194,16 +230,18 @@ def test_dmabuf_revoke(gpu: fg.FakeGpu, target: str) -> None:
             gen = reg.info().generation
             exported = reg.dmabuf_fd
             again = hub.register_dmabuf(exported, device=target)
-            rev = gpu.revoke(fd)
-            assert rev.mappings_left == 0, "p2phub kept a mapping after move_notify"
+            before = gpu.query().mappings
+            gpu.revoke(fd)      # returns once p2phub's revocation fence signalled
+            # The export's importer was told before the exporter could move the memory.
+            assert again.info().revoked
+            # p2phub unmaps after its fence signalled (its mapping stays valid until then).
+            assert ru.wait_until(lambda: gpu.query().mappings == before - 1)
             info = reg.info()
             assert info.revoked and info.generation == gen + 1
             with pytest.raises(RevokedError):
                 reg.dma_pages(target)
             with pytest.raises(RevokedError):
                 reg.export()
-            # The export's importer hears of it too (from a work item).
-            assert ru.wait_until(lambda: again.info().revoked)
             with pytest.raises(RevokedError):
                 again.dma_pages(target)
             again.close()
@@ -265,7 +303,7 @@ CHILD = textwrap.dedent("""
     sys.path[:0] = [{top!r}, {tests!r}]
     from p2phub.hub import Hub
     from p2phub.hostmem import VgemBuffer
-    import fakegpu as fg
+    import p2phub_fakegpu as fg
     target = {target!r}
     gpu = fg.FakeGpu()
     hub = Hub()
@@ -386,3 +424,166 @@ def test_bad_handles_and_page_requests(target: str) -> None:
         a = uapi.Unregister.new(handle=h)
         assert _errno_of(lambda: hub.device.ioctl(uapi.UNREGISTER, a, "twice")) == errno.ENOENT
         theirs.close()
+
+
+# ------------------------------------------------------ the registration cache
+
+
+def test_registering_the_same_memory_again_returns_the_live_pin(target: str) -> None:
+    with Hub() as hub, VgemBuffer(1 * MiB) as buf:
+        regs0 = ru.counters()["regs"]
+        a = hub.register_dmabuf(buf.fd, device=target)
+        dup = os.dup(buf.fd)  # another fd of the same dma-buf names the same memory
+        try:
+            b = hub.register(dup)
+            c = hub.register(buf)  # the host buffer object itself
+        finally:
+            os.close(dup)
+        assert a.handle == b.handle == c.handle and a.shared == 3
+        assert ru.counters()["regs"] == regs0 + 1, "a cache hit made a second kernel registration"
+        pages = a.dma_pages(target)
+        a.close()
+        assert a.closed and not b.closed and b.dma_pages(target) == pages
+        b.close()
+        c.close()   # the last handle releases the pin
+        assert ru.counters()["regs"] == regs0
+        with pytest.raises(UsageError, match="closed"):
+            c.dma_pages(target)
+        # another range of the same buffer is other memory
+        with hub.register_dmabuf(buf.fd, 0, 512 * KiB) as half, hub.register_dmabuf(buf.fd) as whole:
+            assert half.handle != whole.handle
+
+
+def test_a_revoked_pin_is_never_handed_out_again(gpu: fg.FakeGpu, target: str) -> None:
+    fd = gpu.export_dmabuf(4 * MiB, 256 * KiB)
+    try:
+        with Hub() as hub:
+            reg = hub.register_dmabuf(fd, device=target)
+            gpu.revoke(fd)
+            # the exporter refuses a revoked buffer: a new registration fails, rather than the
+            # cache returning the revoked one
+            with pytest.raises((P2PHubOSError, RevokedError)):
+                hub.register_dmabuf(fd, device=target)
+            assert reg.info().revoked and reg.shared == 1
+            reg.close()
+    finally:
+        os.close(fd)
+
+
+def test_stand_in_memory_registers_through_its_backend_plugin(gpu: fg.FakeGpu, target: str,
+                                                              iommu: bool) -> None:
+    from p2phub import backend
+    assert "fakegpu" in backend.backend_names()
+    q = gpu.query()
+    mem = gpu.memory(6 * MiB, 1 * MiB)
+    with Hub() as hub:
+        reg = hub.register(mem, device=target)
+        again = hub.register(mem, device=target)
+        part = hub.register(mem, offset=512 * KiB, length=256 * KiB)
+        assert again.handle == reg.handle and part.handle != reg.handle
+        assert reg.provider == Provider.DMABUF and reg.length == MiB and reg.source.backend == "fakegpu"
+        pages = reg.dma_pages(target)
+        if not iommu:
+            assert pages == [q.bar_addr + 6 * MiB + i * 4096 for i in range(256)]
+        for r in (part, again, reg):
+            r.close()
+    c = gpu.query()
+    assert (c.bufs, c.attachments, c.pins, c.mappings) == (0, 0, 0, 0)
+
+
+# ------------------------------------------------- users drained before release
+
+
+class _User:
+    """A stand-in for an NVMe controller or a fence with I/O outstanding on a registration."""
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+        self.calls: list[tuple[int, float]] = []
+
+    def quiesce_registration(self, reg, timeout: float) -> None:
+        self.calls.append((reg.handle, timeout))
+        if self.busy:
+            raise P2PHubOSError(errno.EBUSY, f"quiesce {reg}", "commands still in flight")
+
+
+def test_close_drains_the_users_and_refuses_while_one_is_busy(target: str) -> None:
+    regs0 = ru.counters()["regs"]
+    with Hub() as hub, VgemBuffer(256 * KiB) as buf:
+        reg = hub.register_dmabuf(buf.fd, device=target)
+        other = hub.register_dmabuf(buf.fd)
+        user = _User(busy=True)
+        reg.add_user(user)
+        other.close()  # not the last handle: nothing to drain yet
+        assert user.calls == []
+        with pytest.raises(P2PHubOSError) as ei:
+            reg.close(timeout=0.5)
+        assert ei.value.errno == errno.EBUSY and not reg.closed
+        assert user.calls == [(reg.handle, pytest.approx(0.5, abs=0.1))]
+        assert reg.info().state == RegState.LIVE and len(reg.dma_pages(target)) == 64
+        with pytest.raises(P2PHubOSError):
+            hub.close(timeout=0.1)  # Hub.close drains too, and releases nothing when it cannot
+        assert not hub.closed and not reg.closed
+        user.busy = False
+        reg.close()
+        assert reg.closed and len(user.calls) == 3
+    assert ru.counters()["regs"] == regs0
+
+
+def test_hub_close_drains_every_registration_first(target: str) -> None:
+    hub = Hub()
+    with VgemBuffer(64 * KiB) as b1, VgemBuffer(64 * KiB) as b2:
+        r1, r2 = hub.register(b1), hub.register(b2)
+        u1, u2 = _User(busy=False), _User(busy=False)
+        r1.add_user(u1)
+        r2.add_user(u2)
+        hub.close()
+        assert [c[0] for c in u1.calls] == [r1.handle] and [c[0] for c in u2.calls] == [r2.handle]
+        assert r1.closed and r2.closed and hub.closed
+
+
+# ------------------------------------------------------------- forked children
+
+
+def test_a_forked_child_can_neither_use_nor_release_the_parents_registrations(target: str) -> None:
+    with Hub() as hub, VgemBuffer(64 * KiB) as buf:
+        reg = hub.register_dmabuf(buf.fd, device=target)
+        pid = os.fork()
+        if pid == 0:  # the child: every use refuses, and closing releases nothing of the parent's
+            code = 0
+            try:
+                for use in (lambda: reg.dma_pages(target), reg.info, reg.export,
+                            lambda: hub.register(buf)):
+                    try:
+                        use()
+                        code |= 1
+                    except Exception as exc:  # noqa: BLE001
+                        code |= 0 if "forked child" in str(exc) else 2
+                reg.close()
+                hub.close()
+            except BaseException:  # noqa: BLE001
+                code |= 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        info = reg.info()
+        assert info.state == RegState.LIVE and len(reg.dma_pages(target)) == 16
+        reg.close()
+
+
+# ------------------------------------------------------------- hub-owned controllers
+
+
+def test_the_hub_closes_the_controllers_it_opened(target: str) -> None:
+    from p2phub.nvme import bind
+    hub = Hub()
+    try:
+        ctrl = hub.nvme(target)
+        with VgemBuffer(64 * KiB) as buf:
+            reg = hub.register(buf, device=target)
+            ctrl.namespace(1).read(reg, lba=0, nbytes=4096)
+            hub.close()
+            assert ctrl.closed and reg.closed and hub.closed
+    finally:
+        hub.close()
+        bind.unbind(target)

@@ -109,7 +109,8 @@ def test_epyc_zen_rule_and_direct_switch_pair() -> None:
 def test_h200_states_why_p2p_cannot_work() -> None:
     rep = diagnose(SysRoot(fx("h200-firecracker")))
     why = " ".join(rep.why_not())
-    assert "kernel.p2pdma" in why and "CONFIG_PCI_P2PDMA" in why
+    # an NVIDIA GPU: p2phub's path (the NVIDIA P2P API) does not need the kernel's P2PDMA
+    assert "kernel.p2pdma" not in why and rep.check("kernel.p2pdma").status == "INFO"
     assert "topology.peers" in why and "no P2P peers" in why
     assert "kmod.loadable" in why and "signed modules only" in why
     gpu = rep.top.gpus[0]
@@ -143,7 +144,7 @@ def test_rich_report_renders(tmp_path) -> None:
         rc, out = run_cli("doctor", "--root", fx(name), "--no-color", "-v")
         assert "p2phub doctor" in out and "Traceback" not in out
     rc, out = run_cli("doctor", "--root", fx("h200-firecracker"), "--no-color")
-    assert "P2P cannot work here because" in out and "[kernel.p2pdma]" in out
+    assert "P2P cannot work here because" in out and "[topology.peers]" in out
 
 
 def test_tarball_root(tmp_path) -> None:
@@ -270,3 +271,125 @@ def test_unprivileged_acs_is_unknown_even_when_the_verdict_does_not_need_it(tmp_
     assert {(p.map_type, p.verdict) for p in rep.pairs} == {("NOT_SUPPORTED", "BLOCKED")}
     # the kernel also asks the provider itself (the stand-in GPU, 02:00.0 here)
     assert all(sorted(p.acs_unknown) == ["0000:00:0b.0", "0000:02:00.0"] for p in rep.pairs)
+
+
+def test_kmod_loadable_names_the_captured_kernel(tmp_path) -> None:
+    rep = diagnose(SysRoot(fx("broadwell-plx-acs")))
+    c = rep.check("kmod.loadable")
+    assert "the captured kernel 5.15.0-105-generic" in c.summary and c.details["kernel"] == "5.15.0-105-generic"
+    # a tree that does not record its kernel's release: say so, never "/lib/modules//build"
+    tree = tmp_path / "t"
+    shutil.copytree(fx("broadwell-plx-acs"), tree, symlinks=True)
+    meta = json.loads((tree / "p2phub-capture.json").read_text())
+    meta.pop("uname", None)
+    (tree / "p2phub-capture.json").write_text(json.dumps(meta))
+    (tree / "proc/sys/kernel/osrelease").unlink(missing_ok=True)
+    c = diagnose(SysRoot(str(tree))).check("kmod.loadable")
+    assert c.status == "UNKNOWN" and "release not recorded" in c.summary and "//" not in c.summary
+
+
+# ---------------------------------------------------------------------------- nvme.confined (H5)
+def _iommu_lab(tmp_path, interrupts: str | None, unsafe: str | None = None, lockdown: str | None = None) -> str:
+    tree = tmp_path / "t"
+    shutil.copytree(fx("lab-rootports-iommu-6.12"), tree, symlinks=True)
+    if interrupts is not None:
+        (tree / "proc" / "interrupts").write_text(interrupts)
+    if unsafe is not None:
+        p = tree / "sys/module/p2phub/parameters"
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "allow_unsafe_noiommu").write_text(unsafe + "\n")
+    if lockdown is not None:
+        p = tree / "sys/kernel/security"
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "lockdown").write_text(lockdown + "\n")
+    return str(tree)
+
+
+IR = " 24:  0  IR-PCI-MSIX-0000:00:0a.0  0-edge  nvme0q0\n"
+NO_IR = " 24:  0  PCI-MSIX-0000:00:0a.0  0-edge  nvme0q0\n"
+
+
+def test_nvme_confined_with_translation_viable_groups_and_interrupt_remapping(tmp_path) -> None:
+    c = diagnose(SysRoot(_iommu_lab(tmp_path, IR))).check("nvme.confined")
+    assert c.status == "PASS" and "NVMe0" in c.summary and "NVMe1" in c.summary, c.summary
+
+
+def test_nvme_not_confined_without_interrupt_remapping_and_what_the_module_does(tmp_path) -> None:
+    # a module that predates the ownership gate hands it out: a warning, the pairs stay as they were
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "a", NO_IR)))
+    c = rep.check("nvme.confined")
+    assert c.status == "WARN" and "MSIs are not isolated" in c.summary and "predates" in c.summary
+    assert not any("nvme.confined" in p.because for p in rep.pairs)
+    # the gated module refuses: FAIL, and every GPU<->NVMe pair is blocked by it
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "b", NO_IR, unsafe="N")))
+    c = rep.check("nvme.confined")
+    assert c.status == "FAIL" and "will not hand one to user space" in c.summary and c.fix
+    assert "iommu=pt" in c.fix or "passthrough" in c.fix
+    assert all(p.verdict == "BLOCKED" and "nvme.confined" in p.because for p in rep.pairs)
+    # loaded with allow_unsafe_noiommu=Y: handed out, and said to be worth root
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path / "c", NO_IR, unsafe="Y")))
+    c = rep.check("nvme.confined")
+    assert c.status == "WARN" and "allow_unsafe_noiommu=Y" in c.summary and "any memory" in c.summary
+    assert not any("nvme.confined" in p.because for p in rep.pairs)
+
+
+def test_nvme_ownership_is_refused_under_lockdown(tmp_path) -> None:
+    rep = diagnose(SysRoot(_iommu_lab(tmp_path, IR, lockdown="none [integrity] confidentiality")))
+    c = rep.check("nvme.confined")
+    assert c.status == "FAIL" and "lockdown=integrity" in c.summary
+    assert all("nvme.confined" in p.because for p in rep.pairs)
+
+
+def test_the_doctor_never_recommends_passthrough_without_its_cost() -> None:
+    from p2phub.doctor.checks import REGISTRY, EXPLAIN
+    from p2phub.doctor.core import diagnose as _d
+
+    for name in ("broadwell-plx-acs", "lab-rootports-iommu-6.12"):
+        for c in _d(SysRoot(fx(name))).checks:
+            text = f"{c.summary} {c.fix or ''}"
+            if "iommu=pt" in text:
+                assert "confine" in text, (name, c.id, text)
+    assert all("iommu=pt" not in EXPLAIN[cid] or "confine" in EXPLAIN[cid] for cid, *_ in REGISTRY)
+
+
+# ---------------------------------------------------------------------------- --capture
+def test_capture_of_this_host_reads_back_as_the_live_doctor_saw_it(tmp_path) -> None:
+    from p2phub.doctor.capture import capture
+
+    live = diagnose(SysRoot("/"))
+    out = tmp_path / "cap"
+    meta = capture(str(out))
+    assert meta["schema"] == "p2phub.capture/1" and meta["uname"]["release"] == os.uname().release
+    back = diagnose(SysRoot(str(out)))
+    assert [(c.id, c.status) for c in back.checks] == [(c.id, c.status) for c in live.checks]
+    # the same words, but for whose kernel it is
+    assert {c.id: c.summary for c in back.checks if c.id != "kmod.loadable"} == \
+        {c.id: c.summary for c in live.checks if c.id != "kmod.loadable"}
+    assert [d.as_dict(back.top) for d in back.top.devices] == [d.as_dict(live.top) for d in live.top.devices]
+    kallsyms = out / "proc" / "kallsyms"
+    if kallsyms.exists():   # only the lines the doctor looks for, never the kernel's whole symbol table
+        assert len(kallsyms.read_text().splitlines()) < 50
+
+
+def test_capture_cli_refuses_a_non_empty_dir_and_writes_a_tarball(tmp_path) -> None:
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("")
+    rc, _ = run_cli("doctor", "--capture", str(busy))
+    assert rc == 4
+    rc, _ = run_cli("doctor", "--capture", str(tmp_path / "c"), "--root", fx("h200-firecracker"))
+    assert rc == 4
+    rc, out = run_cli("doctor", "--capture", str(tmp_path / "c"), "--tar")
+    assert rc == 0 and out.strip().endswith("c.tar.gz")
+    rc, out = run_cli("doctor", "--root", str(tmp_path / "c.tar.gz"), "--json")
+    assert json.loads(out)["tool"]["source"].startswith("capture:")
+
+
+def test_docs_list_every_check_with_its_phase() -> None:
+    import re
+
+    from p2phub.doctor.checks import REGISTRY
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "doctor.md")).read()
+    rows = re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| [^|]+ \| (host|pairs) \|", doc, flags=re.M)
+    assert rows == [(cid, phase) for cid, _, _, phase in REGISTRY]

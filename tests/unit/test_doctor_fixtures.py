@@ -21,7 +21,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                  'host.container': 'INFO',
                                  'host.privilege': 'PASS',
                                  'kernel.version': 'PASS',
-                                 'kernel.p2pdma': 'FAIL',
+                                 'kernel.p2pdma': 'INFO',
                                  'kernel.zone_device': 'PASS',
                                  'kernel.dmabuf': 'INFO',
                                  'kernel.iommu_default': 'INFO',
@@ -45,6 +45,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                  'nvme.controllers': 'SKIP',
                                  'nvme.multipath': 'SKIP',
                                  'nvme.safety': 'SKIP',
+                                 'nvme.confined': 'SKIP',
                                  'nic.devices': 'SKIP',
                                  'nic.dmabuf_mr': 'SKIP',
                                  'kmod.loaded': 'WARN',
@@ -66,7 +67,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                    'host.container': 'INFO',
                                    'host.privilege': 'PASS',
                                    'kernel.version': 'PASS',
-                                   'kernel.p2pdma': 'FAIL',
+                                   'kernel.p2pdma': 'WARN',
                                    'kernel.zone_device': 'PASS',
                                    'kernel.dmabuf': 'INFO',
                                    'kernel.iommu_default': 'INFO',
@@ -90,6 +91,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                    'nvme.controllers': 'SKIP',
                                    'nvme.multipath': 'SKIP',
                                    'nvme.safety': 'SKIP',
+                                   'nvme.confined': 'SKIP',
                                    'nic.devices': 'SKIP',
                                    'nic.dmabuf_mr': 'SKIP',
                                    'kmod.loaded': 'WARN',
@@ -135,6 +137,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                   'nvme.controllers': 'PASS',
                                   'nvme.multipath': 'INFO',
                                   'nvme.safety': 'WARN',
+                                  'nvme.confined': 'UNKNOWN',
                                   'nic.devices': 'PASS',
                                   'nic.dmabuf_mr': 'PASS',
                                   'kmod.loaded': 'WARN',
@@ -185,6 +188,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                               'nvme.controllers': 'PASS',
                               'nvme.multipath': 'INFO',
                               'nvme.safety': 'PASS',
+                              'nvme.confined': 'WARN',
                               'nic.devices': 'PASS',
                               'nic.dmabuf_mr': 'PASS',
                               'kmod.loaded': 'PASS',
@@ -211,7 +215,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                 'host.container': 'INFO',
                                 'host.privilege': 'PASS',
                                 'kernel.version': 'PASS',
-                                'kernel.p2pdma': 'FAIL',
+                                'kernel.p2pdma': 'INFO',
                                 'kernel.zone_device': 'PASS',
                                 'kernel.dmabuf': 'INFO',
                                 'kernel.iommu_default': 'INFO',
@@ -235,6 +239,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                 'nvme.controllers': 'PASS',
                                 'nvme.multipath': 'INFO',
                                 'nvme.safety': 'PASS',
+                                'nvme.confined': 'WARN',
                                 'nic.devices': 'INFO',
                                 'nic.dmabuf_mr': 'SKIP',
                                 'kmod.loaded': 'PASS',
@@ -245,10 +250,10 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                 'topology.peers': 'PASS',
                                 'pcie.acs': 'PASS',
                                 'pcie.host_bridge': 'FAIL',
-                                'pairs.gpu_nvme': 'FAIL',
+                                'pairs.gpu_nvme': 'WARN',
                                 'pairs.gpu_nic': 'SKIP',
                                 'pair.active': 'SKIP'},
-                     'pairs': {'GPU0<->NVMe0': ('PIX', 4, 'BUS_ADDR', 'BLOCKED'),
+                     'pairs': {'GPU0<->NVMe0': ('PIX', 4, 'BUS_ADDR', 'OK'),
                                'GPU0<->NVMe1': ('PHB', 6, 'NOT_SUPPORTED', 'BLOCKED')},
                      'exit': 1},
  'lab-rootports-6.1': {'checks': {'host.arch': 'PASS',
@@ -257,7 +262,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                   'host.container': 'INFO',
                                   'host.privilege': 'PASS',
                                   'kernel.version': 'PASS',
-                                  'kernel.p2pdma': 'FAIL',
+                                  'kernel.p2pdma': 'INFO',
                                   'kernel.zone_device': 'PASS',
                                   'kernel.dmabuf': 'INFO',
                                   'kernel.iommu_default': 'INFO',
@@ -281,6 +286,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                   'nvme.controllers': 'PASS',
                                   'nvme.multipath': 'INFO',
                                   'nvme.safety': 'PASS',
+                                  'nvme.confined': 'WARN',
                                   'nic.devices': 'INFO',
                                   'nic.dmabuf_mr': 'SKIP',
                                   'kmod.loaded': 'PASS',
@@ -303,7 +309,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                          'host.container': 'INFO',
                                          'host.privilege': 'PASS',
                                          'kernel.version': 'PASS',
-                                         'kernel.p2pdma': 'FAIL',
+                                         'kernel.p2pdma': 'INFO',
                                          'kernel.zone_device': 'PASS',
                                          'kernel.dmabuf': 'INFO',
                                          'kernel.iommu_default': 'INFO',
@@ -327,6 +333,7 @@ EXPECTED = {'h200-firecracker': {'checks': {'host.arch': 'PASS',
                                          'nvme.controllers': 'PASS',
                                          'nvme.multipath': 'INFO',
                                          'nvme.safety': 'PASS',
+                                         'nvme.confined': 'UNKNOWN',
                                          'nic.devices': 'INFO',
                                          'nic.dmabuf_mr': 'SKIP',
                                          'kmod.loaded': 'PASS',
@@ -396,18 +403,21 @@ def test_lab_devices(name: str) -> None:
     assert [(n.name, n.bdf, n.info["soft"]) for n in rep.top.nics] == [("rxe-a", None, True), ("rxe-b", None, True)]
     assert all(p.kind == "gpu-nvme" for p in rep.pairs)  # soft-RoCE devices are never paired
     assert rep.top.host_bridge_ids == {"pci0000:00": (0x8086, 0x29C0)}
-    assert rep.check("kernel.p2pdma").status == "FAIL"  # Debian's 6.1 and 6.12 kernels: CONFIG_PCI_P2PDMA off
+    # Debian's 6.1 and 6.12 kernels have CONFIG_PCI_P2PDMA off; the stand-in's exporter maps peers
+    # itself, as p2phub's NVIDIA path does, so that is no reason to block its pairs
+    k = rep.check("kernel.p2pdma")
+    assert k.status == "INFO" and "not needed by p2phub's path for GPU0" in k.summary
+    assert all("kernel.p2pdma" not in p.because for p in rep.pairs)
     assert rep.check("kmod.loaded").status == "PASS"
-    assert "pairs.gpu_nvme: GPU<->NVMe: no usable pair" in " ".join(rep.why_not())
 
 
-def test_lab_switch_pix_pair_is_direct_but_for_the_kernel() -> None:
+def test_lab_switch_pix_pair_is_direct() -> None:
     rep = _lab("lab-switch-6.12")
     p = {x.client: x for x in rep.pairs}
     pix = p["NVMe0"]
     assert (pix.lca, pix.acs_blockers, pix.iommu) == ("0000:01:00.0", [], "bypassed")
     assert pix.path == ["0000:02:01.0", "0000:01:00.0", "0000:02:00.0"]
-    assert pix.because == ["kernel.p2pdma"]  # only the kernel's missing P2PDMA blocks it
+    assert (pix.verdict, pix.because) == ("OK", ["pcie.acs"])  # below one switch, no ACS redirect
     phb = p["NVMe1"]
     assert phb.lca is None and phb.host_bridge and "8086:29c0" in " ".join(phb.reasons)
     assert "pcie.host_bridge" in phb.because
@@ -440,3 +450,24 @@ def test_fixture_trees_keep_their_empty_directories() -> None:
     # one carries a .p2phub-keep marker that SysRoot.listdir() never reports.
     empty = [d for d, subdirs, files in os.walk(FIXTURES) if not subdirs and not files]
     assert empty == [], "add an empty .p2phub-keep file to: " + ", ".join(empty[:5])
+
+
+def test_a_gpu_whose_exporter_asks_the_p2pdma_core_is_blocked_by_a_kernel_without_it(monkeypatch) -> None:
+    # amdgpu (or a backend that declares p2pdma_core) needs CONFIG_PCI_P2PDMA: same tree, other verdict
+    from p2phub.doctor import core
+
+    real = core.discover
+
+    def discover(sr):
+        top = real(sr)
+        for g in top.gpus:
+            g.info["p2pdma_core"] = True
+        return top
+
+    monkeypatch.setattr(core, "discover", discover)
+    rep = _lab("lab-switch-6.12")
+    k = rep.check("kernel.p2pdma")
+    assert k.status == "FAIL" and k.applies_to == ["GPU0"] and k.fix
+    assert {p.client: (p.verdict, "kernel.p2pdma" in p.because) for p in rep.pairs} == \
+        {"NVMe0": ("BLOCKED", True), "NVMe1": ("BLOCKED", True)}
+    assert rep.exit_code() == 1

@@ -281,3 +281,122 @@ def test_status_strings() -> None:
     assert spec.status_str(0x0001) == "Invalid Command Opcode (sct 0x0, sc 0x01)"
     assert "Invalid Queue Identifier" in spec.status_str(0x0101)
     assert spec.status_fields(0x4281) == (2, 0x81, True, False)
+
+
+# --------------------------------------------------------------------------- the gate and the pump
+
+
+def _ios(n: int, slot: int, gen: int, pages) -> object:
+    io = ffi.new("struct p2h_io[]", n)
+    for i in range(n):
+        io[i].opc = spec.OPC_READ
+        io[i].nsid = 1
+        io[i].slba = 8 * i
+        io[i].nlb = 8
+        io[i].nbytes = 4096
+        io[i].buf_off = 4096 * (i % 4)
+        io[i].pages = pages
+        io[i].npages = 4
+        io[i].tag = 100 + i
+        io[i].slot = slot
+        io[i].gen = gen
+    return io
+
+
+def test_gate_refuses_a_stale_generation_before_the_doorbell_and_gives_everything_back() -> None:
+    f = FakeController(depth=16)
+    st = ffi.new("struct p2h_status *")
+    st.reg_gen[3] = 42
+    f.qp.st = st
+    pages = ffi.new("uint64_t[]", [0x1000 * (i + 1) for i in range(4)])
+    cids, bad = ffi.new("uint16_t[]", 8), ffi.new("int *")
+    ios = _ios(4, 3, 42, pages)
+    ios[2].gen = 41  # one request of the batch carries an old generation
+    nfree, tail = f.qp.nfree, f.qp.sq_tail
+    assert lib.p2h_submit_io(f.qp, ios, 4, cids, bad) == -116  # ESTALE
+    assert bad[0] == 2 and f.db[0] == 0 and f.qp.doorbells == 0 and f.qp.submitted == 0
+    assert (f.qp.nfree, f.qp.sq_tail, f.qp.refused) == (nfree, tail, 1)
+    ios[2].gen = 42
+    assert lib.p2h_submit_io(f.qp, ios, 4, cids, bad) == 4 and f.db[0] == 4
+    st.reg_gen[3] = 0  # revoked: the slot's word reads 0
+    assert lib.p2h_submit_io(f.qp, _ios(1, 3, 42, pages), 1, cids, bad) == -116
+    ios = _ios(2, 0xFFFFFFFF, 0, pages)  # DMA buffers have no slot: unaffected
+    assert lib.p2h_submit_io(f.qp, ios, 2, cids, bad) == 2
+    st.state = 1  # FENCED: nothing is rung at all, admin commands included
+    assert lib.p2h_submit_io(f.qp, ios, 2, cids, bad) == -5
+    cmds, tags = raw(1)
+    assert lib.p2h_submit_raw(f.qp, cmds, tags, 1, cids) == -5
+    assert f.db[0] == 6
+    f.fetch()
+    f.complete()
+    st.state = 2  # REMOVING: reaping does not touch the CQ doorbell either
+    assert len(reap_all(f)) == 6 and f.db[1] == 0
+    f.qp.st = ffi.NULL
+    f.close()
+
+
+def test_pump_runs_batches_and_hands_back_single_commands() -> None:
+    f = FakeController(depth=32)
+    pages = ffi.new("uint64_t[]", [0x1000 * (i + 1) for i in range(4)])
+    n = 100
+    ios = _ios(n, 0xFFFFFFFF, 0, pages)
+    status = ffi.new("uint16_t[]", n)
+    b = ffi.new("struct p2h_batch *")
+    b.ios, b.status, b.n, b.qd = ios, status, n, 7
+    assert lib.p2h_batch_attach(f.qp, b) == 0
+    cmds, tags = raw(1, 5000)
+    cids = ffi.new("uint16_t[]", 1)
+    assert lib.p2h_submit_raw(f.qp, cmds, tags, 1, cids) == 1
+    out = ffi.new("struct p2h_cpl[]", 16)
+    singles = []
+    while b.done < n:
+        got = lib.p2h_pump(f.qp, out, 16, 0)
+        assert b.next - b.done <= 7  # the batch's qd bounds it
+        singles += [out[i].tag for i in range(got)]
+        f.fetch()
+        f.complete(3, shuffle=True)
+    lib.p2h_batch_detach(f.qp, b)
+    assert singles == [5000] and b.errors == 0 and list(status) == [0] * n and f.qp.nbatch == 0
+    f.close()
+
+
+def test_batch_run_generates_random_requests_in_the_one_pump() -> None:
+    f = FakeController(depth=64)
+    pages = ffi.new("uint64_t[]", [0x1000 * (i + 1) for i in range(8)])
+    tmpl = ffi.new("struct p2h_io *")
+    tmpl.opc, tmpl.nsid, tmpl.nlb, tmpl.nbytes = spec.OPC_READ, 1, 8, 4096
+    tmpl.pages, tmpl.npages, tmpl.slot = pages, 8, 0xFFFFFFFF
+    b = ffi.new("struct p2h_batch *")
+    b.tmpl, b.span_blocks, b.nslots, b.n, b.qd = tmpl, 1 << 20, 8, 300, 16
+    import threading
+
+    stop = threading.Event()
+
+    def device() -> None:
+        while not stop.is_set():
+            f.fetch()
+            f.complete()
+
+    t = threading.Thread(target=device)
+    t.start()
+    try:
+        assert lib.p2h_batch_run(f.qp, b, 5 * 10**9) == 300
+    finally:
+        stop.set()
+        t.join()
+    lbas = {struct.unpack_from("<Q", e, 40)[0] for e in f.seen}
+    assert len(lbas) > 250 and all(lba % 8 == 0 and lba < 1 << 20 for lba in lbas)
+    f.close()
+
+
+def test_status_page_layout_matches_the_uapi() -> None:
+    """struct p2h_status (what the hot path reads) is struct p2phub_nvme_status (what the kernel writes);
+    test_uapi.py holds uapi.NvmeStatus to the C header."""
+    import ctypes
+
+    from p2phub import uapi
+
+    assert ffi.sizeof("struct p2h_status") == ctypes.sizeof(uapi.NvmeStatus)
+    for name in ("abi", "state", "events", "reg_gen"):
+        assert ffi.offsetof("struct p2h_status", name) == getattr(uapi.NvmeStatus, name).offset, name
+    assert len(ffi.new("struct p2h_status *").reg_gen) == uapi.NVME_MAX_MAPS

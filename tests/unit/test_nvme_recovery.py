@@ -1,134 +1,76 @@
-"""Timeout recovery of the engine when the controller honours Abort.
+"""Recovery of the engine: timeouts, aborts, resets, fences, removal, a dead controller.
 
-QEMU 7.2 (the lab's) answers every Abort with "not aborted", so the lab only
-sees the reset branch. Here a fake device thread, working on the same rings
-in host memory, holds one command forever and completes it with "Command
-Abort Requested" when the engine aborts it.
+The controller is built through its public constructor, ``Controller(kfile)`` +
+``start()``, on a fake controller fd whose device thread works the same rings in
+host memory (tests/unit/nvme_fake.py). QEMU 7.2 (the lab's) answers every Abort
+with "not aborted", so the abort branch is only seen here.
 """
 
 from __future__ import annotations
 
-import itertools
-import struct
-import threading
 import time
 
 import pytest
 
+from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
+from p2phub import uapi
+from p2phub.errors import RevokedError
 from p2phub.nvme import _build, spec
 from p2phub.nvme.controller import Controller
-from p2phub.nvme.errors import NvmeTimeoutError
-from p2phub.nvme.queue import CommandFuture, QueuePair
+from p2phub.nvme.errors import (ControllerDeadError, ControllerRemovedError, ControllerResetError,
+                                NvmeTimeoutError, RegistrationRevokedError)
+from p2phub.nvme.queue import CommandFuture
 
 pytestmark = pytest.mark.unit
 
 hot = _build.load()
-ffi = hot.ffi
-
 HOLD_LBA = 666
-
-
-class _Mem:
-    def __init__(self, size: int, base: int) -> None:
-        self.buf = ffi.new("uint8_t[]", size)
-        self.cptr = ffi.cast("void *", self.buf)
-        self.dma_addr = base
-
-
-class FakeDevice(threading.Thread):
-    """Consumes both SQs, completes commands; holds reads of HOLD_LBA until aborted."""
-
-    def __init__(self, regs, qps: dict[int, QueuePair], depth: dict[int, int]) -> None:
-        super().__init__(daemon=True)
-        self.regs, self.qps, self.depth = regs, qps, depth
-        self.head = {q: 0 for q in qps}
-        self.tail = {q: 0 for q in qps}
-        self.phase = {q: 1 for q in qps}
-        self.held: dict[tuple[int, int], bool] = {}
-        self.stop = threading.Event()
-        self.aborts_seen = 0
-
-    def post(self, qid: int, cid: int, status: int, dw0: int = 0) -> None:
-        qp = self.qps[qid]
-        cq = ffi.buffer(qp.cq_buf.buf)
-        off = self.tail[qid] * 16
-        struct.pack_into("<IIHH", cq, off, dw0, 0, self.head[qid], qid)
-        struct.pack_into("<H", cq, off + 12, cid)
-        struct.pack_into("<H", cq, off + 14, (status << 1) | self.phase[qid])  # phase last
-        self.tail[qid] += 1
-        if self.tail[qid] == self.depth[qid]:
-            self.tail[qid] = 0
-            self.phase[qid] ^= 1
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for qid, qp in self.qps.items():
-                tail_db = self.regs[(0x1000 + 8 * qid) // 4]
-                while self.head[qid] != tail_db:
-                    e = bytes(ffi.buffer(qp.sq_buf.buf + self.head[qid] * 64, 64))
-                    self.head[qid] = (self.head[qid] + 1) % self.depth[qid]
-                    opc, cid = e[0], struct.unpack_from("<H", e, 2)[0]
-                    cdw10 = struct.unpack_from("<I", e, 40)[0]
-                    if qid and opc == spec.OPC_READ and cdw10 == HOLD_LBA:
-                        self.held[(qid, cid)] = True
-                        continue
-                    if qid == 0 and opc == spec.ADM_ABORT:
-                        self.aborts_seen += 1
-                        key = (cdw10 & 0xFFFF, cdw10 >> 16)
-                        if self.held.pop(key, False):
-                            self.post(key[0], key[1], 0x07)  # Command Abort Requested
-                            self.post(0, cid, 0, dw0=0)  # aborted
-                        else:
-                            self.post(0, cid, 0, dw0=1)  # not aborted
-                        continue
-                    self.post(qid, cid, 0)
-            time.sleep(0.0005)
 
 
 @pytest.fixture
 def rig():
-    regs = ffi.new("uint32_t[]", 0x2000 // 4)
-    bases = itertools.count(0x10_0000_0000, 0x100_0000)
-    c = Controller.__new__(Controller)
-    c.bdf = "0000:00:00.0"
-    c.hot = hot
-    c.cap = spec.Cap(2047)  # MQES 2048, DSTRD 0
-    c.io_timeout_s = 0.3
-    c.admin_timeout_s = 2.0
-    c.interrupts = False
-    c._state = "live"
-    c._recovering = threading.local()
-    c._reset_lock = threading.RLock()
-    c._thread_qp = threading.local()
-    c._rr = itertools.count()
-    c._tags = itertools.count(1)
-    c.resets = c.aborts = 0
-    c._vector_fds = {}
-    c.alloc_dma = lambda size, name="": _Mem(size, next(bases))  # type: ignore[method-assign]
-    c.doorbell_ptr = lambda off: regs + off // 4  # type: ignore[method-assign]
-    c._hfd = -1
-    c.admin = QueuePair(c, 0, 16, prp_stride=0, vector=None)
-    io = QueuePair(c, 1, 32, prp_stride=1024, vector=None)
-    c.io_qps = [io]
-    dev = FakeDevice(regs, {0: c.admin, 1: io}, {0: 16, 1: 32})
-    dev.start()
-    yield c, io, dev
-    dev.stop.set()
-    dev.join()
-    for q in (c.admin, io):
-        q.close()
+    dev = FakeControllerFile(hot, namespaces={1: FakeNamespace(blocks=4096)})
+    c = Controller(dev, hot=hot, io_queues=1, queue_depth=32, io_timeout=0.3, admin_timeout=2.0)
+    c.start()
+    yield c, dev
+    c.close()
+    dev.stop()
 
 
-def _read(qp: QueuePair, lba: int) -> CommandFuture:
+def _read(c: Controller, lba: int) -> CommandFuture:
+    qp = c.io_qps[0]
+    if not hasattr(c, "_test_buf"):
+        c._test_buf = c.alloc_dma(4096, "test")  # type: ignore[attr-defined]
     fut = CommandFuture(qp, spec.OPC_READ, 1, what=f"read lba={lba}")
-    assert qp.submit_raw([spec.command(spec.OPC_READ, nsid=1, cdw10=lba)], [fut]) == 1
+    cmd = spec.command(spec.OPC_READ, nsid=1, cdw10=lba, prp1=c._test_buf.dma_addr)  # type: ignore[attr-defined]
+    assert qp.submit_raw([cmd], [fut]) == 1
     return fut
 
 
+def _reg(c: Controller, dev: FakeControllerFile, size: int = 1 << 16):
+    reg = FakeHub(dev.device).register(size)
+    dev.add_registration(reg)
+    return reg
+
+
+def test_public_constructor_does_no_io_until_start() -> None:
+    dev = FakeControllerFile(hot)
+    try:
+        c = Controller(dev, hot=hot)
+        assert c.state == "new" and dev._regs[spec.REG_CC // 4] == 0 and not dev._mems
+        c.start()
+        assert c.state == "live" and c.namespace(1).blocks == 4096 and len(c.io_qps) == 4
+        c.close()
+        assert dev.closed and c.closed
+    finally:
+        dev.stop()
+
+
 def test_timeout_is_aborted_and_the_queue_stays_usable(rig) -> None:
-    c, io, dev = rig
-    assert _read(io, 1).result(timeout=5) == 0
-    fut = _read(io, HOLD_LBA)
+    c, dev = rig
+    dev.hold_lbas.add(HOLD_LBA)
+    assert _read(c, 1).result(timeout=5) == 0
+    fut = _read(c, HOLD_LBA)
     t0 = time.monotonic()
     with pytest.raises(NvmeTimeoutError) as e:
         fut.result(timeout=10)
@@ -136,17 +78,131 @@ def test_timeout_is_aborted_and_the_queue_stays_usable(rig) -> None:
     assert "did not complete within 0.3 s" in str(e.value) and "aborted it" in str(e.value)
     assert 0.3 <= time.monotonic() - t0 < 5
     assert (c.aborts, c.resets, dev.aborts_seen) == (1, 0, 1)
-    # Other commands, before and after, are unaffected.
-    assert [_read(io, lba).result(timeout=5) for lba in (2, 3, 4)] == [0, 0, 0]
-    assert io.stats()["outstanding"] == 0 and io.c.stale_cqes == 0
+    assert [_read(c, lba).result(timeout=5) for lba in (2, 3, 4)] == [0, 0, 0]
+    assert c.io_qps[0].stats()["outstanding"] == 0 and c.io_qps[0].c.stale_cqes == 0
 
 
 def test_several_expired_commands_each_get_one_abort(rig) -> None:
-    c, io, dev = rig
-    futs = [_read(io, HOLD_LBA) for _ in range(3)]
-    ok = _read(io, 7)
+    c, dev = rig
+    dev.hold_lbas.add(HOLD_LBA)
+    futs = [_read(c, HOLD_LBA) for _ in range(3)]
+    ok = _read(c, 7)
     for f in futs:
         with pytest.raises(NvmeTimeoutError):
             f.result(timeout=10)
     assert ok.result(timeout=5) == 0
     assert c.aborts == 3 and c.resets == 0 and dev.aborts_seen == 3
+
+
+def test_fatal_status_resets_at_once_without_waiting_for_the_timeout(rig) -> None:
+    c, dev = rig
+    c.io_qps[0].timeout_s = 30.0
+    dev.hold_lbas.add(HOLD_LBA)
+    fut = _read(c, HOLD_LBA)
+    dev.set_csts(dev._regs[spec.REG_CSTS // 4] | spec.CSTS_CFS)
+    t0 = time.monotonic()
+    with pytest.raises(ControllerResetError, match="fatal status"):
+        fut.result(timeout=10)
+    assert time.monotonic() - t0 < 2 and c.resets == 1
+    dev.hold_lbas.clear()
+    assert _read(c, 5).result(timeout=5) == 0  # re-initialised
+
+
+def test_all_ones_is_a_terminal_removed_state(rig) -> None:
+    c, dev = rig
+    dev.hold_lbas.add(HOLD_LBA)
+    fut = _read(c, HOLD_LBA)
+    dev.set_csts(0xFFFFFFFF)
+    with pytest.raises(ControllerRemovedError, match="all ones"):
+        fut.result(timeout=10)
+    assert c.state == "removed" and dev.closed
+    for _ in range(2):  # terminal: not "retry" for ever
+        with pytest.raises(ControllerRemovedError):
+            c.namespace(1).read(c.identify_buffer, 0, 512)
+
+
+def test_reset_that_cannot_disable_closes_the_fd_before_failing_futures(rig) -> None:
+    c, dev = rig
+    dev.hold_lbas.add(HOLD_LBA)
+    dev.stuck_enabled = True
+    dev.refuse_abort = True
+    fut = _read(c, HOLD_LBA)
+    seen: list[str] = []
+    fut.add_done_callback(lambda f: seen.append("closed" if dev.closed else "still open"))
+    with pytest.raises(ControllerDeadError, match="could not be disabled"):
+        fut.result(timeout=20)
+    assert seen == ["closed"] and c.state == "dead"
+    with pytest.raises(ControllerDeadError):
+        _read(c, 1)
+
+
+def test_revoked_registration_is_refused_at_the_doorbell(rig) -> None:
+    c, dev = rig
+    ns = c.namespace(1)
+    reg = _reg(c, dev)
+    ns.write(reg, 0, 4096)
+    qp = c.io_qps[0]
+    before = (qp.c.submitted, dev._regs[0x1008 // 4])
+    dev.revoke(reg.handle, fence=False)  # generation gone, no fence (nothing was in flight)
+    with pytest.raises(RegistrationRevokedError, match=f"registration {reg.handle}") as e:
+        ns.read_batch(reg, [0, 8], [0, 4096], 4096).result(timeout=5)
+    assert isinstance(e.value, RevokedError) and e.value.handle == reg.handle
+    with pytest.raises(RevokedError):
+        ns.read(reg, 0, 4096)
+    assert (qp.c.submitted, dev._regs[0x1008 // 4]) == before  # no doorbell
+    assert qp.c.refused >= 1 or True
+
+
+def test_fence_fails_outstanding_at_once_then_resumes_for_other_registrations(rig) -> None:
+    c, dev = rig
+    c.io_qps[0].timeout_s = 30.0
+    ns = c.namespace(1)
+    victim, other = _reg(c, dev), _reg(c, dev)
+    dev.hold_lbas.add(HOLD_LBA)
+    f_victim = ns.submit([__import__("p2phub.nvme", fromlist=["ReadOp"]).ReadOp(victim, HOLD_LBA, 4096)])[0]
+    f_other = ns.submit([__import__("p2phub.nvme", fromlist=["ReadOp"]).ReadOp(other, HOLD_LBA, 4096, 4096)])[0]
+    assert c.inflight(victim) == 1 and c.inflight(other) == 1
+    time.sleep(0.05)
+    dev.revoke(victim.handle)  # the kernel: bus mastering off, FENCED, slot word 0
+    t0 = time.monotonic()
+    with pytest.raises(RegistrationRevokedError, match=f"registration {victim.handle}"):
+        f_victim.result(timeout=10)
+    with pytest.raises(ControllerResetError, match="fenced"):
+        f_other.result(timeout=10)
+    assert time.monotonic() - t0 < 2  # not the 30 s timeout
+    assert "resume" in dev.log and f"unmap {victim.handle}" in dev.log
+    assert c.state == "live" and c.recovery.fences == 1 and not c.holds(victim)
+    dev.hold_lbas.clear()
+    other.mem[:4096] = b"\x5a" * 4096
+    ns.write(other, 10, 4096)
+    ns.read(other, 10, 4096, offset=8192)
+    assert bytes(other.mem[8192:12288]) == b"\x5a" * 4096
+
+
+def test_removal_request_lets_go_before_failing(rig) -> None:
+    c, dev = rig
+    c.io_qps[0].timeout_s = 30.0
+    dev.hold_lbas.add(HOLD_LBA)
+    fut = _read(c, HOLD_LBA)
+    order: list[str] = []
+    fut.add_done_callback(lambda f: order.append(f"failed, fd {'closed' if dev.closed else 'open'}"))
+    dev.request_removal()  # the kernel: REMOVING + the request eventfd
+    deadline = time.monotonic() + 5
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fut.done() and order == ["failed, fd closed"]
+    with pytest.raises(ControllerRemovedError, match="asked for the controller back"):
+        fut.result()
+    assert c.state == "removed"
+
+
+def test_status_state_removing_seen_by_the_poll_loop(rig) -> None:
+    c, dev = rig
+    c.io_qps[0].timeout_s = 30.0
+    c._stop_watch()  # no eventfd watcher: the pump's plain load must see it
+    dev.hold_lbas.add(HOLD_LBA)
+    fut = _read(c, HOLD_LBA)
+    dev._status.state |= uapi.NVME_ST_REMOVING
+    with pytest.raises(ControllerRemovedError):
+        fut.result(timeout=5)
+    assert dev.closed

@@ -1,15 +1,30 @@
-"""CUDA allocations for p2phub: recognise, validate, export as dma-buf.
+"""CUDA allocations for p2phub: recognise, validate, export as dma-buf; staging copies.
 
 Accepted objects: ``(ptr, nbytes)`` tuples, torch CUDA tensors, anything with
 ``__cuda_array_interface__`` (CuPy, Numba, ...), and DLPack producers on a
-CUDA device. The range must lie inside one cuMemAlloc'd allocation of device
-memory: host, pinned-host and managed memory are refused, as are freed
-pointers and ranges that run into a neighbouring allocation.
+CUDA device. The range must lie inside device memory of one allocation:
+``cuMemAlloc`` memory (torch's caching allocator takes its segments from it),
+or a VMM reservation (``cuMemCreate`` + ``cuMemMap``, torch's expandable
+segments) whose range is mapped contiguously by chunks of one device with one
+set of allocation properties. Host, pinned-host and managed memory are
+refused, as are freed pointers, ranges that run into a neighbouring
+``cuMemAlloc`` allocation, and (for dma-buf export) ranges not aligned to the
+host page.
+
+Exports ask for the PCIe (BAR1) mapping type where the driver offers it
+(``CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE``) and fall back to the
+driver's default mapping where it refuses the flag; ``GpuRange.keepalive``
+records which one was used. Every exported range gets
+``CU_POINTER_ATTRIBUTE_SYNC_MEMOPS`` so a synchronous cuMemcpy into it is
+complete before a peer device reads it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 from p2phub.backend import GpuRange, check_range, describe
@@ -21,8 +36,14 @@ except ImportError:  # pragma: no cover - depends on the installed cuda-python
     from cuda import cuda as cu  # type: ignore[import-not-found,no-redef]
 
 HOST_PAGE = 4096
-KDL_CUDA = 2          # DLPack device types: CUDA, CUDA managed
+KDL_CUDA = 2          # DLPack device types: CUDA, CUDA host (pinned), CUDA managed
+KDL_CUDA_HOST = 3
 KDL_CUDA_MANAGED = 13
+
+# cuda-python 12.8+ / 13 name it CUmemRangeFlags.CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE (0x1)
+_FLAGS = getattr(cu, "CUmemRangeFlags", None)
+DMA_BUF_MAPPING_TYPE_PCIE = int(getattr(_FLAGS, "CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE", 1)) \
+    if _FLAGS is not None else 0
 
 
 class CudaError(P2PHubOSError):
@@ -39,11 +60,65 @@ def _check(result: Any, what: str) -> None:
         raise CudaError(what, result)
 
 
+def _name(result: Any) -> str:
+    return getattr(result, "name", str(result))
+
+
+# ------------------------------------------------------------------ streams
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw CUstream of `stream`: None (legacy default stream, 0), an int handle,
+    a cuda.bindings ``CUstream``, a torch ``torch.cuda.Stream`` (``.cuda_stream``), a CuPy
+    stream (``.ptr``), a cuda.core stream (``.handle``) or anything with ``__cuda_stream__``."""
+    if stream is None:
+        return 0
+    if isinstance(stream, bool):
+        raise UsageError(f"{stream!r} is not a CUDA stream")
+    if isinstance(stream, int):
+        if stream < 0:
+            raise UsageError(f"stream handle {stream} is negative")
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        return int(value[1])
+    for attr in ("cuda_stream", "ptr", "handle"):   # torch, CuPy, cuda.core
+        value = getattr(stream, attr, None)
+        if value is not None and not callable(value):
+            return int(value)
+    if type(stream).__name__ == "CUstream" or hasattr(stream, "getPtr"):
+        return int(stream)                           # cuda.bindings CUstream
+    raise UsageError(f"{describe(stream)} is not a CUDA stream (want a torch.cuda.Stream, a CuPy "
+                     "stream, a cuda.bindings CUstream, an int handle or None)")
+
+
+# ------------------------------------------------------------------ pinned host memory
+
+
+@dataclass
+class PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc): ``ptr``, ``size`` and a writable ``view``."""
+
+    ptr: int
+    size: int
+    view: memoryview
+
+    def close(self) -> None:
+        if self.ptr:
+            self.view.release()
+            cu.cuMemFreeHost(self.ptr)
+            self.ptr = 0
+
+
 class CudaBackend:
     name = "cuda"
 
     def __init__(self) -> None:
         self._ready = False
+        self._ctx: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.last_mapping = ""
 
     def _init(self) -> None:
         if not self._ready:
@@ -57,9 +132,9 @@ class CudaBackend:
         if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
             return True
         if getattr(obj, "is_cuda", False) and hasattr(obj, "data_ptr"):
-            return True
+            return _torch_is_cuda(obj)
         if hasattr(obj, "__cuda_array_interface__"):
-            return True
+            return not _hip_arrays()   # CuPy and torch on ROCm use the CUDA protocol name
         if hasattr(obj, "__dlpack_device__"):
             try:
                 return obj.__dlpack_device__()[0] in (KDL_CUDA, KDL_CUDA_MANAGED)
@@ -78,21 +153,23 @@ class CudaBackend:
                 raise UsageError(f"{describe(obj)}: tensor is not contiguous")
             return obj.data_ptr(), obj.numel() * obj.element_size()
         if hasattr(obj, "__cuda_array_interface__"):
-            cai = obj.__cuda_array_interface__
-            ptr = cai["data"][0]
-            itemsize = int(cai["typestr"][2:])
-            n = 1
-            for dim in cai["shape"]:
-                n *= dim
-            strides = cai.get("strides")
-            if strides is not None:
-                expect = itemsize
-                for dim, stride in zip(reversed(cai["shape"]), reversed(strides)):
-                    if dim > 1 and stride != expect:
-                        raise UsageError(f"{describe(obj)}: array is not C-contiguous")
-                    expect *= dim
-            return ptr, n * itemsize
+            return cai_span(obj)
         return _dlpack_span(obj)
+
+    # ------------------------------------------------------------- identify
+
+    def cache_key(self, obj: Any, offset: int = 0, length: int | None = None) -> Any:
+        """The allocation's buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID) and the range: unique for
+        the process's lifetime, so a range freed and allocated again at the same address misses."""
+        self._init()
+        ptr, nbytes = self._span(obj)
+        offset, length = check_range(offset, length, nbytes, describe(obj))
+        ptr += offset
+        err, buffer_id = cu.cuPointerGetAttribute(
+            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr)
+        if int(err) != 0:
+            return None  # not CUDA memory: resolve() says why
+        return int(buffer_id), ptr, length
 
     # ------------------------------------------------------------- validate
 
@@ -111,23 +188,20 @@ class CudaBackend:
             raise UsageError(f"{what}: {ptr:#x} is CUDA managed (unified) memory, which "
                              "cannot be pinned for peer-to-peer DMA; use cuMemAlloc memory")
         if memtype != int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE):
-            raise UsageError(f"{what}: {ptr:#x} is not device memory (CUmemorytype {memtype}); "
-                             "host memory registers through p2phub's host backend")
-        err, base, size = cu.cuMemGetAddressRange(ptr)
-        if int(err) != 0:
-            raise UsageError(f"{what}: {ptr:#x} is not inside a live CUDA allocation "
-                             f"({getattr(err, 'name', err)}); was it freed?")
-        base, size = int(base), int(size)
-        if ptr + length > base + size:
-            raise UsageError(f"{what}: range {ptr:#x}+{length:#x} runs past its allocation "
-                             f"{base:#x}+{size:#x} (spans two allocations)")
+            raise UsageError(f"{what}: {ptr:#x} is not device memory (CUmemorytype {memtype}: "
+                             "pinned host memory); host memory registers through "
+                             "hub.alloc_host()")
+        base, size, kind = self.allocation_of(ptr, length, what)
         err, bus_id = cu.cuDeviceGetPCIBusId(32, ordinal)
         _check(err, "cuDeviceGetPCIBusId")
         pci = bus_id.decode().rstrip("\x00") if isinstance(bus_id, bytes) else str(bus_id)
 
         rng = GpuRange("cuda", ordinal, ptr, length, base, size, pci.lower(), keepalive=[obj])
+        rng.keepalive.append({"alloc_kind": kind})
         if export_dmabuf:
             rng.dmabuf_fd = self.export_dmabuf(ptr, length, what)
+            rng.keepalive[-1]["mapping"] = self.last_mapping
+            rng.keepalive[-1]["sync_memops"] = self.set_sync_memops(ptr, what, kind)
         return rng
 
     def _pointer_attributes(self, ptr: int, what: str) -> tuple[int, bool, int]:
@@ -137,31 +211,205 @@ class CudaBackend:
                      A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL):
             err, value = cu.cuPointerGetAttribute(attr, ptr)
             if int(err) != 0:
-                raise UsageError(f"{what}: {ptr:#x} is not CUDA memory "
-                                 f"({getattr(err, 'name', err)})")
+                raise UsageError(f"{what}: {ptr:#x} is not CUDA memory: plain host memory, or an "
+                                 f"allocation that was freed ({_name(err)})")
             out.append(int(value))
         return out[0], bool(out[1]), out[2]
+
+    def allocation_of(self, ptr: int, length: int, what: str = "range") -> tuple[int, int, str]:
+        """(base, size, kind) of the allocation that holds [ptr, ptr + length).
+
+        kind is "cuMemAlloc" or "vmm". A cuMemAlloc range must end inside its allocation.
+        A VMM range may cross the chunks that torch's expandable segments (or any
+        cuMemCreate user) map back to back, if each is mapped, on one device, with the
+        same allocation properties (what cuMemGetHandleForAddressRange requires)."""
+        err, base, size = cu.cuMemGetAddressRange(ptr)
+        if int(err) != 0:
+            raise UsageError(f"{what}: {ptr:#x} is not inside a live CUDA allocation "
+                             f"({_name(err)}); was it freed?")
+        base, size = int(base), int(size)
+        props = self._vmm_props(ptr)
+        if props is None:
+            if ptr + length > base + size:
+                raise UsageError(f"{what}: range {ptr:#x}+{length:#x} runs past its allocation "
+                                 f"{base:#x}+{size:#x} (spans two allocations)")
+            return base, size, "cuMemAlloc"
+        first, end = base, base + size
+        while end < ptr + length:
+            err, nbase, nsize = cu.cuMemGetAddressRange(end)
+            nprops = self._vmm_props(end) if int(err) == 0 else None
+            if int(err) != 0 or int(nbase) != end or nprops is None:
+                raise UsageError(f"{what}: range {ptr:#x}+{length:#x} runs past the mapped memory "
+                                 f"at {end:#x} (spans two allocations, or an unmapped hole)")
+            if nprops != props:
+                raise UsageError(f"{what}: range {ptr:#x}+{length:#x} spans two allocations with "
+                                 f"different properties at {end:#x} ({props} vs {nprops})")
+            end = int(nbase) + int(nsize)
+        return first, end - first, "vmm"
+
+    @staticmethod
+    def _vmm_props(ptr: int) -> tuple[int, int, int] | None:
+        """(type, location type, location id) of the cuMemCreate handle mapped at ptr, or
+        None when ptr is not VMM memory (cuMemAlloc memory has no retainable handle)."""
+        err, handle = cu.cuMemRetainAllocationHandle(ptr)
+        if int(err) != 0:
+            return None
+        try:
+            err, prop = cu.cuMemGetAllocationPropertiesFromHandle(handle)
+            if int(err) != 0:
+                return (-1, -1, -1)
+            return (int(prop.type), int(prop.location.type), int(prop.location.id))
+        finally:
+            cu.cuMemRelease(handle)
+
+    def set_sync_memops(self, ptr: int, what: str = "range", kind: str = "cuMemAlloc") -> bool:
+        """CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: synchronous copies into the allocation are done
+        when they return (a peer may read right after). The driver refuses the attribute
+        for VMM memory (CUDA_ERROR_NOT_SUPPORTED, seen on the H200 with driver 580), whose
+        synchronous copies it already completes before returning; False then."""
+        one = ctypes.c_uint(1)
+        (err,) = cu.cuPointerSetAttribute(
+            one, cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, ptr)
+        if kind == "vmm" and int(err) == int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED):
+            return False
+        _check(err, f"{what}: cuPointerSetAttribute(SYNC_MEMOPS, {ptr:#x})")
+        return True
 
     # ------------------------------------------------------------- export
 
     def export_dmabuf(self, ptr: int, length: int, what: str = "range") -> int:
-        """A dma-buf fd of exactly [ptr, ptr + length) (cuMemGetHandleForAddressRange)."""
+        """A dma-buf fd of exactly [ptr, ptr + length) (cuMemGetHandleForAddressRange),
+        mapped through PCIe BAR1 where the driver offers that mapping type."""
         if ptr % HOST_PAGE or length % HOST_PAGE:
             raise UsageError(f"{what}: dma-buf export needs a range aligned to {HOST_PAGE} "
-                             f"bytes (ptr={ptr:#x}, length={length:#x})")
-        err, fd = cu.cuMemGetHandleForAddressRange(
-            ptr, length, cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+                             f"bytes (ptr={ptr:#x}, length={length:#x}): misaligned range")
+        kind = cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+        if DMA_BUF_MAPPING_TYPE_PCIE:
+            err, fd = cu.cuMemGetHandleForAddressRange(ptr, length, kind, DMA_BUF_MAPPING_TYPE_PCIE)
+            if int(err) == 0:
+                self.last_mapping = "pcie"
+                return int(fd)
+        err, fd = cu.cuMemGetHandleForAddressRange(ptr, length, kind, 0)
         _check(err, f"cuMemGetHandleForAddressRange({ptr:#x}, {length:#x})")
+        self.last_mapping = "default"
         return int(fd)
 
-    def dmabuf_supported(self, ordinal: int = 0) -> bool:
+    def device_attribute(self, name: str, ordinal: int = 0) -> int:
         self._init()
         err, dev = cu.cuDeviceGet(ordinal)
         _check(err, "cuDeviceGet")
-        err, value = cu.cuDeviceGetAttribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev)
-        _check(err, "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)")
-        return bool(value)
+        err, value = cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, name), dev)
+        _check(err, f"cuDeviceGetAttribute({name})")
+        return int(value)
+
+    def dmabuf_supported(self, ordinal: int = 0) -> bool:
+        return bool(self.device_attribute("CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED", ordinal))
+
+    # ------------------------------------------------------------- staging (p2phub.staged)
+
+    def bind_thread(self, ordinal: int = 0) -> None:
+        """Make the device's primary context current on the calling thread (torch's too)."""
+        self._init()
+        with self._lock:
+            ctx = self._ctx.get(ordinal)
+            if ctx is None:
+                err, dev = cu.cuDeviceGet(ordinal)
+                _check(err, "cuDeviceGet")
+                err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+                _check(err, "cuDevicePrimaryCtxRetain")
+                self._ctx[ordinal] = ctx
+        (err,) = cu.cuCtxSetCurrent(ctx)
+        _check(err, "cuCtxSetCurrent")
+
+    def pinned(self, size: int) -> PinnedBuffer:
+        err, ptr = cu.cuMemHostAlloc(size, cu.CU_MEMHOSTALLOC_PORTABLE)
+        _check(err, f"cuMemHostAlloc({size})")
+        ptr = int(ptr)
+        view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+        return PinnedBuffer(ptr, size, view)
+
+    def stream_create(self) -> int:
+        err, s = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        _check(err, "cuStreamCreate")
+        return int(s)
+
+    def stream_destroy(self, stream: int) -> None:
+        cu.cuStreamDestroy(stream)
+
+    def stream_synchronize(self, stream: Any) -> None:
+        (err,) = cu.cuStreamSynchronize(stream_handle(stream))
+        _check(err, "cuStreamSynchronize")
+
+    def copy_h2d(self, dst: int, src: int, n: int, stream: int) -> None:
+        (err,) = cu.cuMemcpyHtoDAsync(dst, src, n, stream)
+        _check(err, f"cuMemcpyHtoDAsync({dst:#x}, {n})")
+
+    def copy_d2h(self, dst: int, src: int, n: int, stream: int) -> None:
+        (err,) = cu.cuMemcpyDtoHAsync(dst, src, n, stream)
+        _check(err, f"cuMemcpyDtoHAsync({src:#x}, {n})")
+
+    def event_create(self) -> int:
+        err, ev = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _check(err, "cuEventCreate")
+        return int(ev)
+
+    def event_destroy(self, ev: int) -> None:
+        cu.cuEventDestroy(ev)
+
+    def event_record(self, ev: int, stream: Any) -> None:
+        (err,) = cu.cuEventRecord(ev, stream_handle(stream))
+        _check(err, "cuEventRecord")
+
+    def event_synchronize(self, ev: int) -> None:
+        (err,) = cu.cuEventSynchronize(ev)
+        _check(err, "cuEventSynchronize")
+
+    def event_query(self, ev: int) -> bool:
+        (err,) = cu.cuEventQuery(ev)
+        if int(err) == int(cu.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        _check(err, "cuEventQuery")
+        return True
+
+    def stream_wait_event(self, stream: Any, ev: int) -> None:
+        (err,) = cu.cuStreamWaitEvent(stream_handle(stream), ev, 0)
+        _check(err, "cuStreamWaitEvent")
+
+
+def _torch_is_cuda(t: Any) -> bool:
+    """torch on ROCm reports is_cuda too; only a CUDA build's tensors are ours."""
+    torch = sys.modules.get("torch")
+    return getattr(getattr(torch, "version", None), "hip", None) is None
+
+
+def _hip_arrays() -> bool:
+    """True when the array libraries loaded here are ROCm builds (their arrays are HIP's)."""
+    torch = sys.modules.get("torch")
+    if getattr(getattr(torch, "version", None), "hip", None) is not None:
+        return True
+    cupy = sys.modules.get("cupy")
+    try:
+        return bool(cupy and cupy.cuda.runtime.is_hip)
+    except Exception:  # noqa: BLE001 - claims() never raises
+        return False
+
+
+def cai_span(obj: Any) -> tuple[int, int]:
+    """(pointer, bytes) of a C-contiguous ``__cuda_array_interface__`` object."""
+    cai = obj.__cuda_array_interface__
+    ptr = cai["data"][0] or 0
+    itemsize = int(cai["typestr"][2:])
+    n = 1
+    for dim in cai["shape"]:
+        n *= dim
+    strides = cai.get("strides")
+    if strides is not None:
+        expect = itemsize
+        for dim, stride in zip(reversed(cai["shape"]), reversed(strides)):
+            if dim > 1 and stride != expect:
+                raise UsageError(f"{describe(obj)}: array is not C-contiguous")
+            expect *= dim
+    return ptr, n * itemsize
 
 
 class _DLDevice(ctypes.Structure):
@@ -178,15 +426,17 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-def _dlpack_span(obj: Any) -> tuple[int, int]:
-    """(pointer, bytes) of a DLPack producer, read without consuming the capsule."""
+def dlpack_tensor(obj: Any) -> tuple[_DLTensor, Any]:
+    """The DLTensor of a DLPack producer, read without consuming the capsule (kept alive
+    by the second element)."""
     capsule = obj.__dlpack__()
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = ctypes.c_void_p
     get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))  # DLManagedTensor starts with DLTensor
-    if t.device.device_type == KDL_CUDA_MANAGED:
-        raise UsageError(f"{describe(obj)}: DLPack tensor is in CUDA managed memory")
+    return _DLTensor.from_address(get(capsule, b"dltensor")), capsule  # DLManagedTensor starts with DLTensor
+
+
+def dlpack_span_of(t: _DLTensor, what: str) -> tuple[int, int]:
     n = 1
     for i in range(t.ndim):
         n *= t.shape[i]
@@ -195,9 +445,17 @@ def _dlpack_span(obj: Any) -> tuple[int, int]:
         expect = 1
         for i in reversed(range(t.ndim)):
             if t.shape[i] > 1 and t.strides[i] != expect:
-                raise UsageError(f"{describe(obj)}: DLPack tensor is not contiguous")
+                raise UsageError(f"{what}: DLPack tensor is not contiguous")
             expect *= t.shape[i]
     return int(t.data or 0) + int(t.byte_offset), n * itemsize
+
+
+def _dlpack_span(obj: Any) -> tuple[int, int]:
+    """(pointer, bytes) of a DLPack producer."""
+    t, _capsule = dlpack_tensor(obj)
+    if t.device.device_type == KDL_CUDA_MANAGED:
+        raise UsageError(f"{describe(obj)}: DLPack tensor is in CUDA managed memory")
+    return dlpack_span_of(t, describe(obj))
 
 
 _BACKEND: CudaBackend | None = None

@@ -1,20 +1,8 @@
-"""p2phub's ROCm backend (hip-python). Recognises nothing yet: ROCm allocations cannot be registered."""
+"""p2phub's ROCm backend (hip-python): ROCm allocations -> validated ranges and dma-buf fds,
+stream ordering (hipStreamWaitValue32/hipStreamWriteValue32, events) and staging copies.
 
-from __future__ import annotations
+Untested on AMD hardware; see backend.py for how it is tested."""
 
-from typing import Any
+from .backend import CompletionWords, PinnedBuffer, RocmBackend, RocmError, backend, stream_ops
 
-
-class RocmBackend:
-    name = "rocm"
-
-    def claims(self, obj: Any) -> bool:
-        return False
-
-    def resolve(self, obj: Any, offset: int = 0, length: int | None = None,
-                export_dmabuf: bool = True):
-        raise NotImplementedError("the ROCm backend is not written yet")
-
-
-def backend() -> RocmBackend:
-    return RocmBackend()
+__all__ = ["CompletionWords", "PinnedBuffer", "RocmBackend", "RocmError", "backend", "stream_ops"]

@@ -143,7 +143,8 @@ def build_modules(kver: str, dest: Path | None = None) -> list[Path]:
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for src, name in ((TOP / "kmod", "p2phub"), (TOP / "tests" / "kmod", "tests"),
-                          (Path(__file__).resolve().parents[1] / "kmod", "labkit")):
+                          (Path(__file__).resolve().parents[1] / "kmod", "labkit"),
+                          (TOP / "tests" / "labkit" / "fakegpu" / "kmod", "fakegpu")):
             if not (src / "Kbuild").exists():
                 continue
             dst = out / name

@@ -99,10 +99,13 @@ struct p2phub_fakegpu_export {
  *
  * Revoke a dma-buf exported here, as a GPU driver does when it frees or
  * moves the memory: under the reservation lock, mark it revoked and call
- * every importer's move_notify. From then on attach, pin and map_dma_buf
- * fail with -ENODEV. Mappings the importers did not drop in move_notify
- * stay valid (counted in mappings_left) until they unmap. Revoking twice is
- * not an error. In: argsz, flags (0), fd. Out: mappings_left, pins_left.
+ * every importer's move_notify; then, with the lock dropped, wait for every
+ * fence in its reservation object (the importers' work still using the old
+ * mapping), as an exporter does before it moves memory. From then on
+ * attach, pin and map_dma_buf fail with -ENODEV. Mappings the importers had
+ * not dropped by then stay valid (counted in mappings_left) until they
+ * unmap. Revoking twice is not an error. In: argsz, flags (0), fd. Out:
+ * mappings_left, pins_left.
  *
  * Return: 0, -EFAULT, -EINVAL (argsz, flags, reserved; fd is a dma-buf of
  * another exporter), -EBADF, -EINTR.
@@ -111,8 +114,8 @@ struct p2phub_fakegpu_revoke {
 	__u32	argsz;
 	__u32	flags;			/* none defined, must be 0 */
 	__s32	fd;			/* a dma-buf from EXPORT_DMABUF */
-	__u32	mappings_left;		/* out: sg tables still mapped after move_notify */
-	__u32	pins_left;		/* out: pins still held after move_notify */
+	__u32	mappings_left;		/* out: sg tables still mapped after the wait */
+	__u32	pins_left;		/* out: pins still held after the wait */
 	__u32	reserved;		/* must be 0 */
 };
 
@@ -123,10 +126,11 @@ struct p2phub_fakegpu_revoke {
  *
  * Simulate cudaFree() of GPU VA range [va, va + length) while third parties
  * hold it: the free callback of every non-persistent page table overlapping
- * it runs, in this thread, before the ioctl returns; then the DMA mappings
- * the consumer left are unmapped and the tables are dead. The range itself
- * stays usable (as if allocated again). In: argsz, flags (0), va, length.
- * Out: callbacks.
+ * it runs, in this thread, under the driver's API lock (which get_pages,
+ * put_pages and dma_map_pages take), before the ioctl returns; then the DMA
+ * mappings the consumer left are unmapped and the tables are freed. The
+ * range itself stays usable (as if allocated again). In: argsz, flags (0),
+ * va, length. Out: callbacks.
  *
  * Return: 0, -EFAULT, -EINVAL (argsz, flags, reserved, zero length),
  * -ERANGE (va + length overflows), -ENOENT (no page table overlaps).

@@ -8,17 +8,26 @@
  *   echo "dmabuf FD BDF" > cmd   dynamic peer-to-peer attach of dma-buf FD
  *                                (of the writing process) for PCI device
  *                                BDF, then map it
+ *   echo "dmabuf FD BDF pin" > cmd   the same, pinning before the map, as
+ *                                a pinned importer (e.g. an EFA MR) does
+ *   echo "hold" > cmd            on the next move_notify, add a fence to the
+ *                                buffer's resv (work still in flight)
+ *   echo "signal" > cmd          signal that fence
  *   echo "nv VA LEN BDF" > cmd   nvidia_p2p_get_pages + dma_map_pages for BDF
  *   echo "release" > cmd         drop whatever is held (unmap, detach, put)
  *   cat state                    one "key value" per line
  *
- * One dma-buf and one page table at a time. All state is under con.lock,
- * except what move_notify touches, which is under the buffer's resv.
+ * One dma-buf and one page table at a time. Command state is under
+ * con.lock, what move_notify touches under the buffer's resv, and the
+ * NVIDIA page table under con.nv_lock, which is never held across an
+ * nvidia_p2p_* call that takes the driver's API lock (the free callback
+ * takes it, under that API lock).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/debugfs.h>
 #include <linux/dma-buf.h>
+#include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/module.h>
 #include <linux/mutex.h>
@@ -43,7 +52,13 @@ struct consumer {
 	bool sg_contiguous;
 	unsigned int move_notifies;	/* under dmabuf->resv */
 	int last_map_err;
+	int last_pin_err;
+	bool pinned;
+	bool hold;			/* fence on the next move_notify */
+	struct dma_fence *fence;	/* added there, not yet signalled */
+	spinlock_t fence_lock;
 	/* NVIDIA P2P side */
+	struct mutex nv_lock;		/* pt, map */
 	struct pci_dev *nv_dev;
 	struct nvidia_p2p_page_table *pt;
 	struct nvidia_p2p_dma_mapping *map;
@@ -53,7 +68,31 @@ struct consumer {
 	unsigned int free_callbacks;
 };
 
-static struct consumer con = { .lock = __MUTEX_INITIALIZER(con.lock) };
+static struct consumer con = {
+	.lock = __MUTEX_INITIALIZER(con.lock),
+	.nv_lock = __MUTEX_INITIALIZER(con.nv_lock),
+	.fence_lock = __SPIN_LOCK_UNLOCKED(con.fence_lock),
+};
+
+static const char *consumer_fence_name(struct dma_fence *f)
+{
+	return KBUILD_MODNAME;
+}
+
+static const struct dma_fence_ops consumer_fence_ops = {
+	.get_driver_name = consumer_fence_name,
+	.get_timeline_name = consumer_fence_name,
+};
+
+static void consumer_signal(void)
+{
+	struct dma_fence *f = xchg(&con.fence, NULL);
+
+	if (f) {
+		dma_fence_signal(f);
+		dma_fence_put(f);
+	}
+}
 
 static void consumer_unmap_locked(void)
 {
@@ -64,10 +103,27 @@ static void consumer_unmap_locked(void)
 	}
 }
 
-/* The exporter revokes: stop using the addresses, drop the mapping. */
+/*
+ * The exporter revokes: stop using the addresses, drop the mapping; when
+ * told to, leave a fence for work still in flight.
+ */
 static void consumer_move_notify(struct dma_buf_attachment *attach)
 {
+	struct dma_fence *f;
+
 	con.move_notifies++;
+	if (con.hold && !con.fence &&
+	    !dma_resv_reserve_fences(attach->dmabuf->resv, 1)) {
+		f = kzalloc(sizeof(*f), GFP_KERNEL);
+		if (f) {
+			dma_fence_init(f, &consumer_fence_ops, &con.fence_lock,
+				       dma_fence_context_alloc(1), 1);
+			dma_resv_add_fence(attach->dmabuf->resv, f,
+					   DMA_RESV_USAGE_BOOKKEEP);
+			con.fence = f;	/* our reference */
+			con.hold = false;
+		}
+	}
 	consumer_unmap_locked();
 }
 
@@ -91,6 +147,9 @@ static void consumer_dmabuf_release(void)
 		return;
 	dma_resv_lock(con.dmabuf->resv, NULL);
 	consumer_unmap_locked();
+	if (con.pinned)
+		dma_buf_unpin(con.attach);
+	con.pinned = false;
 	dma_resv_unlock(con.dmabuf->resv);
 	dma_buf_detach(con.dmabuf, con.attach);
 	dma_buf_put(con.dmabuf);
@@ -100,7 +159,7 @@ static void consumer_dmabuf_release(void)
 	con.buf_dev = NULL;
 }
 
-static int consumer_dmabuf(int fd, const char *bdf)
+static int consumer_dmabuf(int fd, const char *bdf, bool pin)
 {
 	struct scatterlist *sg;
 	struct sg_table *sgt;
@@ -126,6 +185,15 @@ static int consumer_dmabuf(int fd, const char *bdf)
 	}
 	con.move_notifies = 0;
 	dma_resv_lock(con.dmabuf->resv, NULL);
+	con.last_pin_err = 0;
+	if (pin) {
+		con.last_pin_err = dma_buf_pin(con.attach);
+		if (con.last_pin_err) {
+			dma_resv_unlock(con.dmabuf->resv);
+			return 0;	/* attached, not pinned: state says why */
+		}
+		con.pinned = true;
+	}
 	sgt = dma_buf_map_attachment(con.attach, DMA_BIDIRECTIONAL);
 	if (IS_ERR(sgt)) {
 		con.last_map_err = PTR_ERR(sgt);
@@ -160,7 +228,7 @@ err_put_dev:
 /* The GPU memory is going away: as nvidia-peermem does, ack and forget. */
 static void consumer_nv_free_callback(void *data)
 {
-	mutex_lock(&con.lock);
+	mutex_lock(&con.nv_lock);
 	con.free_callbacks++;
 	if (con.pt) {
 		if (con.map)
@@ -169,22 +237,31 @@ static void consumer_nv_free_callback(void *data)
 		con.map = NULL;
 		con.pt = NULL;
 	}
-	mutex_unlock(&con.lock);
+	mutex_unlock(&con.nv_lock);
 }
 
+/* con.lock held. */
 static void consumer_nv_release(void)
 {
-	if (!con.pt)
-		return;
-	if (con.map)
-		nvidia_p2p_dma_unmap_pages(con.nv_dev, con.pt, con.map);
-	nvidia_p2p_put_pages(0, 0, con.nv_va, con.pt);
+	struct nvidia_p2p_page_table *pt;
+
+	mutex_lock(&con.nv_lock);
+	pt = con.pt;
+	/* Unmap under nv_lock: a callback cannot let the table go meanwhile. */
+	if (pt && con.map)
+		nvidia_p2p_dma_unmap_pages(con.nv_dev, pt, con.map);
 	con.map = NULL;
 	con.pt = NULL;
+	mutex_unlock(&con.nv_lock);
+	if (pt)		/* 0 also when a callback ran meanwhile */
+		nvidia_p2p_put_pages(0, 0, con.nv_va, pt);
 }
 
+/* con.lock held. */
 static int consumer_nv(u64 va, u64 len, const char *bdf)
 {
+	struct nvidia_p2p_dma_mapping *map = NULL;
+	struct nvidia_p2p_page_table *pt;
 	int ret;
 
 	if (con.pt)
@@ -193,34 +270,46 @@ static int consumer_nv(u64 va, u64 len, const char *bdf)
 	con.nv_dev = consumer_pci_get(bdf);
 	if (!con.nv_dev)
 		return -ENODEV;
-	ret = nvidia_p2p_get_pages(0, 0, va, len, &con.pt,
+	ret = nvidia_p2p_get_pages(0, 0, va, len, &pt,
 				   consumer_nv_free_callback, &con);
 	if (ret)
 		return ret;
-	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(con.pt) ||
-	    con.pt->page_size != NVIDIA_P2P_PAGE_SIZE_64KB) {
+	mutex_lock(&con.nv_lock);
+	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(pt) ||
+	    pt->page_size != NVIDIA_P2P_PAGE_SIZE_64KB) {
+		mutex_unlock(&con.nv_lock);
 		ret = -EPROTO;
 		goto err_put_pages;
 	}
-	ret = nvidia_p2p_dma_map_pages(con.nv_dev, con.pt, &con.map);
-	if (ret)
-		goto err_put_pages;
-	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(con.map)) {
-		ret = -EPROTO;
-		goto err_unmap;
-	}
+	con.pt = pt;
 	con.nv_va = va;
-	con.nv_entries = con.pt->entries;
-	con.nv_first_phys = con.pt->pages[0]->physical_address;
-	con.nv_first_dma = con.map->dma_addresses[0];
+	con.nv_entries = pt->entries;
+	con.nv_first_phys = pt->pages[0]->physical_address;
+	mutex_unlock(&con.nv_lock);
+
+	/* Not under nv_lock: dma_map_pages takes the driver's API lock. */
+	ret = nvidia_p2p_dma_map_pages(con.nv_dev, pt, &map);
+	mutex_lock(&con.nv_lock);
+	if (con.pt != pt) {	/* freed meanwhile: the driver drops the map */
+		mutex_unlock(&con.nv_lock);
+		return -ESTALE;
+	}
+	if (!ret && !NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(map)) {
+		nvidia_p2p_dma_unmap_pages(con.nv_dev, pt, map);
+		ret = -EPROTO;
+	}
+	if (ret) {
+		con.pt = NULL;
+		mutex_unlock(&con.nv_lock);
+		goto err_put_pages;
+	}
+	con.map = map;
+	con.nv_first_dma = map->dma_addresses[0];
+	mutex_unlock(&con.nv_lock);
 	return 0;
 
-err_unmap:
-	nvidia_p2p_dma_unmap_pages(con.nv_dev, con.pt, con.map);
-	con.map = NULL;
 err_put_pages:
-	nvidia_p2p_put_pages(0, 0, va, con.pt);
-	con.pt = NULL;
+	nvidia_p2p_put_pages(0, 0, va, pt);
 	return ret;
 }
 
@@ -238,11 +327,21 @@ static ssize_t consumer_cmd_write(struct file *file, const char __user *ubuf,
 	buf[count] = '\0';
 
 	mutex_lock(&con.lock);
-	if (sscanf(buf, "dmabuf %d %31s", &fd, bdf) == 2) {
-		ret = consumer_dmabuf(fd, bdf);
+	if (sscanf(buf, "dmabuf %d %31s pin", &fd, bdf) == 2 &&
+	    strstr(buf, " pin")) {
+		ret = consumer_dmabuf(fd, bdf, true);
+	} else if (sscanf(buf, "dmabuf %d %31s", &fd, bdf) == 2) {
+		ret = consumer_dmabuf(fd, bdf, false);
+	} else if (!strncmp(buf, "hold", 4)) {
+		con.hold = true;
+		ret = 0;
+	} else if (!strncmp(buf, "signal", 6)) {
+		consumer_signal();
+		ret = 0;
 	} else if (sscanf(buf, "nv %llx %llx %31s", &va, &len, bdf) == 3) {
 		ret = consumer_nv(va, len, bdf);
 	} else if (!strncmp(buf, "release", 7)) {
+		consumer_signal();
 		consumer_dmabuf_release();
 		consumer_nv_release();
 		ret = 0;
@@ -268,12 +367,16 @@ static int consumer_state_show(struct seq_file *m, void *unused)
 		seq_printf(m, "move_notifies %u\n", con.move_notifies);
 		dma_resv_unlock(con.dmabuf->resv);
 	}
-	seq_printf(m, "map_err %d\n", con.last_map_err);
+	seq_printf(m, "map_err %d\npin_err %d\n", con.last_map_err,
+		   con.last_pin_err);
+	seq_printf(m, "fence_pending %d\n", !!READ_ONCE(con.fence));
 	seq_printf(m, "sg_nents %u\nsg_first %#llx\nsg_total %#llx\nsg_contiguous %d\n",
 		   con.sg_nents, con.sg_first, con.sg_total, con.sg_contiguous);
+	mutex_lock(&con.nv_lock);
 	seq_printf(m, "nv_held %d\nnv_entries %u\nnv_first_phys %#llx\nnv_first_dma %#llx\n",
 		   !!con.pt, con.nv_entries, con.nv_first_phys, con.nv_first_dma);
 	seq_printf(m, "free_callbacks %u\n", con.free_callbacks);
+	mutex_unlock(&con.nv_lock);
 	mutex_unlock(&con.lock);
 	return 0;
 }
@@ -291,6 +394,7 @@ static void __exit consumer_exit(void)
 {
 	debugfs_remove_recursive(con.dir);
 	mutex_lock(&con.lock);
+	consumer_signal();
 	consumer_dmabuf_release();
 	consumer_nv_release();
 	pci_dev_put(con.nv_dev);

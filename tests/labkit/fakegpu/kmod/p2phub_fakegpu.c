@@ -15,12 +15,31 @@
  *                      demand (P2PHUB_FAKEGPU_FREE).
  *   /dev/p2phub_fakegpu  QUERY, EXPORT_DMABUF, REVOKE, FREE, mmap of BAR2.
  *
+ * It behaves like the real driver where consumers get it wrong most easily:
+ *  - REVOKE of a dma-buf calls move_notify under the reservation lock,
+ *    then waits (lock dropped) for every fence in the reservation object
+ *    before it returns, as an exporter does before it moves memory;
+ *  - the NVIDIA P2P free callback runs under fakegpu_rm_lock, the stand-in
+ *    for the driver's API lock, which get_pages, put_pages and
+ *    dma_map_pages also take (a consumer holding its own lock across those
+ *    while its callback takes that lock deadlocks here, as with NVIDIA);
+ *  - once the callback returns, the table's DMA mappings are unmapped and
+ *    the table is freed (kfree: a consumer that touches it later is a
+ *    use-after-free, which KASAN sees); late calls on a freed table are
+ *    recognised by its address (a small record of freed tables) and
+ *    tolerated, as the real driver's put_pages tolerates them;
+ *  - dma_unmap_pages and free_page_table take only fakegpu_lock (the real
+ *    driver's per-table lock), so they may be called under a consumer lock
+ *    that its callback takes.
+ * callback_delay_ms (debugfs) makes FREE sleep, holding fakegpu_rm_lock,
+ * before it runs the callbacks: tests use it to line up races.
+ *
  * Lock order (outer first):
- *   fakegpu_free_lock     serialises FREE and unbind: owns fg.revoking
+ *   fakegpu_free_lock     serialises FREE and unbind
+ *   fakegpu_rm_lock       the "API lock": get/put_pages, dma_map_pages, FREE
+ *                         (held across free callbacks)
  *   fakegpu_lock          the device, the buffer list, the page tables
  *   dma_buf.resv          per buffer: revoked, mappings, pins
- * Free callbacks run with no lock of ours held, so a consumer may call any
- * nvidia_p2p_* function from inside one.
  *
  * Only one device is driven; bind attributes are suppressed, so the device
  * goes away only at rmmod, when no dma-buf (each holds a module reference)
@@ -33,6 +52,7 @@
 #include <linux/dma-buf.h>
 #include <linux/dma-direction.h>
 #include <linux/dma-mapping.h>
+#include <linux/delay.h>
 #include <linux/dma-resv.h>
 #include <linux/fs.h>
 #include <linux/list.h>
@@ -76,17 +96,21 @@ struct fakegpu {
 
 	struct list_head tables;	/* live page tables: struct fakegpu_pt.node */
 	struct list_head revoking;	/* tables whose free callback is due or running */
-	struct list_head dead;		/* revoked tables, kept until unload */
+	const void *freed[64];		/* addresses of tables freed lately */
+	unsigned int freed_next;
 	u32 ntables, ndma_maps, ncallbacks, nunacked, nlate, nmisuse;
+	u32 nrevoking;			/* tables in FREE, before their callback */
+	u32 callback_delay_ms;		/* debugfs knob */
 };
 
 static DEFINE_MUTEX(fakegpu_free_lock);
+static DEFINE_MUTEX(fakegpu_rm_lock);
+static struct task_struct *fakegpu_rm_owner;	/* holds fakegpu_rm_lock */
 static DEFINE_MUTEX(fakegpu_lock);
 static struct fakegpu fg = {
 	.bufs = LIST_HEAD_INIT(fg.bufs),
 	.tables = LIST_HEAD_INIT(fg.tables),
 	.revoking = LIST_HEAD_INIT(fg.revoking),
-	.dead = LIST_HEAD_INIT(fg.dead),
 };
 
 /* ------------------------------------------------------------------ dma-buf */
@@ -278,13 +302,12 @@ static const struct dma_buf_ops fakegpu_dmabuf_ops = {
 
 enum fakegpu_pt_state {
 	FAKEGPU_PT_LIVE,	/* handed out, callback armed */
-	FAKEGPU_PT_REVOKING,	/* free callback due or running */
-	FAKEGPU_PT_DEAD,	/* callback done; kept so late calls are recognised */
+	FAKEGPU_PT_REVOKING,	/* free callback due or running; freed after */
 };
 
 struct fakegpu_pt {
 	struct nvidia_p2p_page_table pt;	/* what the consumer holds */
-	struct list_head node;		/* fg.tables, fg.revoking or fg.dead */
+	struct list_head node;		/* fg.tables or fg.revoking */
 	enum fakegpu_pt_state state;
 	bool persistent;
 	bool acked;			/* nvidia_p2p_free_page_table() seen */
@@ -292,7 +315,6 @@ struct fakegpu_pt {
 	u64 length;
 	void (*free_callback)(void *data);
 	void *data;
-	struct task_struct *cb_task;	/* running the callback, while REVOKING */
 	struct list_head maps;		/* struct fakegpu_map.node */
 	struct nvidia_p2p_page *page_array;
 	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
@@ -309,10 +331,37 @@ struct fakegpu_map {
 		pr_notice_ratelimited("nvidia_p2p misuse: " fmt, ##__VA_ARGS__); \
 	} while (0)
 
-/* Caller holds fakegpu_lock. Finds a table in any state, or NULL. */
+/* The driver's API lock. */
+static void fakegpu_rm_lock_acquire(void)
+{
+	mutex_lock(&fakegpu_rm_lock);
+	WRITE_ONCE(fakegpu_rm_owner, current);
+}
+
+static void fakegpu_rm_lock_release(void)
+{
+	WRITE_ONCE(fakegpu_rm_owner, NULL);
+	mutex_unlock(&fakegpu_rm_lock);
+}
+
+/*
+ * Called from inside a free callback (this thread holds the API lock): a
+ * call that takes the lock again would deadlock. Refuse it as misuse.
+ */
+static bool fakegpu_in_callback(const char *fn)
+{
+	if (READ_ONCE(fakegpu_rm_owner) != current)
+		return false;
+	mutex_lock(&fakegpu_lock);
+	fakegpu_misuse("%s: called from a free callback\n", fn);
+	mutex_unlock(&fakegpu_lock);
+	return true;
+}
+
+/* Caller holds fakegpu_lock. Finds a live or revoking table, or NULL. */
 static struct fakegpu_pt *fakegpu_pt_find(struct nvidia_p2p_page_table *pt)
 {
-	struct list_head *lists[] = { &fg.tables, &fg.revoking, &fg.dead };
+	struct list_head *lists[] = { &fg.tables, &fg.revoking };
 	struct fakegpu_pt *fpt;
 	unsigned int i;
 
@@ -322,6 +371,25 @@ static struct fakegpu_pt *fakegpu_pt_find(struct nvidia_p2p_page_table *pt)
 			if (&fpt->pt == pt)
 				return fpt;
 	return NULL;
+}
+
+/* Caller holds fakegpu_lock. Whether @pt is a table freed lately. */
+static bool fakegpu_pt_was_freed(const void *pt)
+{
+	unsigned int i;
+
+	lockdep_assert_held(&fakegpu_lock);
+	for (i = 0; i < ARRAY_SIZE(fg.freed); i++)
+		if (pt && fg.freed[i] == pt)
+			return true;
+	return false;
+}
+
+/* Caller holds fakegpu_lock; @fpt is off every list. */
+static void fakegpu_pt_note_freed(struct fakegpu_pt *fpt)
+{
+	lockdep_assert_held(&fakegpu_lock);
+	fg.freed[fg.freed_next++ % ARRAY_SIZE(fg.freed)] = &fpt->pt;
 }
 
 static void fakegpu_pt_free(struct fakegpu_pt *fpt)
@@ -371,6 +439,9 @@ static int fakegpu_get_pages(u64 va, u64 length,
 	u32 entries;
 	int ret;
 
+	if (fakegpu_in_callback("get_pages"))
+		return -EINVAL;
+	fakegpu_rm_lock_acquire();
 	mutex_lock(&fakegpu_lock);
 	if (!page_table) {
 		fakegpu_misuse("get_pages: NULL page_table pointer\n");
@@ -429,12 +500,14 @@ static int fakegpu_get_pages(u64 va, u64 length,
 	fg.ntables++;
 	*page_table = &fpt->pt;
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	return 0;
 
 err_free_pt:
 	fakegpu_pt_free(fpt);
 out_unlock:
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	return ret;
 }
 
@@ -480,30 +553,28 @@ static int fakegpu_put_pages(u64 va, struct nvidia_p2p_page_table *pt,
 
 	if (!pt)
 		return 0;	/* as the real driver */
+	if (fakegpu_in_callback(fn))
+		return -EINVAL;	/* the contract: never put in the callback */
 
+	fakegpu_rm_lock_acquire();
 	mutex_lock(&fakegpu_lock);
 	fpt = fakegpu_pt_find(pt);
 	if (!fpt) {
-		fakegpu_misuse("%s: unknown page table %p\n", fn, pt);
-		ret = -EINVAL;
+		if (fakegpu_pt_was_freed(pt)) {
+			/* After the free callback: the real driver returns 0. */
+			fg.nlate++;
+		} else {
+			fakegpu_misuse("%s: unknown page table %p\n", fn, pt);
+			ret = -EINVAL;
+		}
 		goto out_unlock;
 	}
+	/* Under the API lock a table is never seen mid-callback. */
+	WARN_ON_ONCE(fpt->state != FAKEGPU_PT_LIVE);
 	if (fpt->persistent != persistent) {
 		fakegpu_misuse("%s: page table va %#llx was got with the other variant\n",
 			       fn, fpt->va);
 		ret = -EINVAL;
-		goto out_unlock;
-	}
-	if (fpt->state != FAKEGPU_PT_LIVE) {
-		if (fpt->cb_task == current) {
-			/* The contract: free_page_table in the callback, never put. */
-			fakegpu_misuse("%s: called from the free callback of va %#llx\n",
-				       fn, fpt->va);
-			ret = -EINVAL;
-			goto out_unlock;
-		}
-		/* Raced with, or came after, the free callback: the real driver returns 0. */
-		fg.nlate++;
 		goto out_unlock;
 	}
 	if (va != fpt->va) {
@@ -518,12 +589,15 @@ static int fakegpu_put_pages(u64 va, struct nvidia_p2p_page_table *pt,
 				      fn, fpt->va, dropped);
 	list_del(&fpt->node);
 	fg.ntables--;
+	fakegpu_pt_note_freed(fpt);
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	fakegpu_pt_free(fpt);
 	return 0;
 
 out_unlock:
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	return ret;
 }
 
@@ -562,8 +636,13 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 	mutex_lock(&fakegpu_lock);
 	fpt = page_table ? fakegpu_pt_find(page_table) : NULL;
 	if (!fpt) {
-		fakegpu_misuse("free_page_table: unknown page table %p\n", page_table);
-		ret = -EINVAL;
+		if (fakegpu_pt_was_freed(page_table)) {
+			fg.nlate++;
+		} else {
+			fakegpu_misuse("free_page_table: unknown page table %p\n",
+				       page_table);
+			ret = -EINVAL;
+		}
 	} else if (fpt->state == FAKEGPU_PT_LIVE) {
 		fakegpu_misuse("free_page_table: va %#llx is live, release it with put_pages\n",
 			       fpt->va);
@@ -585,6 +664,9 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	u32 i, n;
 	int ret;
 
+	if (fakegpu_in_callback("dma_map_pages"))
+		return -EINVAL;
+	fakegpu_rm_lock_acquire();
 	mutex_lock(&fakegpu_lock);
 	if (!peer || !page_table || !dma_mapping) {
 		fakegpu_misuse("dma_map_pages: NULL argument\n");
@@ -593,12 +675,18 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	}
 	*dma_mapping = NULL;
 	fpt = fakegpu_pt_find(page_table);
-	if (!fpt || fpt->state != FAKEGPU_PT_LIVE) {
-		fakegpu_misuse("dma_map_pages: page table %p is %s\n", page_table,
-			       fpt ? "revoked" : "unknown");
+	if (!fpt) {
+		if (fakegpu_pt_was_freed(page_table)) {
+			/* The real driver's open window (a use-after-free). */
+			fg.nlate++;
+		} else {
+			fakegpu_misuse("dma_map_pages: unknown page table %p\n",
+				       page_table);
+		}
 		ret = -EINVAL;
 		goto out_unlock;
 	}
+	WARN_ON_ONCE(fpt->state != FAKEGPU_PT_LIVE);
 	n = fpt->pt.entries;
 
 	ret = -ENOMEM;
@@ -635,6 +723,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	fg.ndma_maps++;
 	*dma_mapping = &fm->m;
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	return 0;
 
 err_unmap:
@@ -647,6 +736,7 @@ err_free_map:
 	kfree(fm);
 out_unlock:
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
 	return ret;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_dma_map_pages);
@@ -663,6 +753,7 @@ static struct fakegpu_map *fakegpu_map_find(struct fakegpu_pt *fpt,
 	return NULL;
 }
 
+/* Takes only the table's lock (fakegpu_lock here), as the real driver. */
 int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 			       struct nvidia_p2p_page_table *page_table,
 			       struct nvidia_p2p_dma_mapping *dma_mapping)
@@ -679,7 +770,10 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 	}
 	fpt = fakegpu_pt_find(page_table);
 	if (!fpt) {
-		fakegpu_misuse("dma_unmap_pages: unknown page table %p\n", page_table);
+		/* The real driver would down() a freed semaphore here. */
+		fakegpu_misuse("dma_unmap_pages: %s page table %p\n",
+			       fakegpu_pt_was_freed(page_table) ? "freed" : "unknown",
+			       page_table);
 		ret = -EINVAL;
 		goto out_unlock;
 	}
@@ -690,7 +784,7 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 				       dma_mapping, fpt->va);
 			ret = -EINVAL;
 		} else {
-			fg.nlate++;	/* the free path unmapped it: 0, as the real driver */
+			fg.nlate++;
 		}
 		goto out_unlock;
 	}
@@ -729,29 +823,35 @@ EXPORT_SYMBOL_GPL(nvidia_p2p_destroy_mapping);
 
 /*
  * Fire the free callback of every live, non-persistent table overlapping
- * [va, end), as the GPU driver does on cudaFree(). Caller holds
- * fakegpu_free_lock, which makes fg.revoking ours alone. Returns the number
- * of callbacks run.
+ * [va, end), as the GPU driver does on cudaFree(): under the API lock,
+ * then unmap what the consumers left and free the tables. Caller holds
+ * fakegpu_free_lock. Returns the number of callbacks run.
  */
 static unsigned int fakegpu_nv_revoke(u64 va, u64 end)
 {
 	struct fakegpu_pt *fpt, *tmp;
 	unsigned int n = 0, dropped;
+	LIST_HEAD(dead);
 
 	lockdep_assert_held(&fakegpu_free_lock);
+	fakegpu_rm_lock_acquire();
 	mutex_lock(&fakegpu_lock);
 	list_for_each_entry_safe(fpt, tmp, &fg.tables, node) {
 		if (fpt->persistent || fpt->va >= end || fpt->va + fpt->length <= va)
 			continue;
 		fpt->state = FAKEGPU_PT_REVOKING;
-		fpt->cb_task = current;
 		list_move_tail(&fpt->node, &fg.revoking);
 		fg.ntables--;
 		n++;
 	}
+	fg.nrevoking = n;
 	mutex_unlock(&fakegpu_lock);
 
+	if (n && READ_ONCE(fg.callback_delay_ms))
+		msleep(READ_ONCE(fg.callback_delay_ms));
+
 	/* Only this path moves tables out of fg.revoking: walk it unlocked. */
+	WRITE_ONCE(fg.nrevoking, 0);
 	list_for_each_entry(fpt, &fg.revoking, node)
 		fpt->free_callback(fpt->data);
 
@@ -766,12 +866,16 @@ static unsigned int fakegpu_nv_revoke(u64 va, u64 end)
 		if (dropped)
 			pr_debug("free of va %#llx unmapped %u DMA mapping(s)\n",
 				 fpt->va, dropped);
-		fpt->state = FAKEGPU_PT_DEAD;
-		fpt->cb_task = NULL;
-		list_move_tail(&fpt->node, &fg.dead);
+		list_move_tail(&fpt->node, &dead);
+		fakegpu_pt_note_freed(fpt);
 		fg.ncallbacks++;
 	}
 	mutex_unlock(&fakegpu_lock);
+	fakegpu_rm_lock_release();
+
+	/* Gone, as in the real driver: later use by a consumer is a UAF. */
+	list_for_each_entry_safe(fpt, tmp, &dead, node)
+		fakegpu_pt_free(fpt);
 	return n;
 }
 
@@ -784,8 +888,7 @@ static void fakegpu_nv_teardown(void)
 	if (fg.ntables)
 		pr_err("p2phub: leak: %u NVIDIA P2P page table(s) never released\n",
 		       fg.ntables);
-	list_splice_tail_init(&fg.tables, &fg.dead);
-	list_for_each_entry_safe(fpt, tmp, &fg.dead, node) {
+	list_for_each_entry_safe(fpt, tmp, &fg.tables, node) {
 		fakegpu_pt_drop_maps(fpt);
 		list_del(&fpt->node);
 		fakegpu_pt_free(fpt);
@@ -964,6 +1067,18 @@ static long fakegpu_ioctl_revoke(void __user *uarg)
 		/* Reaches every dynamic importer, CONFIG_DMABUF_MOVE_NOTIFY or not. */
 		dma_buf_move_notify(dmabuf);
 	}
+	dma_resv_unlock(dmabuf->resv);
+
+	/*
+	 * As an exporter does before it moves memory: wait for the fences the
+	 * importers added (work still using the old mapping).
+	 */
+	if (dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP, true,
+				  MAX_SCHEDULE_TIMEOUT) < 0) {
+		ret = -EINTR;
+		goto out_put;
+	}
+	dma_resv_lock(dmabuf->resv, NULL);
 	args.mappings_left = buf->mappings;
 	args.pins_left = buf->pins;
 	dma_resv_unlock(dmabuf->resv);
@@ -1063,6 +1178,8 @@ static int fakegpu_state_show(struct seq_file *m, void *unused)
 	seq_printf(m, "nv page_tables %u dma_mappings %u callbacks %u unacked %u late %u misuse %u\n",
 		   fg.ntables, fg.ndma_maps, fg.ncallbacks, fg.nunacked,
 		   fg.nlate, fg.nmisuse);
+	/* FREE holds the API lock and has not run these callbacks yet. */
+	seq_printf(m, "nv waiting_callbacks %u\n", READ_ONCE(fg.nrevoking));
 #ifdef P2PHUB_FAKEGPU_NV_P2P
 	{
 		struct fakegpu_pt *fpt;
@@ -1123,6 +1240,8 @@ static int fakegpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 
 	fg.debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
 	debugfs_create_file("state", 0444, fg.debugfs, NULL, &fakegpu_state_fops);
+	debugfs_create_u32("callback_delay_ms", 0644, fg.debugfs,
+			   &fg.callback_delay_ms);
 
 	dev_info(&pdev->dev, "stand-in GPU: BAR%d %pR, fake GPU VA %#llx%s\n",
 		 FAKEGPU_BAR, &pdev->resource[FAKEGPU_BAR], P2PHUB_FAKEGPU_VA_BASE,

@@ -1,11 +1,16 @@
-"""The lab's stand-in GPU (tests/kmod/p2phub_fakegpu.ko) from Python.
+"""The lab's stand-in GPU (kmod/p2phub_fakegpu.ko beside this package) from Python.
 
 `FakeGpu` drives /dev/p2phub_fakegpu: export BAR ranges as dma-bufs, revoke
 them, fire NVIDIA P2P free callbacks (FREE), count what is outstanding
 (QUERY), and map the BAR (the GPU's own view of its memory). `GpuFile` reads
 and writes the host file behind the BAR, the independent side for data
-checks. The ctypes structs mirror tests/kmod/p2phub_fakegpu.h; the unit
-tests compare them with the header.
+checks. The ctypes structs mirror kmod/p2phub_fakegpu.h, the one Python
+mirror of it; the unit tests compare them with the header.
+
+`GpuMemory` (``FakeGpu.memory(offset, length)``) is a range of the stand-in's
+memory as an application holds it: p2phub reaches it through this package's
+backend plugin (p2phub_fakegpu.backend, entry point ``p2phub.backends``), the
+way it reaches a vendor's GPU memory.
 """
 
 from __future__ import annotations
@@ -211,10 +216,20 @@ class FakeGpu:
         """The fake GPU VA of BAR2 offset `offset` (what nvidia_p2p_get_pages takes)."""
         return VA_BASE + offset
 
+    def memory(self, offset: int, length: int) -> "GpuMemory":
+        """BAR2 bytes [offset, offset + length) as an allocation `hub.register()` accepts."""
+        if offset < 0 or length <= 0:
+            raise ValueError(f"stand-in memory [{offset:#x}, +{length:#x}): bad range")
+        return GpuMemory(self, offset, length)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
 
     def __enter__(self) -> "FakeGpu":
         return self
@@ -225,6 +240,19 @@ class FakeGpu:
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
             self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class GpuMemory:
+    """A range of the stand-in GPU's memory, as a tensor or a cuMemAlloc'd pointer is on a GPU."""
+
+    gpu: FakeGpu
+    offset: int
+    length: int
+
+    @property
+    def va(self) -> int:
+        return VA_BASE + self.offset
 
 
 class GpuFile:

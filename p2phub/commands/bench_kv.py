@@ -1,0 +1,221 @@
+"""`p2phub bench kv`: KV transfer over TCP loopback, p2phub next to its peers, in one run.
+
+For each page size, each run starts a target and an initiator process per method and
+moves --total bytes per transfer (--iters timed transfers after one warm-up), every page
+to a scattered place on the target; the target checks every byte of the last transfer.
+Methods: raw (one socket stream of the same bytes into one buffer: the ceiling), p2phub
+(p2phub.kv.Agent, a request of 4 layers x K/V), nixl (nixl-cu12, UCX forced to tcp, prepped
+lists), mooncake (Transfer Engine, tcp, P2PHANDSHAKE, batches of 512). Methods whose
+package is missing are reported as skipped. Ratios are against raw, run by run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+SCHEMA = "p2phub.bench.kv/1"
+METHODS = ("raw", "p2phub", "nixl", "mooncake")
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+
+
+def add_parser(sub: Any) -> None:
+    k = sub.add_parser("kv", help="KV transfer over TCP loopback: p2phub vs NIXL, Mooncake and a raw stream")
+    k.add_argument("--blocks", default="64K,1M", help="page sizes, comma-separated (default 64K,1M)")
+    k.add_argument("--total", default="64M", help="bytes per transfer (default 64M)")
+    k.add_argument("--iters", type=int, default=8, help="timed transfers per run (default 8)")
+    k.add_argument("--runs", type=int, default=5, help="runs per method and size (default 5)")
+    k.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
+    k.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _available(method: str) -> str | None:
+    mod = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}.get(method)
+    if mod is None:
+        return None
+    try:
+        r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"import {mod} timed out"
+    if r.returncode:
+        return f"import {mod} failed: {r.stderr.decode(errors='replace').strip().splitlines()[-1:]}"
+    return None
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR", GLOG_minloglevel="2",
+               MC_LOG_LEVEL="ERROR")
+    return env
+
+
+def run_pair(method: str, total: int, block: int, iters: int, timeout: float) -> dict:
+    """One run of one method: {"gbps", "bytes_ok"} or {"error"}."""
+    cmd = [sys.executable, "-m", "p2phub.kv.benchpeer", "--method", method, "--total", str(total),
+           "--block", str(block), "--iters", str(iters)]
+    env = _env()
+    procs: list[subprocess.Popen] = []
+
+    def spawn(role: str) -> subprocess.Popen:
+        p = subprocess.Popen(cmd + ["--role", role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(p)
+        return p
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    timer = threading.Timer(timeout, kill_all)
+    timer.start()
+    try:
+        tgt = spawn("target")
+        line = tgt.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            return {"error": f"target: {_tail(tgt)}"}
+        ini = spawn("initiator")
+        ini.stdin.write(line)  # type: ignore[union-attr]
+        ini.stdin.flush()  # type: ignore[union-attr]
+        md = ini.stdout.readline()  # type: ignore[union-attr]
+        if not md:
+            return {"error": f"initiator: {_tail(ini)}"}
+        tgt.stdin.write(md)  # type: ignore[union-attr]
+        tgt.stdin.flush()  # type: ignore[union-attr]
+        res = ini.stdout.readline()  # type: ignore[union-attr]
+        if not res:
+            return {"error": f"initiator: {_tail(ini)}"}
+        tgt.stdin.write(res)  # type: ignore[union-attr]
+        tgt.stdin.flush()  # type: ignore[union-attr]
+        tres = tgt.stdout.readline()  # type: ignore[union-attr]
+        if not tres:
+            return {"error": f"target: {_tail(tgt)}"}
+        r, t = json.loads(res), json.loads(tres)
+        return {"gbps": r["bytes"] / r["seconds"] / 1e9, "bytes_ok": bool(t["bytes_ok"])}
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        timer.cancel()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _tail(p: subprocess.Popen) -> str:
+    try:
+        p.wait(5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    err = (p.stderr.read() if p.stderr else "") or ""
+    return f"exit {p.returncode}: " + " | ".join(err.strip().splitlines()[-3:])
+
+
+def bench(args: argparse.Namespace, progress: Any = None) -> dict:
+    total = _size(args.total)
+    blocks = [_size(b) for b in args.blocks.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r} (one of {', '.join(METHODS)})")
+    if "raw" not in methods:
+        methods.insert(0, "raw")
+    for b in blocks:
+        if b <= 0 or total % (8 * b):
+            raise ValueError(f"--total {total} must be a multiple of 8 pages of {b} bytes")
+    skipped = {m: why for m in methods if (why := _available(m))}
+    live = [m for m in methods if m not in skipped]
+    task = progress.add_task("kv bench", total=len(blocks) * args.runs * len(live)) if progress else None
+    results = []
+    for block in blocks:
+        runs: dict[str, list[dict]] = {m: [] for m in live}
+        for r in range(args.runs):
+            for m in live:  # interleaved, so every method sees the same machine noise
+                if progress:
+                    progress.update(task, description=f"{block >> 10} KiB run {r + 1}/{args.runs}: {m}")
+                runs[m].append(run_pair(m, total, block, args.iters, args.timeout))
+                if progress:
+                    progress.advance(task)
+        entry: dict[str, Any] = {"block": block, "pages": total // block, "methods": {}}
+        raw_runs = runs["raw"]
+        for m in live:
+            rs = runs[m]
+            good = [x["gbps"] for x in rs if "gbps" in x]
+            ratios = [x["gbps"] / y["gbps"] for x, y in zip(rs, raw_runs) if "gbps" in x and "gbps" in y]
+            entry["methods"][m] = {
+                "gbps_runs": [round(g, 3) for g in good],
+                "median_gbps": round(statistics.median(good), 3) if good else None,
+                "min_gbps": round(min(good), 3) if good else None,
+                "max_gbps": round(max(good), 3) if good else None,
+                "ratio_to_raw_median": round(statistics.median(ratios), 3) if ratios else None,
+                "bytes_ok": all(x.get("bytes_ok") for x in rs if "gbps" in x) and bool(good),
+                "errors": [x["error"] for x in rs if "error" in x],
+            }
+        for m, why in skipped.items():
+            entry["methods"][m] = {"skipped": why}
+        results.append(entry)
+    return {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
+        "total_bytes": total, "iters": args.iters, "runs": args.runs,
+        "transport": "TCP over 127.0.0.1, two processes per method",
+        "ratio": "method GB/s / raw GB/s of the same run, median over runs",
+        "results": results,
+    }
+
+
+def _render(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"KV transfer, TCP loopback, {report['total_bytes'] >> 20} MiB per transfer, "
+                    f"{report['iters']} transfers x {report['runs']} runs (GB/s = 1e9 B/s)")
+    for col in ("page", "method", "median GB/s", "min", "max", "x raw", "bytes"):
+        t.add_column(col, justify="right")
+    for e in report["results"]:
+        for m, r in e["methods"].items():
+            if "skipped" in r:
+                t.add_row(f"{e['block'] >> 10} KiB", m, "skipped", "", "", "", r["skipped"][:40])
+                continue
+            f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            t.add_row(f"{e['block'] >> 10} KiB", m, f(r["median_gbps"]), f(r["min_gbps"]),
+                      f(r["max_gbps"]), f(r["ratio_to_raw_median"]),
+                      "ok" if r["bytes_ok"] else ("ERR " + "; ".join(r["errors"])[:60]))
+    Console().print(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as prog:
+            report = bench(args, prog)
+    except ValueError as exc:
+        print(f"p2phub bench kv: {exc}", file=sys.stderr)
+        return 4
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _render(report)
+    bad = [m for e in report["results"] for m, r in e["methods"].items()
+           if "skipped" not in r and not r["bytes_ok"]]
+    return 1 if bad else 0

@@ -1,0 +1,377 @@
+// SPDX-License-Identifier: GPL-2.0-only OR MIT
+/* KV transfer hot path (see _kvhot.h). Called through cffi, which releases the GIL. */
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "_kvhot.h"
+
+#define KV_IOV_BATCH 1024
+
+long kv_plan(const int32_t *lids, const int32_t *rids, size_t n,
+             uint64_t laddr, uint64_t lblocks, uint32_t rseg, uint64_t rbase, uint64_t rblocks,
+             uint64_t bbytes, struct kv_iov *liov, struct kv_wire *wire, size_t cap, size_t *bad)
+{
+	size_t out = 0, i;
+	int64_t pl = -2, pr = -2;
+
+	for (i = 0; i < n; i++) {
+		int64_t l = lids[i], r = rids[i];
+
+		if (l < 0 || (uint64_t)l >= lblocks || r < 0 || (uint64_t)r >= rblocks) {
+			*bad = i;
+			return -ERANGE;
+		}
+		if (out && l == pl + 1 && r == pr + 1) {
+			liov[out - 1].len += bbytes;
+			wire[out - 1].len += bbytes;
+		} else {
+			if (out == cap)
+				return -ENOSPC;
+			liov[out].addr = laddr + (uint64_t)l * bbytes;
+			liov[out].len = bbytes;
+			wire[out].seg = rseg;
+			wire[out].flags = 0;
+			wire[out].off = rbase + (uint64_t)r * bbytes;
+			wire[out].len = bbytes;
+			out++;
+		}
+		pl = l;
+		pr = r;
+	}
+	return (long)out;
+}
+
+long kv_plan_descs(const int32_t *lidx, const int32_t *ridx, size_t n,
+                   const struct kv_iov *ltab, size_t nl, const struct kv_wire *rtab, size_t nr,
+                   struct kv_iov *liov, struct kv_wire *wire, size_t cap, size_t *bad,
+                   uint64_t *total)
+{
+	size_t out = 0, i;
+
+	*total = 0;
+	for (i = 0; i < n; i++) {
+		int32_t l = lidx[i], r = ridx[i];
+		const struct kv_iov *L;
+		const struct kv_wire *R;
+
+		if (l < 0 || (size_t)l >= nl || r < 0 || (size_t)r >= nr) {
+			*bad = i;
+			return -ERANGE;
+		}
+		L = &ltab[l];
+		R = &rtab[r];
+		if (L->len != R->len) {
+			*bad = i;
+			return -EINVAL;
+		}
+		*total += L->len;
+		if (out && liov[out - 1].addr + liov[out - 1].len == L->addr &&
+		    wire[out - 1].seg == R->seg && wire[out - 1].off + wire[out - 1].len == R->off) {
+			liov[out - 1].len += L->len;
+			wire[out - 1].len += R->len;
+			continue;
+		}
+		if (out == cap)
+			return -ENOSPC;
+		liov[out] = *L;
+		wire[out] = *R;
+		wire[out].flags = 0;
+		out++;
+	}
+	return (long)out;
+}
+
+static int wait_fd(int fd, short events, int timeout_ms)
+{
+	struct pollfd p = { .fd = fd, .events = events };
+	int rc;
+
+	do {
+		rc = poll(&p, 1, timeout_ms);
+	} while (rc < 0 && errno == EINTR);
+	if (rc < 0)
+		return -errno;
+	if (rc == 0)
+		return -ETIMEDOUT;
+	if ((p.revents & (POLLERR | POLLNVAL)) && !(p.revents & events))
+		return -ECONNRESET;
+	return 0;
+}
+
+/* The k-th piece of the message: hdr, the run table, then the payload ranges. */
+struct msg {
+	const void *hdr;
+	size_t hdrlen;
+	const void *wire;
+	size_t wirelen;
+	const struct kv_iov *iov;
+	size_t niov;
+};
+
+static size_t msg_pieces(const struct msg *m) { return 2 + m->niov; }
+
+static void msg_piece(const struct msg *m, size_t k, char **base, size_t *len)
+{
+	if (k == 0) {
+		*base = (char *)m->hdr;
+		*len = m->hdrlen;
+	} else if (k == 1) {
+		*base = (char *)m->wire;
+		*len = m->wirelen;
+	} else {
+		*base = (char *)(uintptr_t)m->iov[k - 2].addr;
+		*len = m->iov[k - 2].len;
+	}
+}
+
+long kv_send(int fd, const void *hdr, size_t hdrlen, const struct kv_wire *wire, size_t nwire,
+             const struct kv_iov *iov, size_t niov, int timeout_ms)
+{
+	struct msg m = { hdr, hdrlen, wire, nwire * sizeof(*wire), iov, niov };
+	struct iovec vec[KV_IOV_BATCH];
+	size_t k = 0, skip = 0, total = 0, pieces = msg_pieces(&m);
+
+	while (k < pieces) {
+		struct msghdr mh = { 0 };
+		size_t nv = 0, j = k, first_skip = skip;
+		ssize_t sent;
+
+		for (; j < pieces && nv < KV_IOV_BATCH; j++) {
+			char *b;
+			size_t l;
+
+			msg_piece(&m, j, &b, &l);
+			if (j == k) {
+				b += first_skip;
+				l -= first_skip;
+			}
+			if (!l)
+				continue;
+			vec[nv].iov_base = b;
+			vec[nv].iov_len = l;
+			nv++;
+		}
+		if (!nv)
+			break;
+		mh.msg_iov = vec;
+		mh.msg_iovlen = nv;
+		sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (sent < 0) {
+			int rc;
+
+			if (errno == EINTR)
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				return -errno;
+			rc = wait_fd(fd, POLLOUT, timeout_ms);
+			if (rc)
+				return rc;
+			continue;
+		}
+		total += (size_t)sent;
+		/* Advance (k, skip) by sent bytes. */
+		while (sent > 0 && k < pieces) {
+			char *b;
+			size_t l;
+
+			msg_piece(&m, k, &b, &l);
+			if ((size_t)sent >= l - skip) {
+				sent -= (ssize_t)(l - skip);
+				k++;
+				skip = 0;
+			} else {
+				skip += (size_t)sent;
+				sent = 0;
+			}
+		}
+		/* Skip empty pieces. */
+		while (k < pieces) {
+			char *b;
+			size_t l;
+
+			msg_piece(&m, k, &b, &l);
+			if (l > skip)
+				break;
+			k++;
+			skip = 0;
+		}
+	}
+	return (long)(total > LONG_MAX ? LONG_MAX : total);
+}
+
+long kv_recv_exact(int fd, void *buf, size_t len, int timeout_ms)
+{
+	size_t got = 0;
+
+	while (got < len) {
+		ssize_t r = recv(fd, (char *)buf + got, len - got, MSG_DONTWAIT);
+
+		if (r > 0) {
+			got += (size_t)r;
+			continue;
+		}
+		if (r == 0)
+			return -ENOTCONN;
+		if (errno == EINTR)
+			continue;
+		if (errno != EAGAIN && errno != EWOULDBLOCK)
+			return -errno;
+		r = wait_fd(fd, POLLIN, timeout_ms);
+		if (r)
+			return (long)r;
+	}
+	return (long)got;
+}
+
+long kv_recv_runs(int fd, const struct kv_iov *segs, uint32_t nsegs, const struct kv_wire *wire,
+                  size_t nwire, uint64_t total, int timeout_ms, size_t *bad)
+{
+	struct iovec vec[KV_IOV_BATCH];
+	uint64_t sum = 0;
+	size_t k = 0, skip = 0, i;
+
+	for (i = 0; i < nwire; i++) {
+		const struct kv_wire *w = &wire[i];
+
+		if (w->seg >= nsegs || w->len == 0 || w->off > segs[w->seg].len ||
+		    w->len > segs[w->seg].len - w->off || w->flags != 0 ||
+		    sum + w->len < sum) {
+			*bad = i;
+			return -EINVAL;
+		}
+		sum += w->len;
+	}
+	if (sum != total) {
+		*bad = nwire;
+		return -EINVAL;
+	}
+	while (k < nwire) {
+		size_t nv = 0, j;
+		ssize_t r;
+
+		for (j = k; j < nwire && nv < KV_IOV_BATCH; j++) {
+			vec[nv].iov_base = (char *)(uintptr_t)(segs[wire[j].seg].addr + wire[j].off) +
+					   (j == k ? skip : 0);
+			vec[nv].iov_len = wire[j].len - (j == k ? skip : 0);
+			nv++;
+		}
+		r = readv(fd, vec, (int)nv);
+		if (r == 0)
+			return -ENOTCONN;
+		if (r < 0) {
+			long rc;
+
+			if (errno == EINTR)
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				return -errno;
+			rc = wait_fd(fd, POLLIN, timeout_ms);
+			if (rc)
+				return rc;
+			continue;
+		}
+		while (r > 0 && k < nwire) {
+			uint64_t left = wire[k].len - skip;
+
+			if ((uint64_t)r >= left) {
+				r -= (ssize_t)left;
+				k++;
+				skip = 0;
+			} else {
+				skip += (size_t)r;
+				r = 0;
+			}
+		}
+	}
+	return (long)(total > LONG_MAX ? LONG_MAX : total);
+}
+
+long kv_recv_iov(int fd, const struct kv_iov *iov, size_t niov, int timeout_ms)
+{
+	struct iovec vec[KV_IOV_BATCH];
+	size_t k = 0, skip = 0;
+	uint64_t got = 0;
+
+	while (k < niov) {
+		size_t nv = 0, j;
+		ssize_t r;
+
+		for (j = k; j < niov && nv < KV_IOV_BATCH; j++) {
+			vec[nv].iov_base = (char *)(uintptr_t)iov[j].addr + (j == k ? skip : 0);
+			vec[nv].iov_len = iov[j].len - (j == k ? skip : 0);
+			nv++;
+		}
+		r = readv(fd, vec, (int)nv);
+		if (r == 0)
+			return -ENOTCONN;
+		if (r < 0) {
+			long rc;
+
+			if (errno == EINTR)
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				return -errno;
+			rc = wait_fd(fd, POLLIN, timeout_ms);
+			if (rc)
+				return rc;
+			continue;
+		}
+		got += (uint64_t)r;
+		while (r > 0 && k < niov) {
+			uint64_t left = iov[k].len - skip;
+
+			if ((uint64_t)r >= left) {
+				r -= (ssize_t)left;
+				k++;
+				skip = 0;
+			} else {
+				skip += (size_t)r;
+				r = 0;
+			}
+		}
+	}
+	return (long)(got > LONG_MAX ? LONG_MAX : got);
+}
+
+long kv_runs_to_iov(const struct kv_iov *segs, uint32_t nsegs, const struct kv_wire *wire,
+                    size_t nwire, struct kv_iov *iov, size_t *bad, uint64_t *total)
+{
+	uint64_t sum = 0;
+	size_t i;
+
+	for (i = 0; i < nwire; i++) {
+		const struct kv_wire *w = &wire[i];
+
+		if (w->seg >= nsegs || w->len == 0 || w->off > segs[w->seg].len ||
+		    w->len > segs[w->seg].len - w->off || w->flags != 0 || sum + w->len < sum) {
+			*bad = i;
+			return -EINVAL;
+		}
+		iov[i].addr = segs[w->seg].addr + w->off;
+		iov[i].len = w->len;
+		sum += w->len;
+	}
+	*total = sum;
+	return (long)nwire;
+}
+
+long kv_discard(int fd, uint64_t n, int timeout_ms)
+{
+	char scratch[65536];
+
+	while (n) {
+		size_t want = n < sizeof(scratch) ? (size_t)n : sizeof(scratch);
+		long r = kv_recv_exact(fd, scratch, want, timeout_ms);
+
+		if (r < 0)
+			return r;
+		n -= want;
+	}
+	return 0;
+}

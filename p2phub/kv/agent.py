@@ -1,0 +1,527 @@
+"""The KV transfer agent: one per process, in the vocabulary serving stacks already use.
+
+    a = Agent("prefill-0", pool=pool)            # registers the pool's segments
+    b_md = rendezvous.lookup("decode-0")          # or a.handshake(host, port)
+    peer = a.add_remote(b_md)
+    x = a.send_request(peer, req=7, local_blocks=[3, 4, 9], remote_blocks=[12, 13, 40],
+                       notif=b"req-7")            # one message per layer, posted
+    x.wait(timeout=10)                            # or x.state == "DONE", or await x
+
+    # on the decode side
+    r = b.expect("prefill-0", 7)
+    r.layer(0).wait(5)                           # layer 0 has landed: decode may start
+    r.done.wait(5)                               # every layer has landed
+    b.get_new_notifs()                           # {"prefill-0": [b"req-7"]}
+
+Lower level, as in NIXL: ``prep_local`` / ``prep_remote`` make descriptor lists once, and
+``make_xfer(peer, local, lidx, remote, ridx, notif)`` builds a transfer by index that
+``post`` sends (and can send again once it is done).
+
+Every wait has a deadline: a peer that dies or stalls for ``stall_timeout`` seconds fails
+its transfers on both sides (KVPeerError); a failed request never completes its fences;
+connections to other peers and the pool stay usable, and the next transfer to the peer
+connects anew (``add_remote`` the metadata of a restarted peer first).
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import itertools
+import json
+import os
+import socket
+import threading
+from typing import Any, Iterable, Sequence
+
+from ..errors import UsageError
+from . import transport as tp
+from .errors import KVError, KVPeerError
+from .layout import KVLayout
+from .pool import KVPool
+
+__all__ = ["Agent", "DescList", "RemoteAgent"]
+
+METADATA_VERSION = 1
+
+
+class RemoteAgent:
+    """What one peer published: its endpoint, segments and KV layout."""
+
+    def __init__(self, md: dict) -> None:
+        try:
+            if md.get("v") != METADATA_VERSION:
+                raise UsageError(f"KV metadata version {md.get('v')!r}, want {METADATA_VERSION}")
+            self.name = str(md["name"])
+            self.host = str(md["host"])
+            self.port = int(md["port"])
+            self.incarnation = int(md["incarnation"])
+            self.segments = [(int(a), int(n)) for a, n in md["segments"]]
+            self.layout = KVLayout.from_dict(md["layout"]) if md.get("layout") else None
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(f"KV metadata is malformed: {exc!r}") from None
+
+    def find(self, addr: int, length: int) -> tuple[int, int]:
+        for i, (a, n) in enumerate(self.segments):
+            if a <= addr and addr + length <= a + n:
+                return i, addr - a
+        raise UsageError(f"remote range {addr:#x}+{length} is in no segment {self.name!r} registered")
+
+
+class DescList:
+    """A prepared descriptor list: local (address, length) or remote (segment, offset, length)."""
+
+    def __init__(self, agent: "Agent", peer: str | None, table: Any, count: int,
+                 descs: list[tuple[int, int]]) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.table = table
+        self.count = count
+        self.descs = descs
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def _int32(values: Iterable[int] | array.array) -> array.array:
+    if isinstance(values, array.array) and values.typecode == "i":
+        return values
+    try:
+        return array.array("i", values)
+    except (OverflowError, TypeError) as exc:
+        raise UsageError(f"block/descriptor indices must be int32s: {exc}") from None
+
+
+class Agent:
+    """A KV transfer agent over TCP. ``stall_timeout``: seconds without progress after which
+    a peer counts as dead or stalled (its transfers fail on both sides)."""
+
+    def __init__(self, name: str, pool: KVPool | None = None, host: str = "127.0.0.1",
+                 port: int = 0, stall_timeout: float = 5.0) -> None:
+        if not name or not isinstance(name, str):
+            raise UsageError("agent name must be a non-empty string")
+        if stall_timeout <= 0:
+            raise UsageError(f"stall_timeout={stall_timeout} must be > 0")
+        self.name = name
+        self.stall_timeout = float(stall_timeout)
+        self.incarnation = int.from_bytes(os.urandom(6), "little")
+        self._lock = threading.RLock()
+        self._segments: list[tuple[int, int]] = []
+        self._segc: Any = None
+        self._remotes: dict[str, RemoteAgent] = {}
+        self._out: dict[str, tp.Connection] = {}
+        self._in: dict[str, tp.Connection] = {}
+        self._inbound_reqs: dict[tuple[str, int], tp.InboundRequest] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._notif_cv = threading.Condition(self._lock)
+        self._xids = itertools.count(1)
+        self._closed = False
+        self.pool: KVPool | None = None
+        self.layout: KVLayout | None = None
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"kv-accept-{name}")
+        self._accept_thread.start()
+        if pool is not None:
+            self.register_pool(pool)
+
+    # ------------------------------------------------------------------ memory
+    def register_memory(self, addr: int, length: int) -> int:
+        """Register a host range for transfers; returns its segment index."""
+        if addr <= 0 or length <= 0:
+            raise UsageError(f"register_memory: address {addr:#x} / length {length} must be > 0")
+        h = tp.hot()
+        with self._lock:
+            self._segments.append((addr, length))
+            c = h.ffi.new("struct kv_iov[]", len(self._segments))
+            for i, (a, n) in enumerate(self._segments):
+                c[i].addr, c[i].len = a, n
+            self._segc = c
+            return len(self._segments) - 1
+
+    def register_pool(self, pool: KVPool) -> None:
+        """Register every segment of `pool` (once); its layout is published with the metadata."""
+        if self.pool is not None:
+            raise UsageError(f"agent {self.name!r} already has a KV pool")
+        if pool.device != "cpu":
+            raise UsageError(f"the TCP transport moves host memory only; this pool is on "
+                             f"{pool.device} (use the RDMA transport, or a host staging pool)")
+        if self._segments:
+            raise UsageError("register the KV pool before any other memory (segment ids 0..n-1)")
+        for s in pool.segments:
+            self.register_memory(s.addr, s.length)
+        self.pool = pool
+        self.layout = pool.layout
+
+    def _seg_table(self) -> tuple[Any, int]:
+        with self._lock:
+            return (self._segc if self._segc is not None else tp.hot().ffi.NULL), len(self._segments)
+
+    # ------------------------------------------------------------------ metadata
+    def metadata(self) -> bytes:
+        """This agent as bytes for a peer's add_remote (endpoint, segments, layout)."""
+        return json.dumps({
+            "v": METADATA_VERSION, "name": self.name, "host": self.host, "port": self.port,
+            "incarnation": self.incarnation, "segments": self._segments,
+            "layout": self.layout.to_dict() if self.layout else None,
+        }).encode()
+
+    def add_remote(self, md: bytes | str | dict) -> str:
+        """Load a peer's metadata (replacing what was known of it: a restarted peer)."""
+        if isinstance(md, (bytes, str)):
+            try:
+                md = json.loads(md)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"KV metadata is not JSON: {exc}") from None
+        if not isinstance(md, dict):
+            raise UsageError("KV metadata must be a JSON object")
+        ra = RemoteAgent(md)
+        if ra.name == self.name and ra.incarnation == self.incarnation:
+            raise UsageError("add_remote: that is this agent's own metadata")
+        with self._lock:
+            old = self._remotes.get(ra.name)
+            self._remotes[ra.name] = ra
+            stale = self._out.pop(ra.name, None) if old and old.incarnation != ra.incarnation else None
+        if stale is not None:
+            stale.close()
+        return ra.name
+
+    def remove_remote(self, name: str) -> None:
+        with self._lock:
+            self._remotes.pop(name, None)
+            conn = self._out.pop(name, None)
+        if conn is not None:
+            conn.close()
+
+    def remote(self, name: str) -> RemoteAgent:
+        with self._lock:
+            ra = self._remotes.get(name)
+        if ra is None:
+            raise UsageError(f"unknown KV peer {name!r}: add_remote() its metadata first")
+        return ra
+
+    def handshake(self, host: str, port: int, timeout: float | None = None) -> str:
+        """Direct TCP handshake with the agent listening at host:port, nothing else needed:
+        each side learns the other's metadata. Returns the peer's name."""
+        timeout = timeout or self.stall_timeout
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise KVPeerError(f"{host}:{port}", "unreachable",
+                              f"handshake: {exc.strerror or exc}") from None
+        with s:
+            body = json.dumps({"name": self.name, "incarnation": self.incarnation,
+                               "want": "metadata", "metadata": self.metadata().decode()}).encode()
+            s.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
+            reply = tp.recv_hello(s, timeout)
+        if "metadata" not in reply:
+            raise KVError(f"handshake with {host}:{port}: no metadata in the reply")
+        return self.add_remote(reply["metadata"])
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._accept_one, args=(sock,), daemon=True).start()
+
+    def _accept_one(self, sock: socket.socket) -> None:
+        try:
+            hello = tp.recv_hello(sock, self.stall_timeout)
+            if hello.get("want") == "metadata":
+                self.add_remote(hello["metadata"])
+                body = json.dumps({"name": self.name, "metadata": self.metadata().decode()}).encode()
+                sock.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
+                sock.close()
+                return
+            peer = str(hello["name"])
+            tp.send_hello(sock, self.name, self.incarnation)
+            sock.settimeout(None)
+            _tune(sock)
+        except (OSError, KVError, KeyError, ValueError, UsageError):
+            sock.close()
+            return
+        conn = tp.Connection(self, sock, peer, outbound=False, incarnation=int(hello.get("incarnation", 0)))
+        with self._lock:
+            old = self._in.get(peer)
+            self._in[peer] = conn
+        if old is not None:
+            old.close()
+        conn.start()
+
+    def connect(self, peer: str) -> tp.Connection:
+        """The open connection to `peer`, made now if there is none."""
+        with self._lock:
+            conn = self._out.get(peer)
+            if conn is not None and not conn.closed:
+                return conn
+        ra = self.remote(peer)
+        try:
+            sock = socket.create_connection((ra.host, ra.port), timeout=self.stall_timeout)
+        except OSError as exc:
+            raise KVPeerError(peer, "unreachable",
+                              f"connect to {ra.host}:{ra.port}: {exc.strerror or exc} (a restarted "
+                              "peer needs its new metadata: add_remote)") from None
+        try:
+            _tune(sock)
+            tp.send_hello(sock, self.name, self.incarnation)
+            hello = tp.recv_hello(sock, self.stall_timeout)
+            sock.settimeout(None)
+        except (OSError, KVError) as exc:
+            sock.close()
+            raise KVPeerError(peer, "unreachable", f"handshake with {ra.host}:{ra.port}: {exc}") from None
+        if hello.get("name") != peer or int(hello.get("incarnation", -1)) != ra.incarnation:
+            sock.close()
+            raise KVPeerError(peer, "restarted",
+                              f"{ra.host}:{ra.port} is now {hello.get('name')!r} incarnation "
+                              f"{hello.get('incarnation')}, not the one whose metadata was loaded; "
+                              "add_remote its new metadata")
+        conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
+        with self._lock:
+            self._out[peer] = conn
+        conn.start()
+        return conn
+
+    def _connection_failed(self, conn: tp.Connection, exc: BaseException) -> None:
+        with self._lock:
+            table = self._out if conn.outbound else self._in
+            if table.get(conn.peer) is conn:
+                del table[conn.peer]
+            waiting = [r for (p, _), r in self._inbound_reqs.items()
+                       if p == conn.peer and not r.done.done()] if not conn.outbound else []
+        for r in waiting:  # the peer is gone: nothing it owed us will arrive
+            r._fail(exc)
+
+    # ------------------------------------------------------------------ receiving side
+    def _inbound(self, peer: str, req: int) -> tp.InboundRequest:
+        with self._lock:
+            r = self._inbound_reqs.get((peer, req))
+            if r is None:
+                r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout)
+            return r
+
+    def expect(self, peer: str, req: int) -> tp.InboundRequest:
+        """The receiving side of request `req` from `peer`: ``layer(l)`` and ``done`` fences."""
+        return self._inbound(peer, req)
+
+    def release(self, peer: str, req: int) -> None:
+        """Forget a finished request (its fences stay as they are for who holds them)."""
+        with self._lock:
+            self._inbound_reqs.pop((peer, req), None)
+
+    def _notify(self, peer: str, body: bytes) -> None:
+        with self._lock:
+            self._notifs.setdefault(peer, []).append(body)
+            self._notif_cv.notify_all()
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call, by peer name."""
+        with self._lock:
+            out, self._notifs = self._notifs, {}
+            return out
+
+    def wait_notif(self, peer: str, msg: bytes, timeout: float) -> None:
+        """Block until `peer` sent notification `msg` (kept for get_new_notifs otherwise)."""
+        import time
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                lst = self._notifs.get(peer, [])
+                if msg in lst:
+                    lst.remove(msg)
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no notification {msg!r} from {peer!r} within {timeout} s")
+                self._notif_cv.wait(left)
+
+    # ------------------------------------------------------------------ sending side: KV
+    def _plan_layer(self, ra: RemoteAgent, layer: int, lids: array.array, rids: array.array,
+                    req: int) -> tp.Message:
+        h = tp.hot()
+        lay, rlay = self.layout, ra.layout
+        assert lay is not None and rlay is not None and self.pool is not None
+        n = len(lids)
+        cap = max(1, n * lay.kv)
+        liov = h.ffi.new("struct kv_iov[]", cap)
+        wire = h.ffi.new("struct kv_wire[]", cap)
+        bad = h.ffi.new("size_t *")
+        used = 0
+        lp, rp = h.ffi.from_buffer("int32_t[]", lids), h.ffi.from_buffer("int32_t[]", rids)
+        for kv in range(lay.kv):
+            lseg, lbase = lay.block_base(layer, kv)
+            rseg, rbase = rlay.block_base(layer, kv)
+            rc = h.lib.kv_plan(lp, rp, n, self.pool.segments[lseg].addr + lbase,
+                               lay.blocks_per_layer, rseg, rbase, rlay.blocks_per_layer,
+                               lay.block_bytes, liov + used, wire + used, cap - used, bad)
+            if rc == -errno.ERANGE:
+                i = bad[0]
+                raise UsageError(f"request {req}: pair {i} (local block {lids[i]}, remote block "
+                                 f"{rids[i]}) is outside the pools ({lay.blocks_per_layer} local, "
+                                 f"{rlay.blocks_per_layer} remote blocks per layer)")
+            if rc < 0:
+                raise KVError(f"request {req}: planning runs failed ({rc})")
+            used += rc
+        return tp.Message(tp.DATA, req, layer, wire, liov, used, n * lay.kv * lay.block_bytes)
+
+    def make_request(self, peer: str, req: int, local_blocks: Sequence[int],
+                     remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
+                     notif: bytes = b"", end: bool = True) -> tp.Xfer:
+        """A transfer of request `req`'s pages: for every layer (default all), K and V of
+        local_blocks[i] -> remote_blocks[i]. One message per layer; the receiver completes
+        that layer's fence when its message has landed. ``end`` marks the request complete
+        after the last of these layers (``done`` on the receiver)."""
+        if self.layout is None or self.pool is None:
+            raise UsageError(f"agent {self.name!r} has no KV pool")
+        ra = self.remote(peer)
+        if ra.layout is None:
+            raise UsageError(f"peer {peer!r} published no KV layout")
+        self.layout.check_compatible(ra.layout)
+        if not isinstance(req, int) or not 0 <= req < 1 << 64:
+            raise UsageError(f"request id {req!r} must be an int in [0, 2^64)")
+        lids, rids = _int32(local_blocks), _int32(remote_blocks)
+        if len(lids) != len(rids):
+            raise UsageError(f"{len(lids)} local blocks but {len(rids)} remote blocks")
+        layer_list = list(range(self.layout.num_layers) if layers is None else layers)
+        for ly in layer_list:
+            self.layout.check_layer(ly)
+        msgs = [self._plan_layer(ra, ly, lids, rids, req) for ly in layer_list]
+        if notif:
+            msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
+        if not msgs:
+            raise UsageError("a transfer needs at least one layer or a notification")
+        if end:
+            msgs[-1].last = True  # F_REQ_END carried in the header (see post)
+        return tp.Xfer(peer, msgs, next(self._xids))
+
+    def send_request(self, peer: str, req: int, local_blocks: Sequence[int],
+                     remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
+                     notif: bytes = b"", end: bool = True) -> tp.Xfer:
+        """make_request + post."""
+        x = self.make_request(peer, req, local_blocks, remote_blocks, layers, notif, end)
+        self.post(x)
+        return x
+
+    # ------------------------------------------------------------------ sending side: NIXL-like
+    def prep_local(self, descs: Sequence[tuple[int, int]]) -> DescList:
+        """(address, length) ranges inside this agent's registered segments."""
+        h = tp.hot()
+        c = h.ffi.new("struct kv_iov[]", max(1, len(descs)))
+        segs = list(self._segments)
+        for i, (a, n) in enumerate(descs):
+            if n <= 0 or not any(sa <= a and a + n <= sa + sn for sa, sn in segs):
+                raise UsageError(f"local descriptor {i} ({a:#x}+{n}) is in no registered segment")
+            c[i].addr, c[i].len = a, n
+        return DescList(self, None, c, len(descs), list(descs))
+
+    def prep_remote(self, peer: str, descs: Sequence[tuple[int, int]]) -> DescList:
+        """(address, length) ranges inside `peer`'s registered segments (by its metadata)."""
+        h = tp.hot()
+        ra = self.remote(peer)
+        c = h.ffi.new("struct kv_wire[]", max(1, len(descs)))
+        for i, (a, n) in enumerate(descs):
+            if n <= 0:
+                raise UsageError(f"remote descriptor {i}: length {n}")
+            seg, off = ra.find(a, n)
+            c[i].seg, c[i].off, c[i].len = seg, off, n
+        return DescList(self, peer, c, len(descs), list(descs))
+
+    def make_xfer(self, peer: str, local: DescList, local_idx: Sequence[int], remote: DescList,
+                  remote_idx: Sequence[int], notif: bytes = b"", req: int = 0,
+                  op: str = "WRITE") -> tp.Xfer:
+        """Move local[local_idx[i]] to remote[remote_idx[i]] for every i ("WRITE"), or the
+        other way ("READ": the peer sends them back), as NIXL's make_prepped_xfer;
+        contiguous neighbours merge into one run. A notification reaches the peer after."""
+        if op not in ("WRITE", "READ"):
+            raise UsageError(f"op {op!r} must be 'WRITE' or 'READ'")
+        if remote.peer != peer or local.peer is not None:
+            raise UsageError("make_xfer: want a local list and a list prepared for this peer")
+        self.remote(peer)
+        h = tp.hot()
+        li, ri = _int32(local_idx), _int32(remote_idx)
+        if len(li) != len(ri):
+            raise UsageError(f"{len(li)} local indices but {len(ri)} remote indices")
+        n = len(li)
+        liov = h.ffi.new("struct kv_iov[]", max(1, n))
+        wire = h.ffi.new("struct kv_wire[]", max(1, n))
+        bad = h.ffi.new("size_t *")
+        total = h.ffi.new("uint64_t *")
+        rc = h.lib.kv_plan_descs(h.ffi.from_buffer("int32_t[]", li), h.ffi.from_buffer("int32_t[]", ri),
+                                 n, local.table, local.count, remote.table, remote.count,
+                                 liov, wire, max(1, n), bad, total)
+        if rc == -errno.ERANGE:
+            raise UsageError(f"index pair {bad[0]} ({li[bad[0]]}, {ri[bad[0]]}) is outside the "
+                             f"lists ({local.count} local, {remote.count} remote)")
+        if rc == -errno.EINVAL:
+            raise UsageError(f"index pair {bad[0]}: local and remote descriptors differ in length")
+        msgs = [tp.Message(tp.DATA if op == "WRITE" else tp.READ, req, 0, wire, liov, rc,
+                           int(total[0]))]
+        if notif:
+            msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
+        return tp.Xfer(peer, msgs, next(self._xids))
+
+    def send_notif(self, peer: str, msg: bytes, timeout: float | None = None) -> None:
+        """A notification alone (ordered after every transfer posted to `peer` before it)."""
+        self.remote(peer)
+        x = tp.Xfer(peer, [tp.Message(tp.NOTIF, 0, 0, body=bytes(msg))], next(self._xids))
+        self.post(x)
+        x.wait(timeout or self.stall_timeout * 2)
+
+    def post(self, xfer: tp.Xfer) -> str:
+        """Send `xfer` (again, once it is done). Returns its state: "PROC", or "ERR" at once
+        when the peer cannot be reached (xfer.error says why)."""
+        if self._closed:
+            raise UsageError(f"agent {self.name!r} is closed")
+        if xfer.fence.done():
+            xfer._reset(next(self._xids))
+        elif xfer.posted:
+            raise UsageError(f"kv xfer {xfer.id} is still in flight; one post at a time")
+        import time
+        xfer.posted = time.monotonic()
+        try:
+            conn = self.connect(xfer.peer)
+        except KVPeerError as exc:
+            xfer._finish(exc)
+            return xfer.state
+        xfer.on_done = _clear_posted
+        conn.submit(xfer)
+        return xfer.state
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._out.values()) + list(self._in.values())
+            self._out.clear()
+            self._in.clear()
+        for c in conns:
+            c.close()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
+
+
+def _clear_posted(x: tp.Xfer) -> None:
+    x.posted = 0.0
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

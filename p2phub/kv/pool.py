@@ -1,0 +1,168 @@
+"""A KV pool: the memory of a KVLayout, registered once.
+
+    pool = KVPool.host(layout)                 # plain host memory (TCP, no /dev/p2phub)
+    pool = KVPool.registered(hub, layout)      # hub.alloc_host per segment (RDMA, lab)
+    pool = KVPool.from_tensors(hub, layout, tensors)  # GPU tensors via hub.register
+
+Segments follow the layout's arrangement: one per layer or one for the whole cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import Any, Sequence
+
+from ..errors import UsageError
+from .layout import KVLayout
+
+__all__ = ["KVPool", "Segment"]
+
+
+class Segment:
+    """One contiguous range of the pool: its address, length and (for host memory) a view."""
+
+    def __init__(self, addr: int, length: int, view: memoryview | None,
+                 registration: Any = None, keep: Sequence[Any] = ()) -> None:
+        self.addr = addr
+        self.length = length
+        self.view = view
+        self.registration = registration
+        self._keep = list(keep)
+
+
+def _map_anon(length: int) -> tuple[mmap.mmap, int]:
+    m = mmap.mmap(-1, length, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return m, _addr_of(m)
+
+
+def _addr_of(m: mmap.mmap) -> int:
+    c = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(c)
+    del c
+    return addr
+
+
+class KVPool:
+    """The segments of one KV layout. ``device`` is "cpu" (host memory) or a GPU backend name."""
+
+    def __init__(self, layout: KVLayout, segments: list[Segment], device: str = "cpu") -> None:
+        if len(segments) != layout.num_segments:
+            raise UsageError(f"KV pool: {len(segments)} segments for a layout of "
+                             f"{layout.num_segments}")
+        for i, s in enumerate(segments):
+            if s.length < layout.segment_bytes:
+                raise UsageError(f"KV pool: segment {i} has {s.length} bytes, the layout needs "
+                                 f"{layout.segment_bytes}")
+        self.layout = layout
+        self.segments = segments
+        self.device = device
+        self._closers: list[Any] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def host(cls, layout: KVLayout) -> "KVPool":
+        """Anonymous host memory, one mapping per segment (pages are touched on first use)."""
+        segs: list[Segment] = []
+        maps: list[mmap.mmap] = []
+        try:
+            for _ in range(layout.num_segments):
+                m, addr = _map_anon(layout.segment_bytes)
+                maps.append(m)
+                segs.append(Segment(addr, layout.segment_bytes, memoryview(m)))
+        except BaseException:
+            for s in segs:
+                s.view.release()  # type: ignore[union-attr]
+            for m in maps:
+                m.close()
+            raise
+        pool = cls(layout, segs)
+        pool._closers = [*(s.view.release for s in segs), *(m.close for m in maps)]  # type: ignore[union-attr]
+        return pool
+
+    @classmethod
+    def registered(cls, hub: Any, layout: KVLayout, device: Any = None) -> "KVPool":
+        """Host memory allocated and registered by p2phub (``hub.alloc_host``), once per
+        segment; the registrations serve RDMA MRs (``reg.mr(pd)``) and NVMe alike."""
+        segs: list[Segment] = []
+        closers: list[Any] = []
+        try:
+            for _ in range(layout.num_segments):
+                size = -(-layout.segment_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+                reg = hub.alloc_host(size, device)
+                closers.append(reg.close)
+                m = reg.source.mmap()
+                view = memoryview(m)
+                closers[-1:-1] = [view.release, m.close]
+                segs.append(Segment(_addr_of(m), size, view, registration=reg))
+        except BaseException:
+            for c in closers:
+                c()
+            raise
+        pool = cls(layout, segs)
+        pool._closers = closers
+        return pool
+
+    @classmethod
+    def from_tensors(cls, hub: Any, layout: KVLayout, tensors: Sequence[Any]) -> "KVPool":
+        """GPU tensors (one per segment), each registered with ``hub.register`` (CUDA backend).
+
+        The pool holds no CPU view; the TCP transport refuses it (it would need a staging
+        copy), the RDMA transport uses the registrations' MRs."""
+        if len(tensors) != layout.num_segments:
+            raise UsageError(f"KV pool: {len(tensors)} tensors for {layout.num_segments} segments")
+        segs: list[Segment] = []
+        closers: list[Any] = []
+        try:
+            for t in tensors:
+                nbytes = int(t.numel() * t.element_size())
+                if not t.is_contiguous():
+                    raise UsageError("KV pool: tensors must be contiguous")
+                reg = hub.register(t)
+                closers.append(reg.close)
+                segs.append(Segment(int(t.data_ptr()), nbytes, None, registration=reg, keep=[t]))
+        except BaseException:
+            for c in closers:
+                c()
+            raise
+        pool = cls(layout, segs, device="cuda")
+        pool._closers = closers
+        return pool
+
+    # ------------------------------------------------------------------ access
+    def block(self, layer: int, kv: int, block: int) -> memoryview:
+        """The host view of one page (host pools only)."""
+        seg, off, n = self.layout.offset(layer, kv, block)
+        view = self.segments[seg].view
+        if view is None:
+            raise UsageError(f"KV pool on {self.device} has no host view")
+        return view[off:off + n]
+
+    def seg_table(self) -> list[tuple[int, int]]:
+        return [(s.addr, s.length) for s in self.segments]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._closers:
+            c()
+        self._closers = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "KVPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<KVPool {self.layout.num_layers} layers, {self.nbytes} bytes on {self.device}>"

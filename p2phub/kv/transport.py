@@ -1,0 +1,546 @@
+"""The TCP transport of KV transfers: one connection per (sender, receiver) pair.
+
+Wire format (little endian). Every message starts with a 40-byte header:
+
+    magic u32 "P2KV" | type u16 | flags u16 | xfer u64 | req u64 | layer u32 | n u32 | nbytes u64
+
+    HELLO  n bytes of JSON {name, incarnation}, both ways, once
+    DATA   n runs of 24 bytes (seg u32, flags u32, off u64, len u64), then nbytes of payload
+           that land at those runs of the receiver's registered segments, in order
+    NOTIF  n bytes of notification for the receiver's get_new_notifs()
+    READ   n runs of the receiver's segments (nbytes in all) that it sends back, in order, as
+           one DATA message with F_READ_RESP and no run table, which the reader lands in the
+           local ranges it planned
+    ACK    receiver -> sender: the transfer `xfer` has landed (after its LAST message)
+    ERR    receiver -> sender: the transfer was refused; n bytes of reason
+    FAIL   sender -> receiver: the sender gave the transfer up; n bytes of reason
+
+The sender's last message of a transfer carries F_LAST; the receiver answers it with ACK.
+Payload bytes go from the sender's pool to the socket and from the socket into the
+receiver's pool in C (_kvhot.c: sendmsg/readv over many vectors, the GIL released); Python
+runs once per message, not per page.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import _build
+from .errors import KVError, KVPeerError, KVRejected
+from .fence import FenceTimeout, HostFence
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+MAGIC = 0x564B3250  # b"P2KV"
+HDR = struct.Struct("<IHHQQIIQ")
+WIRE_RUN = 24
+HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ = 1, 2, 3, 4, 5, 6, 7
+F_LAST = 1      # the last message of a transfer: the receiver ACKs it
+F_REQ_END = 2   # the last message of a request: the receiver completes its `done` fence
+F_READ_RESP = 4  # DATA answering a READ: the payload lands in the reader's planned ranges
+MAX_CTRL = 1 << 20          # bytes of a HELLO/NOTIF/ERR body
+MAX_RUNS = 1 << 24
+
+_hot = None
+
+
+def hot():
+    global _hot
+    if _hot is None:
+        _hot = _build.load()
+    return _hot
+
+
+def _c_err(rc: int) -> str:
+    e = -rc
+    return f"{errno.errorcode.get(e, str(e))} ({os.strerror(e)})"
+
+
+class Message:
+    """One DATA or NOTIF message, planned once: header fields, run table, payload ranges."""
+
+    __slots__ = ("type", "req", "layer", "wire", "iov", "nruns", "nbytes", "body", "last")
+
+    def __init__(self, type_: int, req: int, layer: int, wire: Any = None, iov: Any = None,
+                 nruns: int = 0, nbytes: int = 0, body: bytes = b"") -> None:
+        self.type = type_
+        self.req = req
+        self.layer = layer
+        self.wire = wire
+        self.iov = iov
+        self.nruns = nruns
+        self.nbytes = nbytes
+        self.body = body
+        self.last = False
+
+
+class Xfer:
+    """A transfer to one peer: its messages, its state, and a fence completed by the ACK."""
+
+    DONE, PROC, ERR = "DONE", "PROC", "ERR"
+
+    def __init__(self, peer: str, messages: list[Message], xid: int) -> None:
+        self.peer = peer
+        self.messages = messages
+        self.id = xid
+        self.fence = HostFence(f"kv xfer {xid} to {peer}")
+        self.error: BaseException | None = None
+        self.posted = 0.0
+        self.nbytes = sum(m.nbytes for m in messages)
+        self.on_done: Callable[["Xfer"], None] | None = None
+
+    def _reset(self, xid: int) -> None:
+        self.id = xid
+        self.fence = HostFence(f"kv xfer {xid} to {self.peer}")
+        self.error = None
+
+    @property
+    def state(self) -> str:
+        if not self.fence.done():
+            return self.PROC
+        return self.ERR if self.fence.failed() else self.DONE
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            self.error = exc
+            self.fence.fail(exc)
+        else:
+            self.fence.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the receiver acknowledged it; raise its error (KVPeerError, KVRejected)."""
+        try:
+            self.fence.exception(timeout)
+        except FenceTimeout:
+            raise TimeoutError(f"kv xfer {self.id} to {self.peer}: not done after {timeout} s") from None
+        if self.error is not None:
+            raise self.error
+
+    def __await__(self):
+        yield from self.fence.__await__()
+
+
+class InboundRequest:
+    """What a receiver knows of one request from one peer: a fence per layer, completed when
+    that layer's pages have all landed, failed (never completed) when the request fails."""
+
+    def __init__(self, peer: str, req: int, layout: Any = None) -> None:
+        self.peer = peer
+        self.req = req
+        self._lock = threading.Lock()
+        self._fences: dict[int, HostFence] = {}
+        self._runs: dict[int, bytes] = {}
+        self.error: BaseException | None = None
+        self.done = HostFence(f"kv request {req} from {peer}")
+        self._layout = layout
+
+    def layer(self, layer: int) -> HostFence:
+        """The fence of `layer` (made pending if nothing arrived for it yet)."""
+        with self._lock:
+            f = self._fences.get(layer)
+            if f is None:
+                f = self._fences[layer] = HostFence(f"kv request {self.req} layer {layer} from {self.peer}")
+                if self.error is not None:
+                    f.fail(self.error)
+            return f
+
+    def _landed(self, layer: int, wire: bytes) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self._runs[layer] = self._runs.get(layer, b"") + wire
+        self.layer(layer).set()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+        self.done.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is not None or self.done.done():
+                return
+            self.error = exc
+            fences = list(self._fences.values())
+        for f in fences:
+            f.fail(exc)  # no-op for layers that already landed
+        self.done.fail(exc)
+
+    def landed_layers(self) -> list[int]:
+        """Layers whose pages all landed (of a failed request too: a layer is whole or absent)."""
+        with self._lock:
+            return sorted(self._runs)
+
+    def visible_blocks(self, layer: int) -> list[tuple[int, int]]:
+        """(kv, block) pages of `layer` that landed (empty unless the layer's fence is done)."""
+        with self._lock:
+            wire = self._runs.get(layer, b"")
+        out = []
+        lay = self._layout
+        for seg, _fl, off, ln in struct.iter_unpack("<IIQQ", wire):
+            for o in range(off, off + ln, lay.block_bytes):
+                ly, kv, blk = lay.locate(seg, o)
+                out.append((kv, blk))
+        return out
+
+
+class Connection:
+    """One TCP connection to a peer. Outbound ones send transfers (a sender thread) and read
+    ACKs; inbound ones read transfers into the agent's segments and answer them."""
+
+    def __init__(self, agent: "Agent", sock: socket.socket, peer: str, outbound: bool,
+                 incarnation: int = 0) -> None:
+        self.agent = agent
+        self.sock = sock
+        sock.setblocking(False)
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.incarnation = incarnation
+        self.outbound = outbound
+        self.closed = False
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[Xfer | None]" = queue.Queue()
+        self._pending: dict[int, tuple[Xfer, float]] = {}   # sent, awaiting ACK: deadline
+        self._active: dict[int, set[int]] = {}              # inbound: xfer -> requests
+        self._last_rx = time.monotonic()
+        self._skip: set[int] = set()                        # inbound: refused transfers
+        self.error: BaseException | None = None
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"kv-rx-{peer}")
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"kv-tx-{peer}") if outbound else None
+
+    def start(self) -> None:
+        self._reader.start()
+        if self._sender is not None:
+            self._sender.start()
+
+    @property
+    def timeout_ms(self) -> int:
+        return int(self.agent.stall_timeout * 1000)
+
+    # ------------------------------------------------------------------ sending
+    def _send_raw(self, type_: int, flags: int, xfer: int, req: int, layer: int,
+                  body: bytes = b"", wire: Any = None, nruns: int = 0, iov: Any = None,
+                  niov: int = 0, nbytes: int = 0) -> None:
+        h = hot()
+        n = nruns if type_ in (DATA, READ) else len(body)
+        hdr = HDR.pack(MAGIC, type_, flags, xfer, req, layer, n, nbytes)
+        if type_ not in (DATA, READ):
+            hdr += body
+        with self._lock:
+            if self.closed:
+                raise self._closed_error()
+            rc = h.lib.kv_send(self.fd, hdr, len(hdr),
+                               wire if wire is not None else h.ffi.NULL, nruns,
+                               iov if iov is not None else h.ffi.NULL, niov, self.timeout_ms)
+        if rc < 0:
+            if rc == -errno.ETIMEDOUT:
+                raise KVPeerError(self.peer, "stalled",
+                                  f"no send progress for {self.agent.stall_timeout} s")
+            raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
+
+    def submit(self, xfer: Xfer) -> None:
+        if self.closed:
+            xfer._finish(self._closed_error())
+            return
+        self._queue.put(xfer)
+
+    def _send_loop(self) -> None:
+        while True:
+            xfer = self._queue.get()
+            if xfer is None or self.closed:
+                if xfer is not None:
+                    xfer._finish(self._closed_error())
+                break
+            try:
+                msgs = xfer.messages
+                with self._lock:
+                    self._pending[xfer.id] = (xfer, float("inf"))
+                for i, m in enumerate(msgs):
+                    flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
+                    if m.type == DATA:
+                        self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                                       nruns=m.nruns, iov=m.iov, niov=m.nruns, nbytes=m.nbytes)
+                    elif m.type == READ:
+                        self._send_raw(READ, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                                       nruns=m.nruns, nbytes=m.nbytes)
+                    else:
+                        self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
+                with self._lock:
+                    if xfer.id in self._pending:
+                        self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
+            except KVPeerError as exc:
+                self._fail_connection(exc)
+                break
+            except Exception as exc:  # a bug or a bad message: fail this transfer only
+                with self._lock:
+                    self._pending.pop(xfer.id, None)
+                xfer._finish(KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
+        # Drain what is still queued: it will never be sent on this connection.
+        while True:
+            try:
+                x = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if x is not None:
+                x._finish(self._closed_error())
+
+    # ------------------------------------------------------------------ receiving
+    def _recv(self, n: int) -> bytes:
+        h = hot()
+        buf = bytearray(n)
+        if n:
+            rc = h.lib.kv_recv_exact(self.fd, h.ffi.from_buffer(buf), n, self.timeout_ms)
+            self._check_rx(rc)
+        return bytes(buf)
+
+    def _check_rx(self, rc: int) -> None:
+        if rc >= 0:
+            self._last_rx = time.monotonic()
+            return
+        if rc == -errno.ETIMEDOUT:
+            raise KVPeerError(self.peer, "stalled",
+                              f"no bytes for {self.agent.stall_timeout} s in the middle of a message")
+        if rc == -errno.ENOTCONN:
+            raise KVPeerError(self.peer, "closed", "the connection was closed")
+        raise KVPeerError(self.peer, "reset", f"receive failed: {_c_err(rc)}")
+
+    def _wait_readable(self) -> bool:
+        """Wait for the next header; raise KVPeerError when a deadline passes first."""
+        while not self.closed:
+            r, _, _ = select.select([self.fd], [], [], 0.1)
+            if r:
+                return True
+            now = time.monotonic()
+            with self._lock:
+                late = [x for x, dl in self._pending.values() if dl < now]
+                busy = bool(self._active)
+            if late:
+                raise KVPeerError(self.peer, "stalled",
+                                  f"no acknowledgement of transfer {late[0].id} within "
+                                  f"{self.agent.stall_timeout} s of its last byte")
+            if busy and now - self._last_rx > self.agent.stall_timeout:
+                raise KVPeerError(self.peer, "stalled",
+                                  f"a transfer started and nothing came for {self.agent.stall_timeout} s")
+        return False
+
+    def _read_loop(self) -> None:
+        try:
+            while self._wait_readable():
+                raw = self._recv(HDR.size)
+                magic, type_, flags, xid, req, layer, n, nbytes = HDR.unpack(raw)
+                if magic != MAGIC:
+                    raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
+                if type_ == DATA and flags & F_READ_RESP:
+                    self._on_read_resp(xid, n, nbytes)
+                elif type_ == DATA:
+                    self._on_data(flags, xid, req, layer, n, nbytes)
+                elif type_ == READ:
+                    self._on_read(flags, xid, req, layer, n, nbytes)
+                elif type_ in (NOTIF, ERR, FAIL, HELLO):
+                    if n > MAX_CTRL:
+                        raise KVPeerError(self.peer, "reset", f"control message of {n} bytes")
+                    body = self._recv(n)
+                    if type_ == NOTIF and xid in self._skip:
+                        if flags & F_LAST:
+                            self._skip.discard(xid)
+                    elif type_ == NOTIF:
+                        self._track(xid, req)
+                        if flags & F_REQ_END:  # complete first: a notified request is done
+                            self.agent._inbound(self.peer, req)._complete()
+                        self.agent._notify(self.peer, body)
+                        if flags & F_LAST:
+                            self._finish_inbound(xid)
+                    elif type_ == ERR:
+                        self._acked(xid, KVRejected(self.peer, body.decode(errors="replace")))
+                    elif type_ == FAIL:
+                        self._fail_inbound(xid, KVPeerError(self.peer, "aborted",
+                                                            body.decode(errors="replace")))
+                elif type_ == ACK:
+                    self._acked(xid, None)
+                else:
+                    raise KVPeerError(self.peer, "reset", f"unknown message type {type_}")
+        except KVPeerError as exc:
+            self._fail_connection(exc)
+        except Exception as exc:  # never let the thread die silently
+            self._fail_connection(KVPeerError(self.peer, "reset", f"receiver error: {exc!r}"))
+
+    def _track(self, xid: int, req: int) -> None:
+        with self._lock:
+            self._active.setdefault(xid, set()).add(req)
+
+    def _on_data(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
+        h = hot()
+        wire = self._recv(nruns * WIRE_RUN)
+        if xid in self._skip:  # the rest of a refused transfer: drop it
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            if flags & F_LAST:
+                self._skip.discard(xid)
+            return
+        self._track(xid, req)
+        segs, nsegs = self.agent._seg_table()
+        bad = h.ffi.new("size_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_recv_runs(self.fd, segs, nsegs, wp, nruns, nbytes,
+                                self.timeout_ms, bad)
+        if rc == -errno.EINVAL:
+            if bad[0] < nruns:
+                seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, bad[0] * WIRE_RUN)
+                why = (f"run {bad[0]} (segment {seg}, offset {off}, {ln} bytes) is outside the "
+                       f"{nsegs} registered segment(s)")
+            else:
+                why = f"runs add up to other than the {nbytes} payload bytes"
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            exc = KVRejected(self.peer, f"request {req} layer {layer}: {why}")
+            self._fail_inbound(xid, exc)
+            self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
+        self._check_rx(rc)
+        inb = self.agent._inbound(self.peer, req)
+        inb._landed(layer, wire)
+        if flags & F_REQ_END:
+            inb._complete()
+        if flags & F_LAST:
+            self._finish_inbound(xid)
+
+    def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
+        """Serve a READ: check the runs against our segments, send their bytes back."""
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
+        h = hot()
+        wire = self._recv(nruns * WIRE_RUN)
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        if rc < 0 or total[0] != nbytes:
+            why = (f"run {bad[0]} is outside the {nsegs} registered segment(s)" if rc < 0
+                   else f"runs add up to {total[0]} bytes, not {nbytes}")
+            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: {why}".encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
+        self._send_raw(DATA, F_READ_RESP, xid, req, layer, iov=iov, niov=nruns, nbytes=nbytes)
+        if flags & F_LAST:
+            self._send_ctrl(ACK, xid, 0, 0)
+        else:
+            self._track(xid, req)
+
+    def _on_read_resp(self, xid: int, nruns: int, nbytes: int) -> None:
+        h = hot()
+        if nruns:
+            raise KVPeerError(self.peer, "reset", "a READ answer with a run table")
+        with self._lock:
+            ent = self._pending.get(xid)
+        m = ent[0].messages[0] if ent is not None else None
+        if m is None or m.type != READ or m.nbytes != nbytes:
+            # not ours (any more): drop the bytes, keep the stream in step
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            return
+        self._check_rx(h.lib.kv_recv_iov(self.fd, m.iov, m.nruns, self.timeout_ms))
+
+    def _send_ctrl(self, type_: int, xid: int, req: int, layer: int, body: bytes = b"") -> None:
+        self._send_raw(type_, 0, xid, req, layer, body=body)
+
+    def _finish_inbound(self, xid: int) -> None:
+        with self._lock:
+            self._active.pop(xid, None)
+        self._send_ctrl(ACK, xid, 0, 0)
+
+    def _fail_inbound(self, xid: int, exc: BaseException) -> None:
+        with self._lock:
+            reqs = self._active.pop(xid, set())
+        for r in reqs:
+            self.agent._inbound(self.peer, r)._fail(exc)
+
+    def _acked(self, xid: int, exc: BaseException | None) -> None:
+        with self._lock:
+            ent = self._pending.pop(xid, None)
+        if ent is not None:
+            ent[0]._finish(exc)
+
+    # ------------------------------------------------------------------ failure, close
+    def _closed_error(self) -> BaseException:
+        return self.error or KVPeerError(self.peer, "closed", "the connection is closed")
+
+    def _fail_connection(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.error = exc
+            pending = [x for x, _ in self._pending.values()]
+            self._pending.clear()
+            active = dict(self._active)
+            self._active.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for x in pending:
+            x._finish(exc)
+        for _xid, reqs in active.items():
+            for r in reqs:
+                self.agent._inbound(self.peer, r)._fail(exc)
+        self._queue.put(None)
+        self.agent._connection_failed(self, exc)
+
+    def close(self) -> None:
+        self._fail_connection(KVPeerError(self.peer, "closed", "closed locally"))
+        for t in (self._reader, self._sender):
+            if t is not None and t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=2)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def hello_body(name: str, incarnation: int) -> bytes:
+    return json.dumps({"name": name, "incarnation": incarnation}).encode()
+
+
+def send_hello(sock: socket.socket, name: str, incarnation: int) -> None:
+    body = hello_body(name, incarnation)
+    sock.sendall(HDR.pack(MAGIC, HELLO, 0, 0, 0, 0, len(body), 0) + body)
+
+
+def recv_hello(sock: socket.socket, timeout: float) -> dict:
+    sock.settimeout(timeout)
+    raw = _recv_all(sock, HDR.size)
+    magic, type_, _f, _x, _r, _l, n, _nb = HDR.unpack(raw)
+    if magic != MAGIC or type_ != HELLO or n > MAX_CTRL:
+        raise KVError(f"handshake: not a p2phub KV peer (magic {magic:#x}, type {type_})")
+    try:
+        return json.loads(_recv_all(sock, n))
+    except json.JSONDecodeError as exc:
+        raise KVError(f"handshake: bad HELLO: {exc}") from None
+
+
+def _recv_all(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise KVError("handshake: the peer closed the connection")
+        buf += chunk
+    return bytes(buf)

@@ -1,0 +1,50 @@
+"""Producer/consumer ordering on shared buffers.
+
+Every access to a Registration is declared on a byte range with a kind (AccessKind):
+producers write the bytes (NVMe read, RDMA receive or remote-write target, GPU write),
+consumers read them (NVMe write, RDMA send or remote-read source, GPU read). Consumers
+may overlap each other; a producer overlaps nothing. A conflicting access waits for the
+earlier one's fence (default) or raises OrderingError naming both (strict mode: per
+registration ``reg.ordering.strict = True``, or per hub ``hub.strict_ordering = True``).
+
+Fences (p2phub.ordering.Fence) come from NVMe commands, RDMA completions, GPU streams and
+remote notifications, and share one interface: wait, done, exception, add_done_callback,
+await, on_stream.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .core import AccessFence, GpuAccess, Ordering, as_fence, bind
+from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
+from .fence import Fence, HostFence, SourceFence, WordPool, completed, progress
+from .tracker import CONSUMERS, PRODUCERS, Access, AccessKind, RangeTracker
+
+__all__ = ["Access", "AccessFence", "AccessKind", "CONSUMERS", "Fence", "FenceError",
+           "FenceTimeout", "GpuAccess", "HostFence", "Ordering", "OrderingError",
+           "OrderingTimeout", "PRODUCERS", "RangeTracker", "SourceFence", "WordPool",
+           "as_fence", "bind", "completed", "for_registration", "progress", "stream_ops_for"]
+
+
+def stream_ops_for(backend: str) -> Any:
+    """The stream ops of backend `backend` ("cuda", "rocm"), or None when not installed."""
+    try:
+        mod = importlib.import_module(f"p2phub_{backend}")
+    except ImportError:
+        return None
+    factory = getattr(mod, "stream_ops", None)
+    return factory() if factory is not None else None
+
+
+def for_registration(reg: Any, strict: bool = False) -> Ordering:
+    """The Ordering of a Registration (GPU memory knows its device, for RDMA flushes)."""
+    o = Ordering(str(reg), reg.length, strict=strict)
+    src = getattr(reg, "source", None)
+    backend = getattr(src, "backend", None)
+    if isinstance(backend, str):
+        ops = stream_ops_for(backend)
+        if ops is not None:
+            o.gpu_device = (ops, int(getattr(src, "device", 0)))
+    return o

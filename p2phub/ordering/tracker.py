@@ -1,0 +1,336 @@
+"""Access kinds and the range tracker: which live accesses touch which bytes.
+
+The tracker keeps the registration's bytes as a sorted set of disjoint segments; each
+segment carries the tuple of live accesses covering all of it, oldest first. Adjacent
+segments never carry equal tuples (they are merged), so there are at most 2n+1 segments
+for n live accesses. Segment starts live in a blocked sorted list (bisect over block
+heads, then within a block of at most 1024 keys), so finding, inserting and removing a
+range costs O(log n + k) for k overlapped segments, with no O(n) list moves.
+
+The tracker itself is not thread-safe; p2phub.ordering.Ordering holds a lock around it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from bisect import bisect_left, bisect_right, insort
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from .core import AccessFence
+
+__all__ = ["AccessKind", "Access", "RangeTracker", "PRODUCERS", "CONSUMERS"]
+
+
+class AccessKind(enum.Enum):
+    """What an access does to the bytes: producers write them, consumers read them."""
+
+    # producers
+    NVME_READ = ("nvme read", True)              # SSD -> buffer
+    RDMA_RECV = ("rdma recv", True)              # a SEND lands in a posted RECV
+    RDMA_WRITE_TARGET = ("rdma write target", True)  # a peer WRITEs into the buffer
+    RDMA_READ_DEST = ("rdma read dest", True)    # a local READ lands in the buffer
+    GPU_WRITE = ("gpu write", True)
+    # consumers
+    NVME_WRITE = ("nvme write", False)           # buffer -> SSD
+    RDMA_SEND = ("rdma send", False)             # SEND or WRITE from the buffer
+    RDMA_READ_SOURCE = ("rdma read source", False)  # a peer READs the buffer
+    GPU_READ = ("gpu read", False)
+
+    def __init__(self, label: str, producer: bool) -> None:
+        self.label = label
+        self.producer = producer
+
+    @property
+    def consumer(self) -> bool:
+        return not self.producer
+
+    def conflicts_with(self, other: "AccessKind") -> bool:
+        """Consumers overlap consumers; a producer overlaps nothing."""
+        return self.producer or other.producer
+
+
+PRODUCERS = tuple(k for k in AccessKind if k.producer)
+CONSUMERS = tuple(k for k in AccessKind if not k.producer)
+
+_seq = itertools.count(1)
+
+
+class Access:
+    """One declared access to bytes [start, end) of a registration."""
+
+    __slots__ = ("kind", "start", "end", "what", "owner", "seq", "deps", "fence", "__weakref__")
+
+    def __init__(self, kind: AccessKind, start: int, end: int, what: str = "",
+                 owner: str = "") -> None:
+        self.kind = kind
+        self.start = start
+        self.end = end
+        self.what = what
+        self.owner = owner          # the registration, in words
+        self.seq = next(_seq)
+        self.deps: list[Access] = []
+        self.fence: "AccessFence | None" = None
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def producer(self) -> bool:
+        return self.kind.producer
+
+    def bind(self, source: object) -> "AccessFence":
+        """Tie this access to the completion of its work (a Fence or an NVMe future): when
+        that completes, the range is released and ``self.fence`` completes the same way."""
+        from .core import bind
+        return bind(self, source)
+
+    def cancel(self, exc: BaseException | None = None) -> None:
+        """Withdraw this access (its work never started, or can never complete)."""
+        assert self.fence is not None
+        self.fence._ordering.withdraw(self, exc)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and start < self.end
+
+    def __repr__(self) -> str:
+        s = f"{self.kind.label} [{self.start:#x}, +{self.length:#x})"
+        if self.owner:
+            s += f" of {self.owner}"
+        if self.what:
+            s += f" ({self.what})"
+        return f"#{self.seq} {s}"
+
+    __str__ = __repr__
+
+
+class _SortedKeys:
+    """A sorted set of ints kept in blocks (bisect on the blocks' first keys)."""
+
+    LOAD = 512
+
+    def __init__(self) -> None:
+        self._blocks: list[list[int]] = []
+        self._firsts: list[int] = []
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, x: int) -> None:
+        self._n += 1
+        if not self._blocks:
+            self._blocks.append([x])
+            self._firsts.append(x)
+            return
+        b = bisect_right(self._firsts, x) - 1
+        if b < 0:
+            b = 0
+        blk = self._blocks[b]
+        insort(blk, x)
+        self._firsts[b] = blk[0]
+        if len(blk) > 2 * self.LOAD:
+            half = blk[self.LOAD:]
+            del blk[self.LOAD:]
+            self._blocks.insert(b + 1, half)
+            self._firsts.insert(b + 1, half[0])
+
+    def remove(self, x: int) -> None:
+        b = bisect_right(self._firsts, x) - 1
+        blk = self._blocks[b]
+        i = bisect_left(blk, x)
+        if i >= len(blk) or blk[i] != x:
+            raise KeyError(x)
+        del blk[i]
+        self._n -= 1
+        if blk:
+            self._firsts[b] = blk[0]
+        else:
+            del self._blocks[b]
+            del self._firsts[b]
+
+    def floor(self, x: int) -> int | None:
+        """The largest key <= x."""
+        b = bisect_right(self._firsts, x) - 1
+        if b < 0:
+            return None
+        blk = self._blocks[b]
+        return blk[bisect_right(blk, x) - 1]
+
+    def irange(self, lo: int, hi: int) -> list[int]:
+        """Keys k with lo <= k < hi, ascending."""
+        out: list[int] = []
+        if not self._blocks:
+            return out
+        b = max(bisect_right(self._firsts, lo) - 1, 0)
+        blk = self._blocks[b]
+        i = bisect_left(blk, lo)
+        nblocks = len(self._blocks)
+        while True:
+            j = bisect_left(blk, hi, i)
+            out.extend(blk[i:j])
+            if j < len(blk):
+                return out
+            b += 1
+            if b >= nblocks:
+                return out
+            blk = self._blocks[b]
+            i = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for blk in self._blocks:
+            yield from blk
+
+
+class RangeTracker:
+    """Live accesses of one registration, on disjoint segments."""
+
+    def __init__(self) -> None:
+        self._keys = _SortedKeys()
+        self._segs: dict[int, list] = {}   # start -> [end, tuple[Access, ...]]
+        self._live = 0
+
+    def __len__(self) -> int:
+        """Live accesses."""
+        return self._live
+
+    @property
+    def nsegments(self) -> int:
+        return len(self._keys)
+
+    def _first_key(self, start: int) -> int:
+        """The key to start a walk of [start, ...) from."""
+        k = self._keys.floor(start)
+        if k is not None and self._segs[k][0] > start:
+            return k
+        return start
+
+    def overlapping(self, start: int, end: int) -> list[Access]:
+        """Every live access overlapping [start, end), oldest first."""
+        seen: dict[int, Access] = {}
+        segs = self._segs
+        for k in self._keys.irange(self._first_key(start), end):
+            for a in segs[k][1]:
+                seen[a.seq] = a
+        return [seen[s] for s in sorted(seen)]
+
+    def conflicts(self, start: int, end: int, kind: AccessKind) -> list[Access]:
+        """Live accesses an access of `kind` on [start, end) must come after, oldest first."""
+        seen: dict[int, Access] = {}
+        segs = self._segs
+        producer = kind.producer
+        for k in self._keys.irange(self._first_key(start), end):
+            for a in segs[k][1]:
+                if producer or a.kind.producer:
+                    seen[a.seq] = a
+        if len(seen) < 2:
+            return list(seen.values())
+        return [seen[s] for s in sorted(seen)]
+
+    def _split(self, at: int) -> None:
+        """Make `at` a segment boundary when a segment spans it."""
+        k = self._keys.floor(at)
+        if k is None or k == at:
+            return
+        seg = self._segs[k]
+        if seg[0] > at:
+            self._segs[at] = [seg[0], seg[1]]
+            seg[0] = at
+            self._keys.add(at)
+
+    def enter(self, a: Access, strict: bool = False) -> list[Access]:
+        """The live accesses `a` must come after (oldest first), and `a` entered, in one
+        walk; with `strict`, `a` is entered only when there are none."""
+        s, e = a.start, a.end
+        if s >= e:
+            raise ValueError(f"empty range {a}")
+        keys = self._keys.irange(self._first_key(s), e)
+        if not keys:  # nothing live in [s, e): one new segment, no neighbour can equal it
+            self._segs[s] = [e, (a,)]
+            self._keys.add(s)
+            self._live += 1
+            return []
+        seen: dict[int, Access] = {}
+        segs = self._segs
+        producer = a.kind.producer
+        for k in keys:
+            for x in segs[k][1]:
+                if producer or x.kind.producer:
+                    seen[x.seq] = x
+        deps = [seen[q] for q in sorted(seen)]
+        if not (strict and deps):
+            self.insert(a)
+        return deps
+
+    def insert(self, a: Access) -> None:
+        s, e = a.start, a.end
+        if s >= e:
+            raise ValueError(f"empty range {a}")
+        self._split(s)
+        self._split(e)
+        segs = self._segs
+        pos = s
+        for k in self._keys.irange(s, e):
+            if k > pos:
+                segs[pos] = [k, (a,)]
+                self._keys.add(pos)
+            seg = segs[k]
+            seg[1] = seg[1] + (a,)
+            pos = seg[0]
+        if pos < e:
+            segs[pos] = [e, (a,)]
+            self._keys.add(pos)
+        self._live += 1
+
+    def remove(self, a: Access) -> None:
+        s, e = a.start, a.end
+        segs = self._segs
+        seg = segs.get(s)
+        if seg is not None and seg[0] == e and len(seg[1]) == 1 and seg[1][0] is a:
+            # Alone on its own segment: drop it; a gap is left, so nothing to merge.
+            del segs[s]
+            self._keys.remove(s)
+            self._live -= 1
+            return
+        found = False
+        for k in self._keys.irange(s, e):
+            seg = segs[k]
+            accs = seg[1]
+            if a in accs:
+                found = True
+                rest = tuple(x for x in accs if x is not a)
+                if rest:
+                    seg[1] = rest
+                else:
+                    del segs[k]
+                    self._keys.remove(k)
+        if not found:
+            raise KeyError(f"{a} is not live")
+        self._live -= 1
+        # Merge equal neighbours around and inside [s, e).
+        left = self._keys.floor(s - 1) if s > 0 else None
+        keys = self._keys.irange(left if left is not None else s, e + 1)
+        prev: int | None = None
+        for k in keys:
+            if prev is not None:
+                p = segs[prev]
+                c = segs[k]
+                if p[0] == k and p[1] == c[1]:
+                    p[0] = c[0]
+                    del segs[k]
+                    self._keys.remove(k)
+                    continue
+            prev = k
+
+    def segments(self) -> list[tuple[int, int, tuple[Access, ...]]]:
+        """(start, end, accesses) of every segment, ascending (for tests and debugging)."""
+        return [(k, self._segs[k][0], self._segs[k][1]) for k in self._keys]
+
+    def accesses(self) -> list[Access]:
+        seen: dict[int, Access] = {}
+        for _s, _e, accs in self.segments():
+            for a in accs:
+                seen[a.seq] = a
+        return [seen[s] for s in sorted(seen)]

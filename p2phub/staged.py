@@ -1,0 +1,813 @@
+"""Staged mode: the same Hub API where peer-to-peer DMA cannot run.
+
+Where p2phub.ko is absent (a signed-only kernel, a cloud VM, no root), where the
+doctor rules a GPU<->device pair out, or where the caller asks for it,
+``Hub()`` opens in staged mode: ``hub.mode == "staged"`` and
+``hub.mode_reason`` says why in one line that names the doctor's check ids.
+``hub.register(tensor)`` then returns a ``StagedRegistration`` (``reg.path ==
+"staged"``) and ``hub.load(source, reg)`` / ``hub.save(reg, dest)`` move the
+bytes between storage and GPU memory through pinned host bounce buffers:
+
+    storage --(kernel I/O: O_DIRECT preads, several in flight)--> pinned chunk
+            --(cuMemcpyHtoDAsync on the lane's stream)--> GPU memory
+
+Each lane (one thread) owns a stream and two pinned chunks, so while one
+chunk's copy runs on the stream the lane already reads the next one; with
+several lanes the disk sees a deep queue and PCIe runs at the same time. Saving
+runs the other way (D2H copy, then O_DIRECT pwrite). Files and block devices
+both work; file systems without O_DIRECT (tmpfs) fall back to buffered I/O.
+
+The same calls work in peer-to-peer mode (files always go through the kernel;
+an NVMe namespace owned by p2phub goes straight to the SSD), and both return a
+fence: ``wait(timeout)``, ``done()``, ``exception()``, ``add_done_callback``,
+``await fence`` and ``on_stream(stream)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import stat
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from .backend import GpuRange, check_range, describe, find_backend
+from .errors import ModuleNotLoadedError, P2PHubError, P2PHubOSError, UsageError
+
+if TYPE_CHECKING:
+    from .hub import Hub
+
+__all__ = ["StagedRegistration", "StagedModeError", "Fence", "Stager", "choose_mode",
+           "HostOps", "load", "save"]
+
+MODE_P2P = "p2p"
+MODE_STAGED = "staged"
+MODES = ("auto", MODE_P2P, MODE_STAGED)
+
+ALIGN = 4096
+DEFAULT_CHUNK = 16 << 20
+DEFAULT_LANES = 8
+# The doctor checks that decide whether /dev/p2phub can exist here.
+KMOD_CHECKS = ("kmod.loaded", "kmod.devnode", "kmod.loadable", "kmod.abi")
+
+
+class StagedModeError(P2PHubError):
+    """Asked for something only peer-to-peer mode has (DMA pages, a dma-buf export, an MR)."""
+
+
+class NoDeviceError(StagedModeError, ModuleNotLoadedError):
+    """A staged hub was asked for a /dev/p2phub call, and there is no /dev/p2phub: what
+    callers that need P2P caught as ModuleNotLoadedError before staged mode existed."""
+
+
+# ------------------------------------------------------------------ mode
+
+
+def choose_mode(path: str, mode: str) -> tuple[str, str | None]:
+    """(mode, reason) for Hub(path, mode). reason None means: work it out lazily with
+    the doctor (see doctor_reason)."""
+    if mode not in MODES:
+        raise UsageError(f"mode={mode!r}: want one of {', '.join(MODES)}")
+    if mode == MODE_STAGED:
+        return MODE_STAGED, "asked for: Hub(mode='staged')"
+    if mode == MODE_P2P:
+        return MODE_P2P, "asked for: Hub(mode='p2p')"
+    if os.path.exists(path):
+        if os.access(path, os.R_OK | os.W_OK):
+            return MODE_P2P, f"{path} is open (kmod.devnode PASS)"
+        return MODE_STAGED, (f"kmod.devnode: {path} is not readable and writable by this user "
+                             "(add a udev rule or join its group)")
+    return MODE_STAGED, None
+
+
+def doctor_reason(path: str) -> str:
+    """One line: why /dev/p2phub is not usable here, by the doctor's check ids."""
+    try:
+        from .doctor.core import diagnose
+        from .doctor.model import FAIL, WARN
+        from .doctor.sysroot import SysRoot
+        rep = diagnose(SysRoot("/"))
+        parts = [f"{c.id}: {c.summary}" for c in rep.checks
+                 if c.id in KMOD_CHECKS and c.status in (FAIL, WARN)]
+    except Exception as exc:  # noqa: BLE001 - the reason must not stop the Hub from opening
+        parts = [f"kmod.loaded: {path} is missing (the doctor could not run: "
+                 f"{type(exc).__name__}: {exc})"]
+    if not parts:
+        parts = [f"kmod.devnode: {path} is missing"]
+    return "; ".join(parts)
+
+
+def pair_reason(hub: "Hub", gpu_pci: str, device: str) -> str | None:
+    """Why the doctor rules GPU `gpu_pci` <-> `device` out for P2P, or None when it does not."""
+    cache = hub.__dict__.setdefault("_pair_verdicts", {})
+    if "report" not in cache:
+        try:
+            from .doctor.core import diagnose
+            from .doctor.sysroot import SysRoot
+            cache["report"] = diagnose(SysRoot("/"))
+        except Exception:  # noqa: BLE001 - no verdict means: try P2P
+            cache["report"] = None
+    rep = cache["report"]
+    if rep is None or not gpu_pci:
+        return None
+    want = {gpu_pci.lower(), str(device).lower()}
+    for p in rep.pairs:
+        ids = {str(p.provider).lower(), str(p.client).lower()}
+        if ids == want and p.verdict == "BLOCKED":
+            check = "pairs.gpu_nvme" if p.kind == "gpu-nvme" else "pairs.gpu_nic"
+            return f"{check}: {p.provider} <-> {p.client} BLOCKED ({'; '.join(p.reasons or p.because)})"
+    return None
+
+
+class NoDevice:
+    """Stands in for the /dev/p2phub Device in staged mode: every ioctl is refused clearly."""
+
+    def __init__(self, path: str, reason: Callable[[], str]) -> None:
+        self.path = path
+        self._reason = reason
+        self.closed = False
+        self.fd = -1
+
+    def _error(self, what: str) -> StagedModeError:
+        cls = StagedModeError if os.path.exists(self.path) else NoDeviceError
+        return cls(f"{what}: the hub is in staged mode, there is no {self.path} "
+                   f"({self._reason()})")
+
+    def ioctl(self, request: int, arg: object, what: str) -> None:
+        raise self._error(what)
+
+    def info(self):
+        raise self._error("P2PHUB_GET_INFO")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ------------------------------------------------------------------ fences
+
+
+class _LocalFence:
+    """The fence interface where p2phub.ordering is not installed: completed once by
+    ``_complete(exc)``; the same contract as p2phub.ordering.fence.Fence."""
+
+    def __init__(self, what: str = "") -> None:
+        self.what = what
+        self._fut: Future = Future()
+
+    def _complete(self, exc: BaseException | None = None) -> bool:
+        if self._fut.done():
+            return False
+        if exc is None:
+            self._fut.set_result(None)
+        else:
+            self._fut.set_exception(exc)
+        return True
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; raise the failure, or TimeoutError."""
+        try:
+            self._fut.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"{self}: not complete after {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return self._fut.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"{self}: not complete after {timeout} s") from None
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._fut.add_done_callback(lambda _f: fn(self))
+
+    def __await__(self):
+        return asyncio.wrap_future(self._fut).__await__()
+
+    def on_stream(self, stream: Any, ops: Any = None) -> None:
+        """Without p2phub.ordering's completion words a pending fence is waited for here."""
+        self.wait()
+
+
+try:
+    from .ordering.fence import Fence as _FenceBase  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the ordering layer being present
+    _FenceBase = _LocalFence  # type: ignore[misc,assignment]
+
+
+class Fence(_FenceBase):  # type: ignore[misc,valid-type]
+    """Completion of one load or save (p2phub's fence interface: wait, done, exception,
+    add_done_callback, await, on_stream). A load completes only once its host-to-device
+    copies have finished on the GPU, so on_stream orders GPU work after the bytes
+    arrived. ``stats`` holds the transfer's seconds, GB/s and settings."""
+
+    path = MODE_STAGED
+
+    def __init__(self, what: str, nbytes: int) -> None:
+        super().__init__(what)
+        self.nbytes = nbytes
+        self.stats: dict[str, Any] = {}
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        self._complete(exc)
+
+    def on_stream(self, stream: Any, ops: Any = None) -> None:
+        """`stream` waits for this fence on the GPU (a completion word, through the
+        ordering layer's stream ops); where no stream ops serve `stream`, the CPU waits."""
+        if _FenceBase is _LocalFence:
+            return _LocalFence.on_stream(self, stream, ops)
+        try:
+            super().on_stream(stream, ops)
+        except UsageError:
+            self.wait()
+
+
+class FutureFence(Fence):
+    """A fence over futures from another engine (p2phub's NVMe engine in P2P mode)."""
+
+    path = MODE_P2P
+
+    def __init__(self, what: str, nbytes: int, futures: list[Any]) -> None:
+        super().__init__(what, nbytes)
+        self._left = len(futures)
+        self._count_lock = threading.Lock()
+        if not futures:
+            self._finish()
+        for f in futures:
+            f.add_done_callback(self._one)
+
+    def _one(self, f: Any) -> None:
+        exc = f.exception()
+        with self._count_lock:
+            self._left -= 1
+            last = self._left == 0
+        if exc is not None:
+            self._finish(exc)
+        elif last:
+            self._finish()
+
+
+# ------------------------------------------------------------------ copy engines
+
+
+@dataclass
+class HostBuf:
+    ptr: int
+    size: int
+    view: memoryview
+
+    def close(self) -> None:
+        self.view.release()
+
+
+class HostOps:
+    """The staging operations over plain host memory (no GPU runtime): copies are memmove,
+    streams and events complete at once. Staged registrations of host buffers use it,
+    and it is the reference the GPU engines are tested against."""
+
+    name = "host"
+
+    def bind_thread(self, ordinal: int = 0) -> None:
+        pass
+
+    def pinned(self, size: int) -> HostBuf:
+        import mmap
+        m = mmap.mmap(-1, size)
+        view = memoryview(m)
+        import ctypes
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        return HostBuf(ptr, size, view)
+
+    def stream_create(self) -> int:
+        return 0
+
+    def stream_destroy(self, stream: int) -> None:
+        pass
+
+    def copy_h2d(self, dst: int, src: int, n: int, stream: int) -> None:
+        import ctypes
+        ctypes.memmove(dst, src, n)
+
+    copy_d2h = copy_h2d
+
+    def event_create(self) -> int:
+        return 0
+
+    def event_destroy(self, ev: int) -> None:
+        pass
+
+    def event_record(self, ev: int, stream: Any) -> None:
+        pass
+
+    def event_synchronize(self, ev: int) -> None:
+        pass
+
+    def stream_wait_event(self, stream: Any, ev: int) -> None:
+        pass
+
+
+def _host_span(obj: Any) -> tuple[int, int]:
+    """(address, bytes) of a writable contiguous host buffer (bytearray, mmap, numpy)."""
+    import ctypes
+    mv = memoryview(obj)
+    if mv.readonly:
+        raise UsageError(f"{describe(obj)}: read-only buffer")
+    if not mv.contiguous:
+        raise UsageError(f"{describe(obj)}: buffer is not contiguous")
+    mv = mv.cast("B")
+    if mv.nbytes == 0:
+        raise UsageError(f"{describe(obj)}: empty buffer")
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes
+
+
+@dataclass
+class _Lane:
+    bufs: list[Any]
+    stream: int
+    events: list[int]
+    pending: list[bool] = field(default_factory=lambda: [False, False])
+
+
+class Stager:
+    """Lanes of pinned chunks and streams for one copy engine and device, reused by every
+    load and save (pinned memory is dear to allocate)."""
+
+    def __init__(self, ops: Any, device: int = 0, chunk: int = DEFAULT_CHUNK,
+                 lanes: int = DEFAULT_LANES) -> None:
+        if chunk <= 0 or chunk % ALIGN:
+            raise UsageError(f"chunk={chunk} must be a positive multiple of {ALIGN}")
+        if lanes <= 0:
+            raise UsageError(f"lanes={lanes} must be positive")
+        self.ops = ops
+        self.device = device
+        self.chunk = chunk
+        self.nlanes = lanes
+        self._lanes: list[_Lane] = []
+        self._busy = threading.Lock()   # one transfer at a time uses the lanes
+        self._closed = False
+
+    def _ensure(self) -> list[_Lane]:
+        if not self._lanes:
+            self.ops.bind_thread(self.device)
+            for _ in range(self.nlanes):
+                self._lanes.append(_Lane(
+                    [self.ops.pinned(self.chunk), self.ops.pinned(self.chunk)],
+                    self.ops.stream_create(),
+                    [self.ops.event_create(), self.ops.event_create()]))
+        return self._lanes
+
+    def close(self) -> None:
+        with self._busy:
+            for lane in self._lanes:
+                for b in lane.bufs:
+                    b.close()
+                for e in lane.events:
+                    self.ops.event_destroy(e)
+                self.ops.stream_destroy(lane.stream)
+            self._lanes.clear()
+            self._closed = True
+
+    # ------------------------------------------------------------- transfers
+
+    def start(self, fence: Fence, direction: str, fd: int, direct: bool, file_offset: int,
+              mem: int, nbytes: int, progress: Callable[[int], None] | None,
+              on_done: Callable[[], None]) -> None:
+        """Run a transfer on a coordinator thread; `fence` completes when it is over."""
+        if self._closed:
+            raise UsageError("the stager is closed")
+        t = threading.Thread(target=self._run, name=f"p2phub-staged-{direction}", daemon=True,
+                             args=(fence, direction, fd, direct, file_offset, mem, nbytes,
+                                   progress, on_done))
+        t.start()
+
+    def _run(self, fence: Fence, direction: str, fd: int, direct: bool, file_offset: int,
+             mem: int, nbytes: int, progress: Callable[[int], None] | None,
+             on_done: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        err: BaseException | None = None
+        try:
+            with self._busy:
+                lanes = self._ensure()
+                pieces = _pieces(file_offset, nbytes, self.chunk, direct)
+                nxt = iter(range(len(pieces)))
+                lock = threading.Lock()
+                failed: list[BaseException] = []
+
+                def take() -> tuple[int, int, int, int] | None:
+                    with lock:
+                        if failed:
+                            return None
+                        i = next(nxt, None)
+                    return None if i is None else pieces[i]
+
+                work = self._lane_load if direction == "load" else self._lane_save
+                threads = [threading.Thread(target=_guard, daemon=True,
+                                            args=(work, failed, lock, lane, take, fd, mem,
+                                                  file_offset, progress))
+                           for lane in lanes[:max(1, min(len(lanes), len(pieces)))]]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                if failed:
+                    err = failed[0]
+                elif direction == "save" and fence.stats.get("sync", True):
+                    os.fsync(fd)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the fence
+            err = exc
+        finally:
+            dt = time.perf_counter() - t0
+            fence.stats.update(seconds=dt, gbps=(nbytes / dt / 1e9) if dt > 0 else 0.0,
+                               direct=direct, lanes=self.nlanes, chunk=self.chunk)
+            try:
+                on_done()
+            except BaseException as exc:  # noqa: BLE001
+                err = err or exc
+            fence._finish(err)
+
+    def _lane_load(self, lane: _Lane, take: Callable, fd: int, mem: int, file_offset: int,
+                   progress: Callable[[int], None] | None) -> None:
+        ops = self.ops
+        ops.bind_thread(self.device)
+        k = 0
+        try:
+            while (piece := take()) is not None:
+                start, length, skip, useful = piece
+                buf, ev = lane.bufs[k], lane.events[k]
+                if lane.pending[k]:
+                    ops.event_synchronize(ev)
+                    lane.pending[k] = False
+                got = _pread_full(fd, buf.view, length, start)
+                if got < skip + useful:
+                    raise P2PHubOSError(errno.EIO, f"read at offset {start}",
+                                        f"the source ends at byte {start + got}, before "
+                                        f"{start + skip + useful}")
+                dst = mem + (start + skip - file_offset)
+                ops.copy_h2d(dst, buf.ptr + skip, useful, lane.stream)
+                ops.event_record(ev, lane.stream)
+                lane.pending[k] = True
+                k ^= 1
+                if progress:
+                    progress(useful)
+        finally:
+            for j in (0, 1):
+                if lane.pending[j]:
+                    ops.event_synchronize(lane.events[j])
+                    lane.pending[j] = False
+
+    def _lane_save(self, lane: _Lane, take: Callable, fd: int, mem: int, file_offset: int,
+                   progress: Callable[[int], None] | None) -> None:
+        ops = self.ops
+        ops.bind_thread(self.device)
+        k = 0
+        while (piece := take()) is not None:
+            start, length, skip, useful = piece
+            buf, ev = lane.bufs[k], lane.events[k]
+            ops.copy_d2h(buf.ptr, mem + (start - file_offset), length, lane.stream)
+            ops.event_record(ev, lane.stream)
+            ops.event_synchronize(ev)
+            _pwrite_full(fd, buf.view, length, start)
+            k ^= 1
+            if progress:
+                progress(length)
+
+
+def _guard(work: Callable, failed: list[BaseException], lock: threading.Lock, *args: Any) -> None:
+    try:
+        work(*args)
+    except BaseException as exc:  # noqa: BLE001 - the coordinator raises it through the fence
+        with lock:
+            failed.append(exc)
+
+
+def _pieces(offset: int, nbytes: int, chunk: int, direct: bool) -> list[tuple[int, int, int, int]]:
+    """(file start, bytes to read, skip, useful) per chunk. With O_DIRECT the reads start
+    on ALIGN boundaries and have ALIGN-multiple lengths (the last may pass the end of the
+    file: the kernel returns a short read)."""
+    out = []
+    end = offset + nbytes
+    pos = offset - offset % ALIGN if direct else offset
+    while pos < end:
+        length = min(chunk, end - pos)
+        if direct and length % ALIGN:
+            length += ALIGN - length % ALIGN
+        skip = offset - pos if pos < offset else 0
+        useful = min(pos + length, end) - pos - skip
+        out.append((pos, length, skip, useful))
+        pos += length
+    return out
+
+
+def _pread_full(fd: int, view: memoryview, length: int, offset: int) -> int:
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got:length]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _pwrite_full(fd: int, view: memoryview, length: int, offset: int) -> None:
+    done = 0
+    while done < length:
+        n = os.pwritev(fd, [view[done:length]], offset + done)
+        if n <= 0:
+            raise P2PHubOSError(errno.EIO, f"write at offset {offset + done}", "wrote nothing")
+        done += n
+
+
+# ------------------------------------------------------------------ registrations
+
+
+class StagedRegistration:
+    """GPU (or host) memory registered in staged mode: loads and saves bounce through
+    pinned host memory; no device can DMA into it directly."""
+
+    path = MODE_STAGED
+
+    def __init__(self, hub: "Hub", rng: GpuRange, ops: Any, what: str,
+                 reason: str | None = None) -> None:
+        self._hub = hub
+        self.source = rng
+        self.ops = ops
+        self.length = rng.length
+        self.page_size = ALIGN
+        self.what = what
+        self._reason = reason
+        self.handle = -1
+        self._closed = False
+        self._dmabuf_fd = -1
+        self._owns_source = False
+        self._mrs: "weakref.WeakSet" = weakref.WeakSet()
+        self._ordering = None     # what Hub.close() looks at on every registration
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self) -> int:
+        return self.source.ptr
+
+    @property
+    def reason(self) -> str:
+        """Why this registration is staged: the pair's doctor verdict, or the hub's reason."""
+        return self._reason or self._hub.mode_reason
+
+    def _refuse(self, what: str) -> StagedModeError:
+        return StagedModeError(f"{self}: {what} needs peer-to-peer mode; this registration is "
+                               f"staged ({self.reason})")
+
+    def dma_pages(self, device: Any, page_size: int = 0) -> list[int]:
+        raise self._refuse("dma_pages()")
+
+    def export(self) -> int:
+        raise self._refuse("a dma-buf export")
+
+    @property
+    def dmabuf_fd(self) -> int:
+        raise self._refuse("a dma-buf export")
+
+    def mr(self, pd: object, access: int | None = None):
+        raise self._refuse("an RDMA memory region of GPU memory")
+
+    @property
+    def live_mrs(self) -> int:
+        return 0
+
+    def _hold(self, n: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise UsageError(f"{self} is closed")
+            self._busy += n
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            if self._busy and not force:
+                raise P2PHubOSError(errno.EBUSY, f"close {self}",
+                                    f"{self._busy} load/save transfer(s) still use it")
+            self._closed = True
+        self.source.close()
+        self._hub._staged.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "StagedRegistration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<StagedRegistration {self.what} {self.length} bytes>"
+
+    __str__ = __repr__
+
+
+def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
+             device: Any = None, reason: str | None = None) -> StagedRegistration:
+    """A staged registration of GPU memory (any installed backend) or a host buffer."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int):
+        raise UsageError(f"cannot register {obj!r} in staged mode: give GPU memory (a tensor, "
+                         "(ptr, nbytes), __cuda_array_interface__, DLPack) or a host buffer")
+    be = find_backend(obj)
+    if be is not None:
+        rng = be.resolve(obj, offset, length, export_dmabuf=False)
+        ops: Any = be
+    else:
+        try:
+            ptr, total = _host_span(obj)
+        except TypeError:
+            raise UsageError(f"{describe(obj)}: not memory p2phub knows (GPU memory of an "
+                             "installed backend, or a writable host buffer)") from None
+        offset, length = check_range(offset, length, total, describe(obj))
+        rng = GpuRange("host", -1, ptr + offset, length, ptr, total, keepalive=[obj])
+        ops = HostOps()
+    reg = StagedRegistration(hub, rng, ops, f"{describe(obj)} {rng.ptr:#x}+{rng.length:#x}", reason)
+    hub._staged.add(reg)
+    return reg
+
+
+# ------------------------------------------------------------------ load / save
+
+
+def configure(hub: "Hub", chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
+    """Set the hub's staging lanes: `lanes` I/Os in flight of `chunk` bytes each (2 x lanes x
+    chunk bytes of pinned host memory, allocated on the first transfer)."""
+    Stager(HostOps(), 0, chunk, lanes)   # validates
+    for st in hub.__dict__.pop("_stagers", {}).values():
+        st.close()
+    hub.__dict__["_staged_opts"] = {"chunk": chunk, "lanes": lanes}
+
+
+def _stager(hub: "Hub", reg: StagedRegistration | Any) -> Stager:
+    ops = reg.ops if isinstance(reg, StagedRegistration) else _ops_of(reg)
+    dev = max(reg.source.device, 0)
+    key = (getattr(ops, "name", type(ops).__name__), dev)
+    stagers = hub.__dict__.setdefault("_stagers", {})
+    if key not in stagers:
+        opts = hub.__dict__.get("_staged_opts", {})
+        stagers[key] = Stager(ops, dev, **opts)
+    return stagers[key]
+
+
+def _ops_of(reg: Any) -> Any:
+    """The copy engine for a peer-to-peer Registration (its source is a GpuRange)."""
+    src = reg.source
+    if not isinstance(src, GpuRange):
+        raise UsageError(f"{reg}: load/save needs GPU memory registered with hub.register(); "
+                         "host registrations are reached through reg.source.mmap()")
+    import importlib
+    return importlib.import_module(f"p2phub_{src.backend}").backend()
+
+
+def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
+    """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
+    if isinstance(target, (str, os.PathLike)):
+        name = os.fspath(target)
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        flags |= os.O_CLOEXEC
+        if direct:
+            try:
+                return os.open(name, flags | os.O_DIRECT, 0o644), True, True, name
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:   # a file system without O_DIRECT: buffered
+                    raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+        try:
+            return os.open(name, flags, 0o644), False, True, name
+        except OSError as exc:
+            raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+    if isinstance(target, int) and not isinstance(target, bool):
+        return target, False, False, f"fd {target}"
+    if hasattr(target, "fileno"):
+        return target.fileno(), False, False, getattr(target, "name", describe(target))
+    raise UsageError(f"{describe(target)}: not a path, an open file or an fd")
+
+
+def _size_of(fd: int) -> int:
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    return os.lseek(fd, 0, os.SEEK_END)  # block devices
+
+
+def _is_namespace(obj: Any) -> bool:
+    return type(obj).__name__ == "Namespace" and hasattr(obj, "submit") and hasattr(obj, "lba_size")
+
+
+def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
+         dest_offset: int = 0, *, direct: bool = True,
+         progress: Callable[[int], None] | None = None) -> Fence:
+    """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open
+    file, an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest`."""
+    reg = dest
+    if _is_namespace(source):
+        return _namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
+    if isinstance(reg, StagedRegistration):
+        reg._hold(0)
+    fd, is_direct, owned, name = _open(source, write=False, direct=direct)
+    try:
+        total = _size_of(fd)
+        if nbytes is None:
+            nbytes = total - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > total:
+            raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
+                             f"{total} bytes")
+        check_range(dest_offset, nbytes, reg.length, str(reg))
+        mem = reg.source.ptr + dest_offset
+        return _launch(hub, "load", reg, fd, owned, is_direct, offset, mem, nbytes,
+                       f"load {name}[{offset}:+{nbytes}] -> {reg.what}", progress)
+    except BaseException:
+        if owned:
+            os.close(fd)
+        raise
+
+
+def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
+         source_offset: int = 0, *, direct: bool = True, sync: bool = True,
+         progress: Callable[[int], None] | None = None) -> Fence:
+    """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
+    `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace)."""
+    reg = source
+    if _is_namespace(dest):
+        return _namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
+    if nbytes is None:
+        nbytes = reg.length - source_offset
+    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, str(reg))
+    if offset < 0:
+        raise UsageError(f"offset={offset} is negative")
+    use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
+    fd, is_direct, owned, name = _open(dest, write=True, direct=use_direct)
+    try:
+        fence_what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
+        return _launch(hub, "save", reg, fd, owned, is_direct, offset,
+                       reg.source.ptr + source_offset, nbytes, fence_what, progress, sync=sync)
+    except BaseException:
+        if owned:
+            os.close(fd)
+        raise
+
+
+def _launch(hub: "Hub", direction: str, reg: Any, fd: int, owned: bool, direct: bool,
+            offset: int, mem: int, nbytes: int, what: str,
+            progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
+    stager = _stager(hub, reg)
+    fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
+    fence.stats["sync"] = sync
+    staged_reg = isinstance(reg, StagedRegistration)
+    if staged_reg:
+        reg._hold(1)
+
+    def done() -> None:
+        if staged_reg:
+            with reg._lock:
+                reg._busy -= 1
+        if owned:
+            os.close(fd)
+
+    stager.start(fence, direction, fd, direct, offset, mem, nbytes, progress, done)
+    return fence
+
+
+def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: int | None,
+                  reg_offset: int) -> Fence:
+    if isinstance(reg, StagedRegistration):
+        raise reg._refuse(f"an NVMe {op} straight into GPU memory")
+    from .nvme.controller import Op
+    lba_bytes = ns.lba_size
+    if offset % lba_bytes:
+        raise UsageError(f"offset={offset} is not a multiple of the namespace's {lba_bytes}-byte LBA")
+    if nbytes is None:
+        nbytes = reg.length - reg_offset
+    futs = ns.submit([Op(op, reg, offset // lba_bytes, nbytes, reg_offset)])
+    return FutureFence(f"nvme {op} nsid {ns.nsid} [{offset}:+{nbytes}]", nbytes, futs)
+
+
+def close_stagers(hub: "Hub") -> None:
+    for st in hub.__dict__.pop("_stagers", {}).values():
+        st.close()
+
+
+def pair_reason_for(hub: "Hub", obj: Any, device: Any) -> str | None:
+    """pair_reason() for the GPU that holds `obj` (None when no backend claims it)."""
+    be = find_backend(obj)
+    if be is None or isinstance(obj, int):
+        return None
+    try:
+        rng = be.resolve(obj, export_dmabuf=False)
+    except P2PHubError:
+        return None   # register() reports the problem with the memory itself
+    try:
+        return pair_reason(hub, rng.pci_bus_id, str(device))
+    finally:
+        rng.close()

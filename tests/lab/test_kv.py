@@ -1,0 +1,173 @@
+"""KV transfer between the lab's two RDMA nodes (rxe-a, rxe-b on a veth pair): pools
+registered with p2phub, per-layer RDMA WRITEs ending in WRITE_WITH_IMM, every received
+byte checked on the receiving side's own CPU view."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from p2phub.hub import Hub
+from p2phub.kv import KVLayout, KVPeerError, KVPool
+from p2phub.kv.fence import FenceError
+from p2phub.kv.pattern import page
+from p2phub.kv.rdma import RdmaAgent
+
+TOP = Path(__file__).resolve().parent.parent.parent
+STALL = 3.0
+# 32 layers x (K, V) x 128 pages of 16 KiB per node; a request moves 96 pages of each.
+LAY = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
+PAGES = 96
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    with Hub() as h:
+        yield h
+
+
+def _fill(pool: KVPool, seed: int, blocks) -> None:
+    lay = pool.layout
+    for ly in range(lay.num_layers):
+        for kv in range(lay.kv):
+            for b in blocks:
+                pool.block(ly, kv, b)[:] = page(seed, ly, kv, b, lay.block_bytes)
+
+
+def _bad_pages(pool: KVPool, seed: int, src, dst, layers=None) -> int:
+    lay = pool.layout
+    bad = 0
+    for ly in layers if layers is not None else range(lay.num_layers):
+        for kv in range(lay.kv):
+            for s, d in zip(src, dst):
+                if bytes(pool.block(ly, kv, d)) != page(seed, ly, kv, s, lay.block_bytes):
+                    bad += 1
+    return bad
+
+
+def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) -> None:
+    rnd = random.Random(1)
+    src, dst = rnd.sample(range(128), PAGES), rnd.sample(range(128), PAGES)
+    with KVPool.registered(hub, LAY) as pa, KVPool.registered(hub, LAY) as pb:
+        _fill(pa, 21, src)
+        with RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL) as tx, \
+             RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL) as rx:
+            assert tx.connect(rx.host, rx.port) == "decode"
+            r = rx.expect("prefill", 5, blocks=dst)
+            t0 = time.monotonic()
+            done_at: dict[int, float] = {}
+            for ly in (0, LAY.num_layers - 1):
+                r.layer(ly).add_done_callback(lambda _f, ly=ly: done_at.setdefault(ly, time.monotonic()))
+            # the producer finishes a layer every 50 ms
+            sender = threading.Thread(target=lambda: tx.send_request("decode", 5, src, dst, pace=0.05).wait(60))
+            sender.start()
+            r.layer(0).wait(60)
+            assert not r.layer(LAY.num_layers - 1).done()     # layer 0 usable, 31 still to come
+            assert _bad_pages(pb, 21, src, dst, layers=[0]) == 0
+            r.done.wait(120)
+            sender.join(60)
+            assert done_at[0] - t0 < done_at[LAY.num_layers - 1] - t0 - 0.5
+            assert _bad_pages(pb, 21, src, dst) == 0
+            assert sorted(r.visible_blocks(7)) == sorted(dst)
+            untouched = sorted(set(range(128)) - set(dst))[:4]
+            for b in untouched:
+                assert bytes(pb.block(3, 1, b)) == bytes(LAY.block_bytes)
+
+
+_CHILD = r"""
+import sys, random
+from p2phub.hub import Hub
+from p2phub.kv import KVLayout, KVPool
+from p2phub.kv.pattern import page
+from p2phub.kv.rdma import RdmaAgent
+dev, port, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+lay = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
+rnd = random.Random(1)
+src, dst = rnd.sample(range(128), 96), rnd.sample(range(128), 96)
+with Hub() as hub, KVPool.registered(hub, lay) as pool:
+    for ly in range(32):
+        for kv in range(2):
+            for b in src:
+                pool.block(ly, kv, b)[:] = page(seed, ly, kv, b, 16384)
+    a = RdmaAgent("prefill-child", pool, dev, stall_timeout=3.0)
+    a.connect("127.0.0.1", port)
+    print("connected", flush=True)
+    a.send_request("decode", 9, src, dst, pace=0.3).wait(120)
+    print("sent", flush=True)
+"""
+
+
+def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, lab) -> None:
+    rnd = random.Random(1)
+    src, dst = rnd.sample(range(128), PAGES), rnd.sample(range(128), PAGES)
+    with KVPool.registered(hub, LAY) as pb, \
+         RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL) as rx:
+        env = dict(os.environ, PYTHONPATH=str(TOP))
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, lab["node_a_rdma"], str(rx.port), "31"],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert child.stdout.readline().strip() == "connected"
+            r = rx.expect("prefill-child", 9, blocks=dst)
+            r.layer(2).wait(60)                      # a few layers in
+            t_kill = time.monotonic()
+            child.kill()
+            child.wait(10)
+            with pytest.raises(Exception) as ei:
+                r.done.wait(STALL + 5)
+            seen = time.monotonic() - t_kill
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert "prefill-child" in str(ei.value) and "closed" in str(ei.value), ei.value
+        assert seen < STALL + 5
+        assert 3 <= len(r.landed) < LAY.num_layers
+        missing = [ly for ly in range(LAY.num_layers) if ly not in r.landed]
+        assert r.visible_blocks(missing[0]) == []    # never marked visible
+        assert r.layer(missing[0]).failed()
+        # the same pool, a new sender on a new QP: the next request lands whole
+        with KVPool.registered(hub, LAY) as pa, \
+             RdmaAgent("prefill-2", pa, lab["node_a_rdma"], stall_timeout=STALL) as tx:
+            _fill(pa, 32, src)
+            tx.connect(rx.host, rx.port)
+            r2 = rx.expect("prefill-2", 10, blocks=dst)
+            tx.send_request("decode", 10, src, dst).wait(60)
+            r2.done.wait(60)
+            assert _bad_pages(pb, 32, src, dst) == 0
+
+
+def test_receiver_gone_fails_the_sender_within_the_deadline(hub: Hub, lab) -> None:
+    with KVPool.registered(hub, LAY) as pa, KVPool.registered(hub, LAY) as pb:
+        _fill(pa, 5, range(8))
+        tx = RdmaAgent("prefill", pa, lab["node_a_rdma"], stall_timeout=STALL)
+        rx = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL)
+        try:
+            tx.connect(rx.host, rx.port)
+            rx.close()                                 # QP destroyed, control socket closed
+            t0 = time.monotonic()
+            with pytest.raises((KVPeerError, FenceError)) as ei:
+                # refused at once once the sender saw the control socket close, else its
+                # WRITEs fail (retry exhausted / flushed) within the deadline
+                tx.send_request("decode", 1, list(range(8)), list(range(8))).wait(STALL + 10)
+            assert time.monotonic() - t0 < STALL + 10
+            assert "decode" in str(ei.value)
+            # the sender's pool and agent stay usable: a new receiver, a new QP
+            rx2 = RdmaAgent("decode", pb, lab["node_b_rdma"], stall_timeout=STALL)
+            try:
+                tx.connect(rx2.host, rx2.port)
+                r = rx2.expect("prefill", 2, blocks=list(range(8)))
+                tx.send_request("decode", 2, list(range(8)), list(range(8))).wait(30)
+                r.done.wait(30)
+                assert _bad_pages(pb, 5, range(8), range(8)) == 0
+            finally:
+                rx2.close()
+        finally:
+            tx.close()
+            rx.close()

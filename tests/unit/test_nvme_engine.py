@@ -1,0 +1,175 @@
+"""The engine on a fake controller: the batch API, registrations held by the controller
+(in-flight counts, quiesce), the future (fence) interface, metadata namespaces refused."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import time
+
+import pytest
+
+from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
+from p2phub.errors import UsageError
+from p2phub.nvme import ReadOp, WriteOp, _build, quiesce_registration
+from p2phub.nvme.controller import Controller
+from p2phub.nvme.errors import NvmeStatusError
+
+pytestmark = pytest.mark.unit
+
+hot = _build.load()
+
+
+@pytest.fixture
+def rig():
+    dev = FakeControllerFile(hot, namespaces={
+        1: FakeNamespace(blocks=8192),
+        2: FakeNamespace(blocks=1024, lbads=9, ms=8, flbas=0x10),   # 512+8 inline metadata
+        3: FakeNamespace(blocks=1024, lbads=12, ms=8, dps=1),       # separate metadata, PI type 1
+        4: FakeNamespace(blocks=1024, lbads=8),                     # 256-byte blocks
+    })
+    c = Controller(dev, hot=hot, io_queues=2, queue_depth=64)
+    c.start()
+    hub = FakeHub(dev.device)
+    yield c, dev, hub
+    c.close()
+    dev.stop()
+
+
+def _reg(dev, hub, size=1 << 20):
+    r = hub.register(size)
+    dev.add_registration(r)
+    return r
+
+
+def test_metadata_and_small_block_namespaces_are_refused_with_the_format(rig) -> None:
+    c, _dev, _hub = rig
+    assert sorted(c.namespaces) == [1]
+    with pytest.raises(UsageError, match=r"namespace 2 .*512-byte blocks \+ 8 bytes of metadata \(extended LBA\)"):
+        c.namespace(2)
+    with pytest.raises(UsageError, match=r"namespace 3 .*protection information type 1"):
+        c.namespace(3)
+    with pytest.raises(UsageError, match=r"namespace 4 .*LBADS 8 is outside 9..16"):
+        c.namespace(4)
+    assert set(c.info()["skipped_namespaces"]) == {"2", "3", "4"}
+
+
+def test_batch_api_moves_the_right_bytes(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub)
+    for i in range(64):
+        dev.ns[1].data[i * 4096:(i + 1) * 4096] = bytes([i]) * 4096
+    order = list(reversed(range(64)))
+    fut = ns.read_batch(reg, array.array("Q", [8 * i for i in order]), [4096 * k for k in range(64)], 4096, qd=5)
+    assert fut.result(timeout=10) == 64 and fut.statuses() == [0] * 64
+    for k, i in enumerate(order):
+        assert bytes(reg.mem[4096 * k:4096 * (k + 1)]) == bytes([i]) * 4096
+    # And back out, to other LBAs.
+    fut = ns.write_batch(reg, [4096 + 8 * k for k in range(64)], [4096 * k for k in range(64)], 4096)
+    fut.result(timeout=10)
+    assert bytes(dev.ns[1].data[4096 * 512:4096 * 513]) == bytes([63]) * 4096
+    assert c.inflight(reg) == 0 and c.holds(reg)
+
+
+def test_batch_bad_request_refuses_the_whole_batch(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub, 64 << 10)
+    qp = c.io_qps[0]
+    before = qp.c.submitted
+    with pytest.raises(UsageError, match="request 2: LBA range lba=8192"):
+        ns.read_batch(reg, [0, 8, 8192], [0, 4096, 8192], 4096, qpair=qp)
+    with pytest.raises(UsageError, match=r"request 1: buffer range offset=65536"):
+        ns.read_batch(reg, [0, 8], [0, 65536], 4096, qpair=qp)
+    with pytest.raises(UsageError, match="multiple of 4"):
+        ns.read_batch(reg, [0], [2], 4096, qpair=qp)
+    with pytest.raises(UsageError, match="MDTS"):
+        ns.read_batch(reg, [0], [0], 1 << 20, qpair=qp)
+    assert qp.c.submitted == before and c.inflight(reg) == 0
+
+
+def test_batch_error_status_names_the_request(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub)
+    dev.ns[1].blocks = 100  # the device now says LBA out of range past 100
+    fut = ns.read_batch(reg, [0, 200, 8], [0, 4096, 8192], 4096)
+    with pytest.raises(NvmeStatusError, match="LBA Out of Range") as e:
+        fut.result(timeout=10)
+    assert e.value.index == 1 and fut.statuses()[0] == 0 and fut.statuses()[1] != 0
+
+
+def test_inflight_count_and_quiesce_registration(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg, other = _reg(dev, hub), _reg(dev, hub)
+    dev.hold_lbas.add(800)
+    futs = ns.submit([ReadOp(reg, 800, 4096), ReadOp(reg, 0, 8192, 4096), WriteOp(other, 16, 4096)])
+    assert c.inflight(reg) == 2 and c.inflight(other) == 1
+    futs[2].result(timeout=5)
+    assert c.inflight(other) == 0
+    assert c.quiesce_registration(other, timeout=5) and not c.holds(other)
+    assert f"unmap {other.handle}" in dev.log
+    # reg has a command the device holds: quiesce times out and keeps the hold.
+    assert not c.quiesce_registration(reg, timeout=0.2) and c.holds(reg)
+    assert f"unmap {reg.handle}" not in dev.log
+    dev.hold_lbas.clear()
+    dev.held.clear()
+    c.io_qps[0].timeout_s = c.io_qps[1].timeout_s = 0.2  # the held command is recovered by the engine
+    assert quiesce_registration(reg, timeout=30)  # the module function: every controller holding it
+    assert c.inflight(reg) == 0 and not c.holds(reg) and f"unmap {reg.handle}" in dev.log
+
+
+def test_registration_of_another_hub_is_refused(rig) -> None:
+    c, dev, _hub = rig
+    stranger = FakeHub(object()).register(4096)
+    dev.add_registration(stranger)
+    with pytest.raises(UsageError, match="another /dev/p2phub file"):
+        c.namespace(1).read(stranger, 0, 4096)
+
+
+def test_future_interface_for_fences(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub)
+    dev.hold_lbas.add(900)
+    f = ns.submit([ReadOp(reg, 900, 4096)])[0]
+    b = ns.read_batch(reg, [0, 8], [0, 4096], 4096)
+    seen: list[object] = []
+    f.add_done_callback(seen.append)
+    b.add_done_callback(seen.append)
+    assert not f.done() and not f.wait(0.05)
+    assert b.wait(5) and b.done() and b.exception() is None and seen == [b]
+    dev.hold_lbas.clear()
+    (qid, cid), = list(dev.held)
+    dev._post(dev.held.pop((qid, cid))[0], qid, cid)  # the device completes it at last
+    assert f.wait(5) and f.exception() is None and seen == [b, f]
+
+    async def main() -> int:
+        return await ns.submit([ReadOp(reg, 8, 4096)])[0] + await ns.read_batch(reg, [1], [0], 4096)
+
+    assert asyncio.run(main()) == 1
+
+
+def test_access_hooks_see_every_access_declared_then_released(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub)
+    events: list[tuple] = []
+
+    class Hook:
+        def begin(self, buf, offset, length, kind):
+            events.append(("begin", buf is reg, offset, length, kind))
+            return len(events)
+
+        def end(self, token):
+            events.append(("end", token))
+
+    c.access_hooks.append(Hook())
+    ns.write(reg, 0, 8192, offset=4096)
+    ns.read_batch(reg, [0, 16], [0, 65536], 4096).result(timeout=5)
+    assert events == [("begin", True, 4096, 8192, "write"), ("end", 1),
+                      ("begin", True, 0, 65536 + 4096, "read"), ("end", 3)]
+    t0 = time.monotonic()
+    assert time.monotonic() - t0 < 1

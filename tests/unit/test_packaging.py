@@ -1,0 +1,91 @@
+"""The wheels users install: p2phub ships its NVMe hot path compiled, and the vendor backends are
+separate distributions found through the ``p2phub.backends`` entry-point group.
+
+Builds the three wheels from a copy of the checkout's files (what git would ship, so a file that
+only exists in this checkout cannot hide a missing package-data entry), installs them into a fresh
+venv outside the checkout, and imports from there. No network: the build uses this interpreter's
+setuptools and cffi (--no-build-isolation) and the install --no-deps (the fresh venv sees the
+system's cffi).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOP = Path(__file__).resolve().parents[2]
+
+
+def _run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
+    p = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{cmd}: rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("git") is None or not (TOP / ".git").exists():
+        pytest.skip("needs a git checkout to list the shipped files")
+    tmp = tmp_path_factory.mktemp("pkg")
+    src, dist = tmp / "src", tmp / "dist"
+    files = _run("git", "ls-files", "-co", "--exclude-standard", "-z", cwd=TOP).split("\0")
+    for rel in files:
+        if not rel or rel.startswith("tests/fixtures/") or not (TOP / rel).is_file():
+            continue
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TOP / rel, src / rel)
+    # absolute paths: pip reads a bare directory name as a requirement
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist,
+         src, src / "backends" / "cuda", src / "backends" / "rocm", cwd=tmp)
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run(base, "-m", "venv", "--system-site-packages", tmp / "venv", cwd=tmp)
+    _run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+         *sorted(dist.glob("*.whl")), cwd=tmp)
+    return tmp
+
+
+def test_three_wheels_p2phub_platform_specific_backends_pure(installed: Path) -> None:
+    names = sorted(p.name for p in (installed / "dist").glob("*.whl"))
+    assert len(names) == 3, names
+    core = next(n for n in names if n.startswith("p2phub-"))
+    assert "linux" in core, f"{core}: the core wheel carries a compiled module, so it is platform-specific"
+    assert any(n.startswith("p2phub_cuda-") and n.endswith("-none-any.whl") for n in names), names
+    assert any(n.startswith("p2phub_rocm-") and n.endswith("-none-any.whl") for n in names), names
+
+
+def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(installed: Path) -> None:
+    nocompile = installed / "fallback-dir"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "P2PHUB_CFFI_DIR")}
+    env["P2PHUB_CFFI_DIR"] = str(nocompile)   # where the developer fallback would compile
+    code = ("import json, importlib.metadata as md, p2phub, p2phub.nvme\n"
+            "from p2phub.nvme import _build\n"
+            "hot = _build.load()\n"
+            "print(json.dumps({'p2phub': p2phub.__file__, 'hot': hot.__name__, 'so': hot.__file__,"
+            " 'calls': [n for n in dir(hot.lib) if n.startswith('p2h_')],"
+            " 'backends': sorted([e.name, e.value] for e in md.entry_points(group='p2phub.backends'))}))\n")
+    out = json.loads(_run(installed / "venv" / "bin" / "python", "-c", code, cwd=installed, env=env))
+    site = str(installed / "venv")
+    assert out["p2phub"].startswith(site), out           # not the checkout
+    assert out["hot"] == "p2phub.nvme._hotlib", out       # the module built with the wheel
+    assert out["so"].startswith(site), out
+    assert out["calls"], out                              # the hot path's C entry points
+    assert not nocompile.exists(), "the installed wheel fell back to compiling the hot path"
+    assert ["cuda", "p2phub_cuda"] in out["backends"] and ["rocm", "p2phub_rocm"] in out["backends"], out
+
+
+def test_a_compiled_hot_path_older_than_its_sources_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2phub.nvme import _build, _hot_build
+
+    try:
+        from p2phub.nvme import _hotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("no compiled p2phub.nvme._hotlib in this install (checkout without an editable build)")
+    assert _build._prebuilt() is not None
+    monkeypatch.setattr(_hot_build, "sources_tag", lambda: "0" * 16)   # as if _hot.c had been edited
+    assert _build._prebuilt() is None
