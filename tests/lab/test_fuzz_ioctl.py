@@ -1,8 +1,7 @@
 """Stateful fuzzing of p2phub.ko's ioctls and mmaps (hypothesis RuleBasedStateMachine).
 
-Sequences of every ioctl of kmod/uapi/p2phub.h (as mirrored in p2phub/uapi.py;
-the controller-fd ioctls added later are laid out here from the header until
-the mirror has them) over several /dev/p2phub files and a controller fd: valid
+Sequences of every ioctl of kmod/uapi/p2phub.h (as mirrored in p2phub/uapi.py)
+over several /dev/p2phub files and a controller fd: valid
 calls on live objects, and the same calls with a short argsz, unknown flags,
 nonzero reserved or out fields, huge and overflowing offsets and lengths,
 unknown and foreign handles, closed fds and fds of the wrong type, plus bad
@@ -63,43 +62,6 @@ def _io(nr: int) -> int:
     return (uapi.IOCTL_TYPE << 8) | nr
 
 
-# --------------------------------------------------------------------------- layouts
-# The controller-held registration ioctls (P2PHUB_IOCTL_BASE + 20..23), laid out as
-# kmod/uapi/p2phub.h declares them, for as long as p2phub/uapi.py does not mirror them.
-
-class _S(ctypes.Structure):
-    pass
-
-
-class NvmeMapReg(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint64),
-                ("addrs", ctypes.c_uint64), ("first", ctypes.c_uint64), ("count", ctypes.c_uint32),
-                ("page_size", ctypes.c_uint32), ("out_total", ctypes.c_uint64),
-                ("out_generation", ctypes.c_uint64), ("out_slot", ctypes.c_uint32),
-                ("__reserved", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 2)]
-
-
-class NvmeUnmapReg(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint64),
-                ("reserved", ctypes.c_uint64 * 1)]
-
-
-class NvmeResume(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 1)]
-
-
-class NvmeReqSet(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("eventfd", ctypes.c_int32),
-                ("__reserved", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 1)]
-
-
-NVME_MMAP_STATUS = 1 << 31
-
-
-def _layout(name: str, fallback: type) -> type:
-    return getattr(uapi, name, fallback)
-
-
 # name -> (request, struct, errnos the header documents besides success, fd kind)
 IOCTLS: dict[str, tuple[int, type, set[int], str]] = {
     "GET_INFO": (uapi.GET_INFO, uapi.Info, {errno.EFAULT, errno.EINVAL}, "hub"),
@@ -124,14 +86,14 @@ IOCTLS: dict[str, tuple[int, type, set[int], str]] = {
     "NVME_IRQ_SET": (uapi.NVME_IRQ_SET, uapi.NvmeIrqSet,
                      {errno.EINVAL, errno.EBADF, errno.EFAULT, errno.ENOMEM, errno.EBUSY, errno.ENOSPC},
                      "ctrl"),
-    "NVME_MAP_REG": (_io(uapi.IOCTL_BASE + 20), _layout("NvmeMapReg", NvmeMapReg),
+    "NVME_MAP_REG": (uapi.NVME_MAP_REG, uapi.NvmeMapReg,
                      {errno.ENOENT, errno.ESTALE, errno.ENOSPC, errno.ERANGE, errno.E2BIG, errno.EIO,
                       errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_UNMAP_REG": (_io(uapi.IOCTL_BASE + 21), _layout("NvmeUnmapReg", NvmeUnmapReg),
+    "NVME_UNMAP_REG": (uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg,
                        {errno.ENOENT, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_RESUME": (_io(uapi.IOCTL_BASE + 22), _layout("NvmeResume", NvmeResume),
+    "NVME_RESUME": (uapi.NVME_RESUME, uapi.NvmeResume,
                     {errno.EBUSY, errno.ENODEV, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_REQ_SET": (_io(uapi.IOCTL_BASE + 23), _layout("NvmeReqSet", NvmeReqSet),
+    "NVME_REQ_SET": (uapi.NVME_REQ_SET, uapi.NvmeReqSet,
                      {errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
 }
 # An ioctl issued on the wrong kind of fd, or a number nobody defined.
@@ -658,7 +620,7 @@ class Machine(RuleBasedStateMachine):
             self._check("NVME_REQ_SET", err, want)
 
     @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
-    @rule(offset=st.sampled_from([0, 4096, NVME_MMAP_STATUS, 1 << 32, 1 << 40]),
+    @rule(offset=st.sampled_from([0, 4096, uapi.NVME_MMAP_STATUS, 1 << 32, 1 << 40]),
           pages=st.sampled_from([1, 2, 1 << 16]), write=st.booleans())
     def nvme_mmap(self, offset: int, pages: int, write: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
