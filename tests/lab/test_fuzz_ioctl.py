@@ -121,13 +121,21 @@ class Figures:
         self.mmaps = 0
         self.touches: collections.Counter[str] = collections.Counter()
         self.findings: list[str] = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.last = ""
+        self.dumped = 0.0
 
     def record(self, name: str, mode: str, shape: tuple, err: int) -> None:
         with self.lock:
             self.calls[name] += 1
             self.shapes.add((name, mode, *shape, err))
             self.errnos[f"{name}:{errno.errorcode.get(err, 'OK') if err else 'OK'}"] += 1
+            self.last = f"{name} {mode} {shape} -> {errno.errorcode.get(err, 'OK') if err else 'OK'}"
+            now = time.monotonic()
+            if now - self.dumped > 5:
+                # Progress on disk: if the kernel hangs or dies, the file says how far it got.
+                self.dumped = now
+                self.dump()
 
     def over(self) -> bool:
         return time.monotonic() - self.t0 > BUDGET_S
@@ -149,6 +157,7 @@ class Figures:
             "export_mmaps": self.mmaps,
             "export_touches": dict(self.touches),
             "findings": self.findings,
+            "last_call": self.last,
         }
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(d, indent=2) + "\n")
