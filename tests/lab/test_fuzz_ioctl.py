@@ -54,6 +54,7 @@ TOP = Path(__file__).resolve().parents[2]
 OUT = TOP / "build" / "fuzz" / "ioctl.json"
 BUDGET_S = float(os.environ.get("P2PHUB_FUZZ_SECONDS", "90"))
 MAX_EXAMPLES = int(os.environ.get("P2PHUB_FUZZ_EXAMPLES", "200"))
+ROUND_EXAMPLES = 20
 KiB = 1 << 10
 U64 = (1 << 64) - 1
 
@@ -111,13 +112,15 @@ MODES = ("valid", "short_argsz", "zero_argsz", "long_argsz", "unknown_flags", "r
 
 class Figures:
     def __init__(self) -> None:
-        self.t0 = time.monotonic()
+        self.created = time.monotonic()
+        self.t0: float | None = None  # the budget starts with the first rule, not with hypothesis' setup
         self.calls: collections.Counter[str] = collections.Counter()
         self.shapes: set[tuple] = set()
         self.errnos: collections.Counter[str] = collections.Counter()
         self.threads = 0
         self.max_threads = 0
         self.examples = 0
+        self.rounds = 0
         self.mmaps = 0
         self.touches: collections.Counter[str] = collections.Counter()
         self.findings: list[str] = []
@@ -138,6 +141,8 @@ class Figures:
                 self.dump()
 
     def over(self) -> bool:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
         return time.monotonic() - self.t0 > BUDGET_S
 
     def dump(self) -> dict:
@@ -145,8 +150,10 @@ class Figures:
             "schema": "p2phub.fuzz.ioctl/1",
             "kernel": os.uname().release,
             "budget_s": BUDGET_S,
-            "duration_s": round(time.monotonic() - self.t0, 1),
+            "duration_s": round(time.monotonic() - (self.t0 or self.created), 1),
+            "setup_s": round((self.t0 or time.monotonic()) - self.created, 1),
             "examples": self.examples,
+            "rounds": self.rounds,
             "calls": sum(self.calls.values()),
             "calls_per_ioctl": dict(sorted(self.calls.items())),
             "distinct_shapes": len(self.shapes),
@@ -263,8 +270,13 @@ class Machine(RuleBasedStateMachine):
         self.maps: list[mmap.mmap] = []
         self.ctrl = -1
         self.dma_ids: list[int] = []
-        self.closed_fd = os.open("/dev/null", os.O_RDONLY)
-        os.close(self.closed_fd)
+        # A number no open() here will reuse (the lowest free number is always taken first).
+        self.closed_fd = 987
+        try:
+            os.fstat(self.closed_fd)
+            raise AssertionError("fd 987 is open: the fuzzer needs it closed")
+        except OSError:
+            pass
         self.null = self._own(os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC))
         self.efd = self._own(os.eventfd(0, os.EFD_CLOEXEC))
         self.addrs = (ctypes.c_uint64 * 64)()
@@ -297,12 +309,10 @@ class Machine(RuleBasedStateMachine):
                 "eventfd": self.efd}[kind]
 
     # ------------------------------------------------------------ objects
-    @precondition(lambda self: not FIG.over())
     @rule(target=hubs)
     def open_hub(self) -> HubFd:
         return HubFd(self._own(os.open(uapi.DEVICE_PATH, os.O_RDWR | os.O_CLOEXEC)))
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=sources, kind=st.sampled_from(["udmabuf", "vgem"]), pages=st.sampled_from([1, 2, 16, 64]))
     def make_source(self, kind: str, pages: int) -> Source:
         size = pages * 4096
@@ -310,7 +320,6 @@ class Machine(RuleBasedStateMachine):
         self.owned.append(buf)
         return Source(kind, buf.fd, buf.size, buf)
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=regs, hub=hubs, src=sources, dev=st.sampled_from(["", "target", "gpu", "none"]),
           offset=st.sampled_from([0, 4096, 512, 1 << 63, U64 - 4095]),
           length=st.sampled_from([0, 4096, 8192, 4097, 64 * KiB, 1 << 40, U64 - 4095]),
@@ -337,12 +346,10 @@ class Machine(RuleBasedStateMachine):
             return Reg(hub, handle, length)
         return Reg(hub, 0x7777_0000 + length % 97, 0)  # a handle nobody made
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=sources, exp=exports)
     def reimport_export(self, exp: Source) -> Source:
         return Source("export", exp.fd, exp.size)
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=exports, reg=regs, mode=st.sampled_from(["valid", "valid", "unknown_flags", "reserved",
                                                             "short_argsz", "bad_pointer"]),
           cloexec=st.booleans())
@@ -360,7 +367,6 @@ class Machine(RuleBasedStateMachine):
         return Source("export", self.closed_fd, 0)
 
     # ------------------------------------------------------------ calls on registrations
-    @precondition(lambda self: not FIG.over())
     @rule(reg=regs, on=st.sampled_from(["own", "other"]), other=hubs, mode=st.sampled_from(MODES))
     def reg_info(self, reg: Reg, on: str, other: HubFd, mode: str) -> None:
         hub = reg.hub if on == "own" else other
@@ -372,7 +378,6 @@ class Machine(RuleBasedStateMachine):
             assert err == errno.ENOENT, "another file's handle must be unknown here"
         self._check("REG_INFO", err, want, hub=hub)
 
-    @precondition(lambda self: not FIG.over())
     @rule(reg=regs, dev=st.sampled_from(["target", "gpu", "none"]),
           first=st.sampled_from([0, 1, 15, 16, 1 << 40, U64]),
           count=st.sampled_from([0, 1, 16, 64, uapi.DMA_PAGES_MAX + 1, 0xFFFFFFFF]),
@@ -389,7 +394,6 @@ class Machine(RuleBasedStateMachine):
         _, err = _ioctl(reg.hub.fd, "DMA_PAGES", arg, mode, (dev, first, count, page_size, addrs))
         self._check("DMA_PAGES", err, want, EXPORTER, reg.hub)
 
-    @precondition(lambda self: not FIG.over())
     @rule(reg=consumes(regs), mode=st.sampled_from(["valid", "valid", "valid"] + list(MODES)))
     def unregister(self, reg: Reg, mode: str) -> None:
         arg, want = _fill(uapi.Unregister, mode, dict(handle=reg.handle))
@@ -398,7 +402,6 @@ class Machine(RuleBasedStateMachine):
         if err == 0:
             reg.gone = True
 
-    @precondition(lambda self: not FIG.over())
     @rule(name=st.sampled_from(["GET_INFO", "REGISTER", "UNREGISTER", "REG_INFO", "DMA_PAGES", "EXPORT",
                                 "NVME_OPEN"]),
           on=st.sampled_from(["closed", "devnull", "eventfd"]), hub=hubs)
@@ -410,7 +413,6 @@ class Machine(RuleBasedStateMachine):
         want = {errno.EBADF} if on == "closed" else WRONG_FD
         assert err in want, f"{name} on {on}: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, nr=st.sampled_from([6, 15, 24, 31, 0x3F, 0xFF]), mode=st.sampled_from(MODES))
     def unknown_ioctl(self, hub: HubFd, nr: int, mode: str) -> None:
         arg, _ = _fill(uapi.Info, mode, {})
@@ -423,7 +425,6 @@ class Machine(RuleBasedStateMachine):
         FIG.record("UNKNOWN", mode, (nr,), err)
         assert err == errno.ENOTTY, f"ioctl base+{nr}: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, mode=st.sampled_from(MODES))
     def get_info(self, hub: HubFd, mode: str) -> None:
         arg, want = _fill(uapi.Info, mode, {})
@@ -433,7 +434,6 @@ class Machine(RuleBasedStateMachine):
             assert arg.abi_version == uapi.ABI_VERSION
 
     # ------------------------------------------------------------ mmap of exports
-    @precondition(lambda self: not FIG.over())
     @rule(exp=exports, pages=st.sampled_from([1, 2, 1 << 20]), offset=st.sampled_from([0, 4096, 1 << 40]),
           touch=st.booleans())
     def mmap_export(self, exp: Source, pages: int, offset: int, touch: bool) -> None:
@@ -466,7 +466,6 @@ class Machine(RuleBasedStateMachine):
             assert sig in (0, signal.SIGBUS), f"touching an export mapping killed the reader with {sig}"
 
     # ------------------------------------------------------------ races
-    @precondition(lambda self: not FIG.over())
     @rule(hubf=hubs, src=sources, nthreads=st.integers(2, 4), dev=st.sampled_from(["target", "gpu"]))
     def race_unregister(self, hubf: HubFd, src: Source, nthreads: int, dev: str) -> None:
         """Threads loop DMA_PAGES/EXPORT/REG_INFO on one handle while another UNREGISTERs it."""
@@ -528,7 +527,6 @@ class Machine(RuleBasedStateMachine):
             _ioctl(hub, "UNREGISTER", uapi.Unregister.new(handle=handle), "race", ())
 
     # ------------------------------------------------------------ closing things
-    @precondition(lambda self: not FIG.over())
     @rule(hub=consumes(hubs))
     def close_hub(self, hub: HubFd) -> None:
         """Closing a file releases its registrations (dup2 of /dev/null over it closes it)."""
@@ -536,7 +534,6 @@ class Machine(RuleBasedStateMachine):
             os.dup2(self.null, hub.fd)
             hub.closed = True
 
-    @precondition(lambda self: not FIG.over())
     @rule(exp=consumes(exports))
     def close_export(self, exp: Source) -> None:
         if exp.fd in self.fds and exp.kind == "export" and exp.size:
@@ -544,7 +541,7 @@ class Machine(RuleBasedStateMachine):
             exp.size = 0
 
     # ------------------------------------------------------------ the controller fd
-    @precondition(lambda self: not FIG.over() and self.ctrl < 0 and Machine.ctrl_ok)
+    @precondition(lambda self: self.ctrl < 0 and Machine.ctrl_ok)
     @rule(hub=hubs, dev=st.sampled_from(["target", "target", "gpu", "none"]), mode=st.sampled_from(MODES))
     def nvme_open(self, hub: HubFd, dev: str, mode: str) -> None:
         dom, bus, devfn = self._bdf(dev)
@@ -557,7 +554,7 @@ class Machine(RuleBasedStateMachine):
             self.ctrl = self._own(rv)
             self.dma_ids = []
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(size=st.sampled_from([4096, 8192, 4 << 20, 0, 4095, (4 << 20) + 4096, U64 - 4095, 1 << 40]),
           mode=st.sampled_from(MODES))
     def nvme_dma_alloc(self, size: int, mode: str) -> None:
@@ -574,7 +571,7 @@ class Machine(RuleBasedStateMachine):
                 m[0:8] = b"p2phubfz"
                 m.close()
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(which=st.sampled_from(["own", "unknown"]), mode=st.sampled_from(MODES))
     def nvme_dma_free(self, which: str, mode: str) -> None:
         ident = self.dma_ids[-1] if which == "own" and self.dma_ids else 0xFFFF_FFF0
@@ -584,7 +581,7 @@ class Machine(RuleBasedStateMachine):
         if err == 0 and ident in self.dma_ids:
             self.dma_ids.remove(ident)
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(vector=st.sampled_from([0, 1, 31, 32, 0xFFFFFFFF]), fd=st.sampled_from(["eventfd", "devnull",
                                                                                 "closed", "detach"]),
           mode=st.sampled_from(MODES))
@@ -594,7 +591,7 @@ class Machine(RuleBasedStateMachine):
         _, err = _ioctl(self.ctrl, "NVME_IRQ_SET", arg, mode, (vector, fd))
         self._check("NVME_IRQ_SET", err, want, {errno.ENXIO, errno.ENODEV})
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(reg=regs, on=st.sampled_from(["own", "other"]), first=st.sampled_from([0, 1, 1 << 40]),
           count=st.sampled_from([0, 16, uapi.DMA_PAGES_MAX + 1]), page_size=st.sampled_from([0, 4096, 3000]),
           mode=st.sampled_from(MODES), unmap=st.booleans())
@@ -615,7 +612,7 @@ class Machine(RuleBasedStateMachine):
             if err == 0:
                 assert uerr == 0, "UNMAP_REG of a held registration"
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(mode=st.sampled_from(MODES), req=st.sampled_from(["eventfd", "devnull", "closed", "detach"]))
     def nvme_resume_and_req(self, mode: str, req: str) -> None:
         arg, want = _fill(IOCTLS["NVME_RESUME"][1], mode, {})
@@ -628,7 +625,7 @@ class Machine(RuleBasedStateMachine):
         if err != errno.ENOTTY:
             self._check("NVME_REQ_SET", err, want)
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(offset=st.sampled_from([0, 4096, uapi.NVME_MMAP_STATUS, 1 << 32, 1 << 40]),
           pages=st.sampled_from([1, 2, 1 << 16]), write=st.booleans())
     def nvme_mmap(self, offset: int, pages: int, write: bool) -> None:
@@ -646,7 +643,6 @@ class Machine(RuleBasedStateMachine):
                 _ = m[0:4]  # CAP, read only: never ring a doorbell
             m.close()
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, mode=st.sampled_from(["valid"]))
     def ctrl_ioctl_on_hub(self, hub: HubFd, mode: str) -> None:
         """Controller ioctls on a /dev/p2phub fd, and registration ioctls on a controller fd."""
@@ -660,18 +656,12 @@ class Machine(RuleBasedStateMachine):
                 _, err = _ioctl(self.ctrl, name, arg, "wrong_fd", ("ctrl",))
                 assert err in WRONG_FD, f"{name} on a controller fd: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule()
     def nvme_close(self) -> None:
         self.fds.remove(self.ctrl)
         os.close(self.ctrl)
         self.ctrl = -1
-
-    @precondition(lambda self: FIG.over())
-    @rule()
-    def budget_spent(self) -> None:
-        """The time budget is spent: the remaining examples only open and close (hypothesis
-        needs one runnable rule in every state)."""
 
     def teardown(self) -> None:
         for m in self.maps:
@@ -703,11 +693,14 @@ def test_fuzz_ioctls(lab: dict[str, str], bound_target: str) -> None:
     global FIG
     FIG = Figures()
     Machine.lab = lab
-    cfg = settings(max_examples=MAX_EXAMPLES, stateful_step_count=30, deadline=None, database=None,
-                   phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                   suppress_health_check=list(HealthCheck), print_blob=True)
+    # Rounds of a few sequences each until the time budget or the example budget is spent (a
+    # time-dependent precondition would make hypothesis' data generation flaky).
+    cfg = settings(max_examples=ROUND_EXAMPLES, stateful_step_count=30, deadline=None, database=None,
+                   phases=[Phase.generate], suppress_health_check=list(HealthCheck), print_blob=True)
     try:
-        run_state_machine_as_test(Machine, settings=cfg)
+        while not FIG.over() and FIG.examples < MAX_EXAMPLES:
+            run_state_machine_as_test(Machine, settings=cfg)
+            FIG.rounds += 1
     except BaseException as exc:
         FIG.findings.append(f"{type(exc).__name__}: {str(exc)[:500]}")
         raise
