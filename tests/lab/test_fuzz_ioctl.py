@@ -1,8 +1,7 @@
 """Stateful fuzzing of p2phub.ko's ioctls and mmaps (hypothesis RuleBasedStateMachine).
 
-Sequences of every ioctl of kmod/uapi/p2phub.h (as mirrored in p2phub/uapi.py;
-the controller-fd ioctls added later are laid out here from the header until
-the mirror has them) over several /dev/p2phub files and a controller fd: valid
+Sequences of every ioctl of kmod/uapi/p2phub.h (as mirrored in p2phub/uapi.py)
+over several /dev/p2phub files and a controller fd: valid
 calls on live objects, and the same calls with a short argsz, unknown flags,
 nonzero reserved or out fields, huge and overflowing offsets and lengths,
 unknown and foreign handles, closed fds and fds of the wrong type, plus bad
@@ -19,7 +18,7 @@ share by tests/lab/conftest.py, the whole run by tools/lab): on the debug lab
 kernel that is where KASAN, lockdep and DMA-API reports show up.
 
 Budget: P2PHUB_FUZZ_SECONDS (default 90) of wall time, P2PHUB_FUZZ_EXAMPLES
-(default 400) sequences at most. Figures (calls, distinct ioctl/argument
+(default 200) sequences at most. Figures (calls, distinct ioctl/argument
 shapes, errnos, threads, duration) go to build/fuzz/ioctl.json.
 """
 
@@ -54,50 +53,14 @@ pytestmark = pytest.mark.fuzz
 TOP = Path(__file__).resolve().parents[2]
 OUT = TOP / "build" / "fuzz" / "ioctl.json"
 BUDGET_S = float(os.environ.get("P2PHUB_FUZZ_SECONDS", "90"))
-MAX_EXAMPLES = int(os.environ.get("P2PHUB_FUZZ_EXAMPLES", "400"))
+MAX_EXAMPLES = int(os.environ.get("P2PHUB_FUZZ_EXAMPLES", "200"))
+ROUND_EXAMPLES = 20
 KiB = 1 << 10
 U64 = (1 << 64) - 1
 
 
 def _io(nr: int) -> int:
     return (uapi.IOCTL_TYPE << 8) | nr
-
-
-# --------------------------------------------------------------------------- layouts
-# The controller-held registration ioctls (P2PHUB_IOCTL_BASE + 20..23), laid out as
-# kmod/uapi/p2phub.h declares them, for as long as p2phub/uapi.py does not mirror them.
-
-class _S(ctypes.Structure):
-    pass
-
-
-class NvmeMapReg(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint64),
-                ("addrs", ctypes.c_uint64), ("first", ctypes.c_uint64), ("count", ctypes.c_uint32),
-                ("page_size", ctypes.c_uint32), ("out_total", ctypes.c_uint64),
-                ("out_generation", ctypes.c_uint64), ("out_slot", ctypes.c_uint32),
-                ("__reserved", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 2)]
-
-
-class NvmeUnmapReg(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("handle", ctypes.c_uint64),
-                ("reserved", ctypes.c_uint64 * 1)]
-
-
-class NvmeResume(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 1)]
-
-
-class NvmeReqSet(_S):
-    _fields_ = [("argsz", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("eventfd", ctypes.c_int32),
-                ("__reserved", ctypes.c_uint32), ("reserved", ctypes.c_uint64 * 1)]
-
-
-NVME_MMAP_STATUS = 1 << 31
-
-
-def _layout(name: str, fallback: type) -> type:
-    return getattr(uapi, name, fallback)
 
 
 # name -> (request, struct, errnos the header documents besides success, fd kind)
@@ -124,14 +87,14 @@ IOCTLS: dict[str, tuple[int, type, set[int], str]] = {
     "NVME_IRQ_SET": (uapi.NVME_IRQ_SET, uapi.NvmeIrqSet,
                      {errno.EINVAL, errno.EBADF, errno.EFAULT, errno.ENOMEM, errno.EBUSY, errno.ENOSPC},
                      "ctrl"),
-    "NVME_MAP_REG": (_io(uapi.IOCTL_BASE + 20), _layout("NvmeMapReg", NvmeMapReg),
+    "NVME_MAP_REG": (uapi.NVME_MAP_REG, uapi.NvmeMapReg,
                      {errno.ENOENT, errno.ESTALE, errno.ENOSPC, errno.ERANGE, errno.E2BIG, errno.EIO,
                       errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_UNMAP_REG": (_io(uapi.IOCTL_BASE + 21), _layout("NvmeUnmapReg", NvmeUnmapReg),
+    "NVME_UNMAP_REG": (uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg,
                        {errno.ENOENT, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_RESUME": (_io(uapi.IOCTL_BASE + 22), _layout("NvmeResume", NvmeResume),
+    "NVME_RESUME": (uapi.NVME_RESUME, uapi.NvmeResume,
                     {errno.EBUSY, errno.ENODEV, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
-    "NVME_REQ_SET": (_io(uapi.IOCTL_BASE + 23), _layout("NvmeReqSet", NvmeReqSet),
+    "NVME_REQ_SET": (uapi.NVME_REQ_SET, uapi.NvmeReqSet,
                      {errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOTTY}, "ctrl"),
 }
 # An ioctl issued on the wrong kind of fd, or a number nobody defined.
@@ -149,25 +112,37 @@ MODES = ("valid", "short_argsz", "zero_argsz", "long_argsz", "unknown_flags", "r
 
 class Figures:
     def __init__(self) -> None:
-        self.t0 = time.monotonic()
+        self.created = time.monotonic()
+        self.t0: float | None = None  # the budget starts with the first rule, not with hypothesis' setup
         self.calls: collections.Counter[str] = collections.Counter()
         self.shapes: set[tuple] = set()
         self.errnos: collections.Counter[str] = collections.Counter()
         self.threads = 0
         self.max_threads = 0
         self.examples = 0
+        self.rounds = 0
         self.mmaps = 0
         self.touches: collections.Counter[str] = collections.Counter()
         self.findings: list[str] = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.last = ""
+        self.dumped = 0.0
 
     def record(self, name: str, mode: str, shape: tuple, err: int) -> None:
         with self.lock:
             self.calls[name] += 1
             self.shapes.add((name, mode, *shape, err))
             self.errnos[f"{name}:{errno.errorcode.get(err, 'OK') if err else 'OK'}"] += 1
+            self.last = f"{name} {mode} {shape} -> {errno.errorcode.get(err, 'OK') if err else 'OK'}"
+            now = time.monotonic()
+            if now - self.dumped > 5:
+                # Progress on disk: if the kernel hangs or dies, the file says how far it got.
+                self.dumped = now
+                self.dump()
 
     def over(self) -> bool:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
         return time.monotonic() - self.t0 > BUDGET_S
 
     def dump(self) -> dict:
@@ -175,8 +150,10 @@ class Figures:
             "schema": "p2phub.fuzz.ioctl/1",
             "kernel": os.uname().release,
             "budget_s": BUDGET_S,
-            "duration_s": round(time.monotonic() - self.t0, 1),
+            "duration_s": round(time.monotonic() - (self.t0 or self.created), 1),
+            "setup_s": round((self.t0 or time.monotonic()) - self.created, 1),
             "examples": self.examples,
+            "rounds": self.rounds,
             "calls": sum(self.calls.values()),
             "calls_per_ioctl": dict(sorted(self.calls.items())),
             "distinct_shapes": len(self.shapes),
@@ -187,6 +164,7 @@ class Figures:
             "export_mmaps": self.mmaps,
             "export_touches": dict(self.touches),
             "findings": self.findings,
+            "last_call": self.last,
         }
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(d, indent=2) + "\n")
@@ -292,8 +270,13 @@ class Machine(RuleBasedStateMachine):
         self.maps: list[mmap.mmap] = []
         self.ctrl = -1
         self.dma_ids: list[int] = []
-        self.closed_fd = os.open("/dev/null", os.O_RDONLY)
-        os.close(self.closed_fd)
+        # A number no open() here will reuse (the lowest free number is always taken first).
+        self.closed_fd = 987
+        try:
+            os.fstat(self.closed_fd)
+            raise AssertionError("fd 987 is open: the fuzzer needs it closed")
+        except OSError:
+            pass
         self.null = self._own(os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC))
         self.efd = self._own(os.eventfd(0, os.EFD_CLOEXEC))
         self.addrs = (ctypes.c_uint64 * 64)()
@@ -326,12 +309,10 @@ class Machine(RuleBasedStateMachine):
                 "eventfd": self.efd}[kind]
 
     # ------------------------------------------------------------ objects
-    @precondition(lambda self: not FIG.over())
     @rule(target=hubs)
     def open_hub(self) -> HubFd:
         return HubFd(self._own(os.open(uapi.DEVICE_PATH, os.O_RDWR | os.O_CLOEXEC)))
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=sources, kind=st.sampled_from(["udmabuf", "vgem"]), pages=st.sampled_from([1, 2, 16, 64]))
     def make_source(self, kind: str, pages: int) -> Source:
         size = pages * 4096
@@ -339,7 +320,6 @@ class Machine(RuleBasedStateMachine):
         self.owned.append(buf)
         return Source(kind, buf.fd, buf.size, buf)
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=regs, hub=hubs, src=sources, dev=st.sampled_from(["", "target", "gpu", "none"]),
           offset=st.sampled_from([0, 4096, 512, 1 << 63, U64 - 4095]),
           length=st.sampled_from([0, 4096, 8192, 4097, 64 * KiB, 1 << 40, U64 - 4095]),
@@ -366,12 +346,10 @@ class Machine(RuleBasedStateMachine):
             return Reg(hub, handle, length)
         return Reg(hub, 0x7777_0000 + length % 97, 0)  # a handle nobody made
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=sources, exp=exports)
     def reimport_export(self, exp: Source) -> Source:
         return Source("export", exp.fd, exp.size)
 
-    @precondition(lambda self: not FIG.over())
     @rule(target=exports, reg=regs, mode=st.sampled_from(["valid", "valid", "unknown_flags", "reserved",
                                                             "short_argsz", "bad_pointer"]),
           cloexec=st.booleans())
@@ -389,7 +367,6 @@ class Machine(RuleBasedStateMachine):
         return Source("export", self.closed_fd, 0)
 
     # ------------------------------------------------------------ calls on registrations
-    @precondition(lambda self: not FIG.over())
     @rule(reg=regs, on=st.sampled_from(["own", "other"]), other=hubs, mode=st.sampled_from(MODES))
     def reg_info(self, reg: Reg, on: str, other: HubFd, mode: str) -> None:
         hub = reg.hub if on == "own" else other
@@ -401,7 +378,6 @@ class Machine(RuleBasedStateMachine):
             assert err == errno.ENOENT, "another file's handle must be unknown here"
         self._check("REG_INFO", err, want, hub=hub)
 
-    @precondition(lambda self: not FIG.over())
     @rule(reg=regs, dev=st.sampled_from(["target", "gpu", "none"]),
           first=st.sampled_from([0, 1, 15, 16, 1 << 40, U64]),
           count=st.sampled_from([0, 1, 16, 64, uapi.DMA_PAGES_MAX + 1, 0xFFFFFFFF]),
@@ -418,7 +394,6 @@ class Machine(RuleBasedStateMachine):
         _, err = _ioctl(reg.hub.fd, "DMA_PAGES", arg, mode, (dev, first, count, page_size, addrs))
         self._check("DMA_PAGES", err, want, EXPORTER, reg.hub)
 
-    @precondition(lambda self: not FIG.over())
     @rule(reg=consumes(regs), mode=st.sampled_from(["valid", "valid", "valid"] + list(MODES)))
     def unregister(self, reg: Reg, mode: str) -> None:
         arg, want = _fill(uapi.Unregister, mode, dict(handle=reg.handle))
@@ -427,7 +402,6 @@ class Machine(RuleBasedStateMachine):
         if err == 0:
             reg.gone = True
 
-    @precondition(lambda self: not FIG.over())
     @rule(name=st.sampled_from(["GET_INFO", "REGISTER", "UNREGISTER", "REG_INFO", "DMA_PAGES", "EXPORT",
                                 "NVME_OPEN"]),
           on=st.sampled_from(["closed", "devnull", "eventfd"]), hub=hubs)
@@ -439,7 +413,6 @@ class Machine(RuleBasedStateMachine):
         want = {errno.EBADF} if on == "closed" else WRONG_FD
         assert err in want, f"{name} on {on}: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, nr=st.sampled_from([6, 15, 24, 31, 0x3F, 0xFF]), mode=st.sampled_from(MODES))
     def unknown_ioctl(self, hub: HubFd, nr: int, mode: str) -> None:
         arg, _ = _fill(uapi.Info, mode, {})
@@ -452,7 +425,6 @@ class Machine(RuleBasedStateMachine):
         FIG.record("UNKNOWN", mode, (nr,), err)
         assert err == errno.ENOTTY, f"ioctl base+{nr}: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, mode=st.sampled_from(MODES))
     def get_info(self, hub: HubFd, mode: str) -> None:
         arg, want = _fill(uapi.Info, mode, {})
@@ -462,7 +434,6 @@ class Machine(RuleBasedStateMachine):
             assert arg.abi_version == uapi.ABI_VERSION
 
     # ------------------------------------------------------------ mmap of exports
-    @precondition(lambda self: not FIG.over())
     @rule(exp=exports, pages=st.sampled_from([1, 2, 1 << 20]), offset=st.sampled_from([0, 4096, 1 << 40]),
           touch=st.booleans())
     def mmap_export(self, exp: Source, pages: int, offset: int, touch: bool) -> None:
@@ -495,7 +466,6 @@ class Machine(RuleBasedStateMachine):
             assert sig in (0, signal.SIGBUS), f"touching an export mapping killed the reader with {sig}"
 
     # ------------------------------------------------------------ races
-    @precondition(lambda self: not FIG.over())
     @rule(hubf=hubs, src=sources, nthreads=st.integers(2, 4), dev=st.sampled_from(["target", "gpu"]))
     def race_unregister(self, hubf: HubFd, src: Source, nthreads: int, dev: str) -> None:
         """Threads loop DMA_PAGES/EXPORT/REG_INFO on one handle while another UNREGISTERs it."""
@@ -557,7 +527,6 @@ class Machine(RuleBasedStateMachine):
             _ioctl(hub, "UNREGISTER", uapi.Unregister.new(handle=handle), "race", ())
 
     # ------------------------------------------------------------ closing things
-    @precondition(lambda self: not FIG.over())
     @rule(hub=consumes(hubs))
     def close_hub(self, hub: HubFd) -> None:
         """Closing a file releases its registrations (dup2 of /dev/null over it closes it)."""
@@ -565,7 +534,6 @@ class Machine(RuleBasedStateMachine):
             os.dup2(self.null, hub.fd)
             hub.closed = True
 
-    @precondition(lambda self: not FIG.over())
     @rule(exp=consumes(exports))
     def close_export(self, exp: Source) -> None:
         if exp.fd in self.fds and exp.kind == "export" and exp.size:
@@ -573,7 +541,7 @@ class Machine(RuleBasedStateMachine):
             exp.size = 0
 
     # ------------------------------------------------------------ the controller fd
-    @precondition(lambda self: not FIG.over() and self.ctrl < 0 and Machine.ctrl_ok)
+    @precondition(lambda self: self.ctrl < 0 and Machine.ctrl_ok)
     @rule(hub=hubs, dev=st.sampled_from(["target", "target", "gpu", "none"]), mode=st.sampled_from(MODES))
     def nvme_open(self, hub: HubFd, dev: str, mode: str) -> None:
         dom, bus, devfn = self._bdf(dev)
@@ -586,7 +554,7 @@ class Machine(RuleBasedStateMachine):
             self.ctrl = self._own(rv)
             self.dma_ids = []
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(size=st.sampled_from([4096, 8192, 4 << 20, 0, 4095, (4 << 20) + 4096, U64 - 4095, 1 << 40]),
           mode=st.sampled_from(MODES))
     def nvme_dma_alloc(self, size: int, mode: str) -> None:
@@ -603,7 +571,7 @@ class Machine(RuleBasedStateMachine):
                 m[0:8] = b"p2phubfz"
                 m.close()
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(which=st.sampled_from(["own", "unknown"]), mode=st.sampled_from(MODES))
     def nvme_dma_free(self, which: str, mode: str) -> None:
         ident = self.dma_ids[-1] if which == "own" and self.dma_ids else 0xFFFF_FFF0
@@ -613,7 +581,7 @@ class Machine(RuleBasedStateMachine):
         if err == 0 and ident in self.dma_ids:
             self.dma_ids.remove(ident)
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(vector=st.sampled_from([0, 1, 31, 32, 0xFFFFFFFF]), fd=st.sampled_from(["eventfd", "devnull",
                                                                                 "closed", "detach"]),
           mode=st.sampled_from(MODES))
@@ -623,7 +591,7 @@ class Machine(RuleBasedStateMachine):
         _, err = _ioctl(self.ctrl, "NVME_IRQ_SET", arg, mode, (vector, fd))
         self._check("NVME_IRQ_SET", err, want, {errno.ENXIO, errno.ENODEV})
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(reg=regs, on=st.sampled_from(["own", "other"]), first=st.sampled_from([0, 1, 1 << 40]),
           count=st.sampled_from([0, 16, uapi.DMA_PAGES_MAX + 1]), page_size=st.sampled_from([0, 4096, 3000]),
           mode=st.sampled_from(MODES), unmap=st.booleans())
@@ -644,7 +612,7 @@ class Machine(RuleBasedStateMachine):
             if err == 0:
                 assert uerr == 0, "UNMAP_REG of a held registration"
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule(mode=st.sampled_from(MODES), req=st.sampled_from(["eventfd", "devnull", "closed", "detach"]))
     def nvme_resume_and_req(self, mode: str, req: str) -> None:
         arg, want = _fill(IOCTLS["NVME_RESUME"][1], mode, {})
@@ -657,8 +625,8 @@ class Machine(RuleBasedStateMachine):
         if err != errno.ENOTTY:
             self._check("NVME_REQ_SET", err, want)
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
-    @rule(offset=st.sampled_from([0, 4096, NVME_MMAP_STATUS, 1 << 32, 1 << 40]),
+    @precondition(lambda self: self.ctrl >= 0)
+    @rule(offset=st.sampled_from([0, 4096, uapi.NVME_MMAP_STATUS, 1 << 32, 1 << 40]),
           pages=st.sampled_from([1, 2, 1 << 16]), write=st.booleans())
     def nvme_mmap(self, offset: int, pages: int, write: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
@@ -675,7 +643,6 @@ class Machine(RuleBasedStateMachine):
                 _ = m[0:4]  # CAP, read only: never ring a doorbell
             m.close()
 
-    @precondition(lambda self: not FIG.over())
     @rule(hub=hubs, mode=st.sampled_from(["valid"]))
     def ctrl_ioctl_on_hub(self, hub: HubFd, mode: str) -> None:
         """Controller ioctls on a /dev/p2phub fd, and registration ioctls on a controller fd."""
@@ -689,7 +656,7 @@ class Machine(RuleBasedStateMachine):
                 _, err = _ioctl(self.ctrl, name, arg, "wrong_fd", ("ctrl",))
                 assert err in WRONG_FD, f"{name} on a controller fd: {errno.errorcode.get(err, err)}"
 
-    @precondition(lambda self: not FIG.over() and self.ctrl >= 0)
+    @precondition(lambda self: self.ctrl >= 0)
     @rule()
     def nvme_close(self) -> None:
         self.fds.remove(self.ctrl)
@@ -726,11 +693,14 @@ def test_fuzz_ioctls(lab: dict[str, str], bound_target: str) -> None:
     global FIG
     FIG = Figures()
     Machine.lab = lab
-    cfg = settings(max_examples=MAX_EXAMPLES, stateful_step_count=30, deadline=None, database=None,
-                   phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                   suppress_health_check=list(HealthCheck), print_blob=True)
+    # Rounds of a few sequences each until the time budget or the example budget is spent (a
+    # time-dependent precondition would make hypothesis' data generation flaky).
+    cfg = settings(max_examples=ROUND_EXAMPLES, stateful_step_count=30, deadline=None, database=None,
+                   phases=[Phase.generate], suppress_health_check=list(HealthCheck), print_blob=True)
     try:
-        run_state_machine_as_test(Machine, settings=cfg)
+        while not FIG.over() and FIG.examples < MAX_EXAMPLES:
+            run_state_machine_as_test(Machine, settings=cfg)
+            FIG.rounds += 1
     except BaseException as exc:
         FIG.findings.append(f"{type(exc).__name__}: {str(exc)[:500]}")
         raise

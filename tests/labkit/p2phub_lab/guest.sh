@@ -52,7 +52,15 @@ modprobe vgem || fail "modprobe vgem"
 # socket lives in the initial network namespace, so both ends stay there and
 # policy routing sends locally generated traffic between the two addresses
 # over the wire instead of through the loopback shortcut.
-modprobe rdma_rxe || fail "modprobe rdma_rxe"
+# The debug lab kernel is built without rdma_rxe (tests/labkit/debug-kernel.config): the veth
+# pair is set up, the rxe devices are not, and lab.env says rdma=0.
+rdma=1
+if grep -q '^debug_kernel=1' "$env_file" && ! modprobe -q rdma_rxe 2>/dev/null; then
+	rdma=0
+else
+	modprobe rdma_rxe || fail "modprobe rdma_rxe"
+fi
+echo "rdma=$rdma" >>"$env_file"
 ip link set lo up
 ip link add veth-a type veth peer name veth-b || fail "veth pair"
 sysctl -qw net.ipv4.conf.all.rp_filter=0
@@ -71,12 +79,15 @@ ip route add 169.254.77.2 dev veth-a src 169.254.77.1 table 10
 ip route add 169.254.77.1 dev veth-b src 169.254.77.2 table 11
 ip rule del pref 0 lookup local
 ip rule add pref 100 lookup local
-for n in a b; do
-	rdma link add "rxe-$n" type rxe netdev "veth-$n" || fail "rxe-$n"
-done
+if [ $rdma = 1 ]; then
+	for n in a b; do
+		rdma link add "rxe-$n" type rxe netdev "veth-$n" || fail "rxe-$n"
+	done
+	echo "node_a_rdma=rxe-a"; echo "node_b_rdma=rxe-b"
+fi >>"$env_file"
 {
-	echo "node_a_addr=169.254.77.1"; echo "node_a_rdma=rxe-a"; echo "node_a_netdev=veth-a"
-	echo "node_b_addr=169.254.77.2"; echo "node_b_rdma=rxe-b"; echo "node_b_netdev=veth-b"
+	echo "node_a_addr=169.254.77.1"; echo "node_a_netdev=veth-a"
+	echo "node_b_addr=169.254.77.2"; echo "node_b_netdev=veth-b"
 } >>"$env_file"
 
 # Without an IOMMU nothing confines an owned NVMe controller: p2phub.ko
@@ -96,7 +107,8 @@ export P2PHUB_LAB_ENV=$env_file P2PHUB_LAB_MODULES=$run/ko
 # The benchmarks take their devices from the caller; in the lab, the lab's.
 P2PHUB_BENCH_DEVICE=$(sed -n 's/^nvme_target=//p' "$env_file")
 P2PHUB_BENCH_BASELINE=$(sed -n 's/^nvme_baseline=//p' "$env_file")
-export P2PHUB_BENCH_DEVICE P2PHUB_BENCH_BASELINE P2PHUB_BENCH_RDMA_DEV=rxe-a
+export P2PHUB_BENCH_DEVICE P2PHUB_BENCH_BASELINE
+[ $rdma = 1 ] && export P2PHUB_BENCH_RDMA_DEV=rxe-a
 export PATH=$(cd "$(dirname "$0")/../../.." && pwd)/.venv/bin:$PATH
 cmd=$(cat "$run/command")
 echo "--- running: $cmd"
