@@ -104,6 +104,9 @@ class Mappings:
         self.hot = hot
         self.device = device   # the /dev/p2phub Device the controller fd came from
         self.bdf = bdf
+        # the controller: a user of every registration it maps (p2phub.hub.RegistrationUser),
+        # so Registration.close() / Hub.close() ask it to quiesce before they UNREGISTER
+        self.owner: Any = None
         self.lock = threading.RLock()
         self._by_handle: dict[int, RegMapping] = {}
         self._by_slot: dict[int, RegMapping] = {}
@@ -144,6 +147,9 @@ class Mappings:
             m = RegMapping(reg, pages, info.slot, info.generation)
             self._by_handle[m.handle] = m
             self._by_slot[m.slot] = m
+            add_user = getattr(reg, "add_user", None)
+            if add_user is not None and self.owner is not None:
+                add_user(self.owner)
             return m
 
     def by_slot(self, slot: int) -> RegMapping | None:
@@ -178,7 +184,7 @@ class Mappings:
         timeout seconds; True once the controller no longer holds reg (or never did).
         """
         m = self._by_handle.get(int(reg.handle))
-        if m is None or m.reg is not reg or m.unmapped:
+        if m is None or not _same_memory(m.reg, reg) or m.unmapped:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -201,6 +207,9 @@ class Mappings:
             del self._by_slot[m.slot]
         if not self.kfile.closed:
             self.kfile.unmap_reg(m.handle)
+        remove_user = getattr(m.reg, "remove_user", None)
+        if remove_user is not None and self.owner is not None:
+            remove_user(self.owner)
 
     def drop_idle_revoked(self) -> list[RegMapping]:
         """Unmap every revoked mapping with nothing in flight (after a fence)."""
