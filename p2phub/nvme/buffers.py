@@ -110,7 +110,7 @@ class Mappings:
             return m
         if getattr(reg, "closed", False):
             raise UsageError(f"{reg!r} is closed")
-        hub = getattr(reg, "_hub", None)
+        hub = getattr(reg, "hub", None) or getattr(reg, "_hub", None)  # Registration.hub
         if hub is None or getattr(hub, "device", None) is not self.device:
             raise UsageError(
                 f"{reg!r} was registered through another /dev/p2phub file than the one {self.bdf} was "
