@@ -98,6 +98,9 @@ class Mappings:
         self.kfile = kfile
         self.hot = hot
         self.device = device   # the /dev/p2phub Device the controller fd came from
+        # The controller, added as a user of every registration it maps (reg.add_user), so
+        # that Registration.close() and Hub.close() quiesce it before UNREGISTER.
+        self.user: Any = None
         self.bdf = bdf
         self.lock = threading.RLock()
         self._by_handle: dict[int, RegMapping] = {}
@@ -120,6 +123,9 @@ class Mappings:
             m = self._by_handle.get(int(reg.handle))
             if m is not None and m.reg is reg and not m.unmapped:
                 return m
+            add_user = getattr(reg, "add_user", None)
+            if add_user is not None and self.user is not None:
+                add_user(self.user)
             total = int(reg.length) // spec.PAGE
             ffi = self.hot.ffi
             addrs = ffi.new("uint64_t[]", max(total, 1))

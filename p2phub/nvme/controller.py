@@ -70,6 +70,7 @@ class Controller:
         self.terminal_error: BaseException | None = None
         self.recovery = Recovery(self)
         self.mappings = Mappings(kfile, hot, getattr(kfile, "device", None), self.bdf)
+        self.mappings.user = self
         self.access_hooks: list[Any] = []  # AccessHook objects (p2phub.nvme.namespace)
         self.admin: QueuePair | None = None
         self.io_qps: list[QueuePair] = []
