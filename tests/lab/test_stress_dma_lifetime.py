@@ -301,7 +301,7 @@ def test_kill_9_mid_io(bdf: str, ssd_data: bytes, lab: dict[str, str]) -> None:
 
 # --------------------------------------------------------------------------- 3. revocation storm
 
-STORM_REG = 4 * MiB   # one stand-in GPU range per iteration, distinct ranges in turn
+STORM_REG = 8 * MiB   # one stand-in GPU range per iteration, distinct ranges in turn
 
 
 @pytest.fixture(scope="module")
@@ -364,9 +364,8 @@ def test_revocation_storm_during_nvme_reads(bdf: str, ssd_data: bytes, gpu: fg.F
                     ns.read(reg, lba=LBA_BASE, nbytes=MiB)
                     assert gpu_file.read(off, MiB) == data[:MiB], f"iteration {it}: fresh read"
                     stats["fresh_registration_reads_ok"] += 1
-                    # Four passes over the range: 16 x 1 MiB reads in flight.
-                    futs = ns.submit([nvme.ReadOp(reg, lba=LBA_BASE + 2048 * (i % 4), nbytes=MiB,
-                                                  offset=MiB * (i % 4)) for i in range(16)])
+                    # 8 x 1 MiB reads in flight over the whole range.
+                    futs = ns.submit(_reads(reg, STORM_REG // MiB))
                     stats["bytes_in_flight_at_revoke"] += ctrl.inflight(reg) * MiB
                     current.update(fd=fd, off=off, it=it, delay=rng.choice((0.0, 0.0, 0.005, 0.02)))
                     revoke_done.clear()
