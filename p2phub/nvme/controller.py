@@ -270,8 +270,13 @@ class Controller:
                 ctrl = ref()
                 if ctrl is None:
                     return
-                ctrl.recovery.remove("the kernel asked for the controller back "
-                                     f"(status page state 0x{ctrl.status_state():x})")
+                st = ctrl.status_state()
+                if st and not st & uapi.NVME_ST_REMOVING:
+                    # A fence (revocation) or a PCI error, not a removal: recover as the
+                    # pump does (disable, fail what was outstanding, RESUME) and keep watching.
+                    ctrl.recovery.state_changed(None)
+                    continue
+                ctrl.recovery.remove(f"the kernel asked for the controller back (status page state 0x{st:x})")
                 return
 
         self._watch = threading.Thread(target=watch, name=f"p2phub-nvme-req {self.bdf}", daemon=True)
