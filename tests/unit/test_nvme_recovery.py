@@ -8,6 +8,7 @@ with "not aborted", so the abort branch is only seen here.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -236,3 +237,22 @@ def test_use_right_after_a_revocation_sees_revoked_not_a_reset_in_progress(rig) 
         ns.read(victim, 0, 4096)
     assert "resume" in dev.log and c.state == "live"
     ns.read(other, 0, 4096)
+
+
+def test_revocation_signalled_on_the_request_eventfd_fences_not_removes(rig) -> None:
+    """The kernel signals the request eventfd on a revocation too (FENCED, not REMOVING): the
+    watcher fences and resumes, the controller stays usable."""
+    c, dev = rig
+    victim, other = _reg(c, dev), _reg(c, dev)
+    ns = c.namespace(1)
+    ns.read(victim, 0, 4096)   # held by the controller
+    dev.revoke(victim.handle)
+    os.eventfd_write(dev.req_efd, 1)
+    deadline = time.monotonic() + 5
+    while c.recovery.fences == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.recovery.fences == 1 and c.state == "live" and not c.holds(victim)
+    other.mem[:4096] = b"\x5a" * 4096
+    ns.write(other, 10, 4096)
+    ns.read(other, 10, 4096, offset=8192)
+    assert bytes(other.mem[8192:12288]) == b"\x5a" * 4096
