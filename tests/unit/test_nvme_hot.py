@@ -380,7 +380,7 @@ def test_batch_run_generates_random_requests_in_the_one_pump() -> None:
     t = threading.Thread(target=device)
     t.start()
     try:
-        assert lib.p2h_batch_run(f.qp, b, 5 * 10**9) == 300
+        assert lib.p2h_batch_run(f.qp, b, 60 * 10**9) == 300
     finally:
         stop.set()
         t.join()
