@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from p2phub.exitcodes import Exit
 from p2phub.nvme import bind
 
 pytestmark = pytest.mark.lab
@@ -44,7 +45,7 @@ def test_list_bind_identify_unbind(lab: dict[str, str]) -> None:
     assert rc == 0 and bind.current_driver(bdf) == "nvme"
 
 
-def test_bind_of_busy_controller_exits_2_with_reasons(lab: dict[str, str]) -> None:
+def test_bind_of_busy_controller_exits_busy_with_reasons(lab: dict[str, str]) -> None:
     bdf = lab["nvme_target"]
     dev = bind.block_devices(bdf)[0]
     fd = os.open(dev, os.O_RDONLY | os.O_EXCL)
@@ -52,7 +53,7 @@ def test_bind_of_busy_controller_exits_2_with_reasons(lab: dict[str, str]) -> No
         rc, out = p2phub("bind", bdf)
     finally:
         os.close(fd)
-    assert rc == 2 and out["busy"] and "exclusively" in out["busy"][0]
+    assert rc == Exit.BUSY and out["busy"] and "exclusively" in out["busy"][0]
     assert bind.current_driver(bdf) == "nvme"
     rc, out = p2phub("bind", "zz:zz")
     assert rc == 1 and "not a PCI address" in out["error"]
