@@ -73,9 +73,14 @@ class FakeController:
 
     def post(self, cid: int, *, status: int = 0, dw0: int = 0, sqhd: int | None = None) -> None:
         off = self.cq_tail * 16
-        struct.pack_into("<IIHHHH", ffi.buffer(self.cq), off, dw0, 0,
-                         self.sq_head if sqhd is None else sqhd, 1, cid,
-                         (status << 1) | self.phase)
+        e = struct.pack("<IIHHHH", dw0, 0, self.sq_head if sqhd is None else sqhd, 1, cid,
+                        (status << 1) | self.phase)
+        # The phase tag goes in last, as a controller's would: struct.pack_into zeroes the whole
+        # entry before it writes the fields, which on an odd lap briefly shows a phase-0 entry
+        # with cid 0 to a host running on another thread.
+        cq = ffi.buffer(self.cq)
+        cq[off:off + 14] = e[:14]
+        cq[off + 14:off + 16] = e[14:]
         self.cq_tail += 1
         if self.cq_tail == self.depth:
             self.cq_tail = 0
