@@ -301,6 +301,14 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 	map->db.attach = NULL;
 }
 
+/* The device is being removed: detach from the source now. */
+static void p2phub_dmabuf_unmap_removed(struct p2phub_reg *reg,
+					struct p2phub_reg_map *map)
+{
+	lockdep_assert_held(&reg->lock);
+	p2phub_dmabuf_unmap(reg, map);
+}
+
 static void p2phub_dmabuf_cpu_map_free(struct p2phub_reg_map *map)
 {
 	kvfree(map->db.pages);
@@ -382,8 +390,10 @@ static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 {
 	struct p2phub_reg_map *map;
 
-	list_for_each_entry(map, maps, node)
-		p2phub_dmabuf_unmap(reg, map);
+	list_for_each_entry(map, maps, node) {
+		if (!map->removed)	/* else unmapped at its removal */
+			p2phub_dmabuf_unmap(reg, map);
+	}
 	p2phub_reg_maps_free(maps);
 	/* No export is mapped any more: each mapping holds a reference. */
 	if (reg->db.cpu) {
@@ -399,6 +409,7 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.id	= P2PHUB_PROVIDER_DMABUF,
 	.name	= "dma-buf",
 	.map	= p2phub_dmabuf_map,
+	.unmap	= p2phub_dmabuf_unmap_removed,
 	.cpu_pages = p2phub_dmabuf_cpu_pages,
 	.release = p2phub_dmabuf_release,
 };

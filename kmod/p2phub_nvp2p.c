@@ -241,6 +241,19 @@ static int p2phub_nv_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	return 0;
 }
 
+/* map->pdev is being removed: unmap it now, as release() would. */
+static void p2phub_nv_unmap(struct p2phub_reg *reg, struct p2phub_reg_map *map)
+{
+	lockdep_assert_held(&reg->lock);
+	/* Without the table a callback claimed it: NVIDIA frees the mapping. */
+	if (!map->nv.mapping || !reg->nv.page_table)
+		return;
+	p2phub_nv.dma_unmap_pages(map->pdev, reg->nv.page_table,
+				  map->nv.mapping);
+	map->nv.mapping = NULL;
+	atomic_dec(&p2phub_stats.nv_dma_mappings);
+}
+
 static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 {
 	struct nvidia_p2p_page_table *pt;
@@ -286,6 +299,7 @@ const struct p2phub_provider p2phub_nv_provider = {
 	.id	= P2PHUB_PROVIDER_NVIDIA,
 	.name	= "nvidia-p2p",
 	.map	= p2phub_nv_map,
+	.unmap	= p2phub_nv_unmap,
 	.release = p2phub_nv_release,
 };
 

@@ -46,6 +46,14 @@ u64 p2phub_max_reg_bytes(void)
 
 struct p2phub_reg_stats p2phub_stats;
 struct workqueue_struct *p2phub_reg_wq;
+
+/*
+ * Every registration, so that a device's removal can find its maps.
+ * Lock order: p2phub_all_regs_lock -> p2phub_reg.lock -> the source's
+ * dma_resv (see p2phub_reg_pci_notify()).
+ */
+static DEFINE_MUTEX(p2phub_all_regs_lock);
+static LIST_HEAD(p2phub_all_regs);
 /* /sys/kernel/debug/p2phub: other parts of the module may add files. */
 struct dentry *p2phub_debugfs_dir;
 
@@ -77,6 +85,9 @@ static struct p2phub_reg *p2phub_reg_alloc(void)
 	INIT_LIST_HEAD(&reg->users);
 	INIT_WORK(&reg->notify_work, p2phub_reg_notify_work);
 	atomic_inc(&p2phub_stats.regs);
+	mutex_lock(&p2phub_all_regs_lock);
+	list_add_tail(&reg->all_node, &p2phub_all_regs);
+	mutex_unlock(&p2phub_all_regs_lock);
 	return reg;
 }
 
@@ -104,6 +115,9 @@ static void p2phub_reg_release(struct kref *kref)
 {
 	struct p2phub_reg *reg = container_of(kref, struct p2phub_reg, kref);
 
+	mutex_lock(&p2phub_all_regs_lock);
+	list_del(&reg->all_node);
+	mutex_unlock(&p2phub_all_regs_lock);
 	p2phub_reg_teardown(reg);
 	WARN_ON_ONCE(!list_empty(&reg->exports));
 	mutex_destroy(&reg->lock);
@@ -244,6 +258,98 @@ static void p2phub_reg_map_free(struct p2phub_reg_map *map)
 	atomic_dec(&p2phub_stats.dev_maps);
 }
 
+/* ------------------------------------------------------- device removal */
+
+/*
+ * PCI devices between BUS_NOTIFY_DEL_DEVICE and BUS_NOTIFY_REMOVED_DEVICE:
+ * no new map is made for them. Their IOMMU state goes at REMOVED_DEVICE,
+ * so every map of theirs is undone at DEL_DEVICE, while it still exists.
+ */
+static DEFINE_SPINLOCK(p2phub_removing_lock);
+static struct pci_dev *p2phub_removing[8];
+
+static bool p2phub_dev_removing(struct pci_dev *pdev)
+{
+	bool found = false;
+	int i;
+
+	spin_lock(&p2phub_removing_lock);
+	for (i = 0; i < ARRAY_SIZE(p2phub_removing); i++)
+		found |= p2phub_removing[i] == pdev;
+	spin_unlock(&p2phub_removing_lock);
+	return found;
+}
+
+/* Returns false when the table is full: the caller then scans only. */
+static bool p2phub_dev_removing_set(struct pci_dev *pdev, bool on)
+{
+	bool done = false;
+	int i;
+
+	spin_lock(&p2phub_removing_lock);
+	for (i = 0; i < ARRAY_SIZE(p2phub_removing) && !done; i++) {
+		if (on && !p2phub_removing[i]) {
+			p2phub_removing[i] = pdev;
+			done = true;
+		} else if (!on && p2phub_removing[i] == pdev) {
+			p2phub_removing[i] = NULL;
+			done = true;
+		}
+	}
+	spin_unlock(&p2phub_removing_lock);
+	return done;
+}
+
+/* Undo every map for @pdev; returns how many there were. */
+static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
+{
+	struct p2phub_reg_map *map;
+	struct p2phub_reg *reg;
+	unsigned int n = 0;
+
+	mutex_lock(&p2phub_all_regs_lock);
+	list_for_each_entry(reg, &p2phub_all_regs, all_node) {
+		mutex_lock(&reg->lock);
+		list_for_each_entry(map, &reg->maps, node) {
+			if (map->pdev != pdev || map->removed)
+				continue;
+			reg->provider->unmap(reg, map);
+			map->removed = true;
+			reg->nr_maps--;
+			n++;
+		}
+		mutex_unlock(&reg->lock);
+	}
+	mutex_unlock(&p2phub_all_regs_lock);
+	return n;
+}
+
+static int p2phub_reg_pci_notify(struct notifier_block *nb,
+				 unsigned long action, void *data)
+{
+	struct pci_dev *pdev = to_pci_dev(data);
+	unsigned int n;
+
+	switch (action) {
+	case BUS_NOTIFY_DEL_DEVICE:
+		if (!p2phub_dev_removing_set(pdev, true))
+			pci_warn(pdev, "p2phub: too many devices leaving at once; a map made during this removal may outlive it\n");
+		n = p2phub_reg_unmap_device(pdev);
+		if (n)
+			pci_info(pdev, "p2phub: device removed: unmapped %u registration(s) for it\n",
+				 n);
+		break;
+	case BUS_NOTIFY_REMOVED_DEVICE:
+		p2phub_dev_removing_set(pdev, false);
+		break;
+	}
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block p2phub_reg_pci_nb = {
+	.notifier_call = p2phub_reg_pci_notify,
+};
+
 /*
  * The mapping of @reg for @pdev, made on first ask and cached until
  * teardown. Returns ERR_PTR(-ESTALE) once the registration is not live.
@@ -260,8 +366,17 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 		goto err_unlock;
 	}
 	list_for_each_entry(map, &reg->maps, node) {
-		if (map->pdev == pdev)
-			goto out_unlock;
+		if (map->pdev != pdev)
+			continue;
+		if (map->removed) {
+			ret = -ENODEV;
+			goto err_unlock;
+		}
+		goto out_unlock;
+	}
+	if (p2phub_dev_removing(pdev)) {
+		ret = -ENODEV;
+		goto err_unlock;
 	}
 
 	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
@@ -281,6 +396,12 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	ret = reg->provider->map(reg, map);
 	if (ret)
 		goto err_free_map;
+	/* A provider may drop reg->lock in map(): the device may be going. */
+	if (p2phub_dev_removing(pdev)) {
+		reg->provider->unmap(reg, map);
+		ret = -ENODEV;
+		goto err_free_map;
+	}
 	list_add_tail(&map->node, &reg->maps);
 	reg->nr_maps++;
 out_unlock:
@@ -772,11 +893,16 @@ int p2phub_reg_init(void)
 		{ "nv_dma_mappings", &p2phub_stats.nv_dma_mappings },
 		{ "revocations", &p2phub_stats.revocations },
 	};
-	int i;
+	int i, ret;
 
 	p2phub_reg_wq = alloc_workqueue("p2phub_reg", 0, 0);
 	if (!p2phub_reg_wq)
 		return -ENOMEM;
+	ret = bus_register_notifier(&pci_bus_type, &p2phub_reg_pci_nb);
+	if (ret) {
+		destroy_workqueue(p2phub_reg_wq);
+		return ret;
+	}
 	/* debugfs is best effort: counters are for tests and debugging. */
 	p2phub_debugfs_dir = debugfs_create_dir(KBUILD_MODNAME, NULL);
 	for (i = 0; i < ARRAY_SIZE(counters); i++)
@@ -788,6 +914,7 @@ int p2phub_reg_init(void)
 void p2phub_reg_exit(void)
 {
 	/* Files and exported dma-bufs pin the module, so all are gone. */
+	bus_unregister_notifier(&pci_bus_type, &p2phub_reg_pci_nb);
 	destroy_workqueue(p2phub_reg_wq);
 	debugfs_remove(p2phub_debugfs_dir);
 	if (atomic_read(&p2phub_stats.regs))

@@ -37,6 +37,11 @@ struct p2phub_reg_map {
 	struct p2phub_reg *reg;
 	struct pci_dev *pdev;		/* reference held */
 	dma_addr_t *addrs;		/* reg->npages entries */
+	/*
+	 * The device was hot-removed: unmapped by the provider's unmap(),
+	 * kept on reg->maps (addrs stays readable) until teardown.
+	 */
+	bool removed;
 	union {
 		struct {
 			struct dma_buf_attachment *attach;
@@ -64,6 +69,11 @@ struct p2phub_provider {
 	 */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/*
+	 * Undo map() for one device, which is being hot-removed; release()
+	 * then skips it. Called with reg->lock held.
+	 */
+	void (*unmap)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	/*
 	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
 	 * for mmap of its exports, from the exporter's own CPU mapping (never
 	 * an importer's sg_table); valid until release(). NULL, or -ENODEV,
@@ -80,6 +90,7 @@ struct p2phub_provider {
 
 struct p2phub_reg {
 	struct kref kref;
+	struct list_head all_node;	/* on p2phub_all_regs */
 	u32 handle;
 	const struct p2phub_provider *provider;
 	u32 page_shift;

@@ -41,6 +41,9 @@ for dev in /sys/bus/pci/devices/*; do
 	if [ "$(cat "$dev/vendor")" = 0x1af4 ] && [ "$(cat "$dev/device")" = 0x1110 ]; then
 		echo "gpu=$(basename "$dev")" >>"$env_file"
 	fi
+	if [ "$(cat "$dev/vendor")" = 0x1b36 ] && [ "$(cat "$dev/device")" = 0x0005 ]; then
+		echo "spare=$(basename "$dev")" >>"$env_file"
+	fi
 done
 grep -q '^nvme_target=' "$env_file" || fail "the target NVMe controller did not appear"
 grep -q '^gpu=' "$env_file" || fail "the ivshmem stand-in GPU did not appear"

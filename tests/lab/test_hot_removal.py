@@ -1,0 +1,111 @@
+"""A PCI device leaves while registrations are mapped for it (M7).
+
+Each registration is mapped for the lab's spare device (a pci-testdev no
+driver claims) and for the NVMe target. Removing the spare through sysfs
+must undo its maps at once, while its IOMMU state still exists, and leave
+the target's maps alone; after a rescan the device maps afresh. The proof
+comes from outside p2phub's own bookkeeping too: the source exporter's
+attachment count and the stand-in NVIDIA driver's DMA-mapping count.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from p2phub.errors import P2PHubOSError
+from p2phub.hostmem import VgemBuffer
+from p2phub.hub import Hub
+
+import p2phub_fakegpu as fg
+import regutil as ru
+
+MiB = 1 << 20
+PCI = Path("/sys/bus/pci")
+
+
+@pytest.fixture
+def spare(lab: dict[str, str]):
+    bdf = lab.get("spare")
+    assert bdf, "the lab has no spare PCI device (pci-testdev): tools/lab is out of date"
+    assert (PCI / "devices" / bdf).exists()
+    yield bdf
+    if not (PCI / "devices" / bdf).exists():
+        (PCI / "rescan").write_text("1")
+        assert ru.wait_until(lambda: (PCI / "devices" / bdf).exists())
+
+
+@pytest.fixture
+def gpu(lab: dict[str, str]):
+    if not fg.loaded():
+        fg.insmod(lab["modules_dir"])
+    with fg.FakeGpu() as g:
+        yield g
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    yield
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def _remove(bdf: str) -> None:
+    (PCI / "devices" / bdf / "remove").write_text("1")
+    assert ru.wait_until(lambda: not (PCI / "devices" / bdf).exists())
+
+
+def _rescan(bdf: str) -> None:
+    (PCI / "rescan").write_text("1")
+    assert ru.wait_until(lambda: (PCI / "devices" / bdf).exists())
+
+
+def test_removal_unmaps_a_dmabuf_registration_for_that_device_only(spare: str, lab: dict[str, str]) -> None:
+    target = lab["nvme_target"]
+    with Hub() as hub, VgemBuffer(1 * MiB) as buf, hub.register_dmabuf(buf.fd) as reg:
+        before = ru.counters()["dmabuf_attachments"]
+        target_pages = reg.dma_pages(target)
+        assert len(reg.dma_pages(spare)) == 256
+        assert reg.info().nr_devices == 2
+        assert ru.counters()["dmabuf_attachments"] == before + 2
+
+        _remove(spare)
+        # Its attachment to the source is gone now, not at close.
+        assert ru.counters()["dmabuf_attachments"] == before + 1
+        assert reg.info().nr_devices == 1
+        with pytest.raises(P2PHubOSError) as e:
+            reg.dma_pages(spare)
+        assert e.value.errno == errno.ENODEV
+        assert reg.dma_pages(target) == target_pages
+
+        _rescan(spare)                  # a new pci_dev at the same address
+        assert len(reg.dma_pages(spare)) == 256
+        assert reg.info().nr_devices == 2
+
+
+def test_removal_unmaps_an_nvidia_registration_in_the_driver(spare: str, gpu: fg.FakeGpu,
+                                                             lab: dict[str, str]) -> None:
+    target = lab["nvme_target"]
+    with Hub() as hub:
+        reg = hub.register_nvidia(gpu.va(20 * MiB), 1 * MiB)
+        reg.dma_pages(target)
+        reg.dma_pages(spare)
+        assert gpu.query().dma_mappings == 2
+        _remove(spare)
+        # The driver's own count: nvidia_p2p_dma_unmap_pages ran for the spare.
+        assert gpu.query().dma_mappings == 1
+        assert reg.info().nr_devices == 1 and not reg.info().revoked
+        reg.close()
+    c = gpu.query()
+    assert (c.page_tables, c.dma_mappings, c.misuse) == (0, 0, 0)
+
+
+def test_a_map_made_after_the_removal_is_refused(spare: str) -> None:
+    """The address no longer names a device: the page list is refused, nothing is mapped."""
+    with Hub() as hub, VgemBuffer(64 * 1024) as buf, hub.register_dmabuf(buf.fd) as reg:
+        _remove(spare)
+        with pytest.raises(P2PHubOSError) as e:
+            reg.dma_pages(spare)
+        assert e.value.errno == errno.ENODEV
+        assert reg.info().nr_devices == 0
