@@ -79,6 +79,14 @@ class _FutureBase:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def on_stream(self, stream: Any, ops: Any = None) -> None:
+        """Make a GPU stream wait for this request with no CPU round trip (see
+        ``p2phub.ordering.Fence.on_stream``): work enqueued on `stream` afterwards starts
+        once the SSD is done."""
+        from ..ordering import as_fence
+
+        as_fence(self).on_stream(stream, ops)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Drive the queue until done or `timeout` seconds; True when done."""
         try:

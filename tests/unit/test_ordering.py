@@ -516,6 +516,27 @@ def test_on_stream_holds_the_kernel_until_the_host_completes(ops: FakeOps) -> No
     assert seen == ["new"]
 
 
+def test_an_nvme_future_holds_a_stream_itself(ops: FakeOps) -> None:
+    """The README's `fut.on_stream(stream)`: a CommandFuture is a fence source of its own."""
+    from p2phub.nvme.queue import CommandFuture
+
+    class QueuePairStub:  # what a future needs of its queue pair: something to drive it
+        qid = 1
+
+        def wait(self, fut: object, timeout: float | None) -> None:
+            pass
+
+    fut = CommandFuture(QueuePairStub(), opcode=2, parts=1, what="read")  # type: ignore[arg-type]
+    s = FakeStream()
+    fut.on_stream(s, ops)
+    s.launch("consumer", lambda: None)
+    time.sleep(0.05)
+    assert s.log == []  # held until the SSD's completion
+    fut._complete_part(0, 0, 1, 0)
+    s.sync()
+    assert s.log == ["consumer"]
+
+
 def test_on_stream_of_a_done_fence_enqueues_nothing_and_of_a_failed_one_raises(ops) -> None:
     s = FakeStream()
     done = HostFence()
