@@ -75,7 +75,8 @@ static long p2phub_ioctl_get_info(struct p2phub_file *pf, void __user *uarg)
 	ret = p2phub_copy_args(&info, sizeof(info), uarg, 0);
 	if (ret)
 		return ret;
-	if (!p2phub_all_zero(info.reserved, sizeof(info.reserved)))
+	if (!p2phub_all_zero(info.reserved, sizeof(info.reserved)) ||
+	    !p2phub_outputs_zero(&info, abi_version, version))
 		return -EINVAL;
 
 	info.argsz = sizeof(info);

@@ -358,7 +358,8 @@ static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
 	if (ret)
 		return ret;
-	if (arg.__reserved || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
+	if (arg.__reserved || !p2phub_all_zero(arg.reserved, sizeof(arg.reserved)) ||
+	    !p2phub_outputs_zero(&arg, out_dma_addr, out_id))
 		return -EINVAL;
 	if (!arg.size || !PAGE_ALIGNED(arg.size) ||
 	    arg.size > P2PHUB_NVME_DMA_MAX_BUF)

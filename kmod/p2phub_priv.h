@@ -34,6 +34,14 @@ u64 p2phub_max_reg_bytes(void);
 int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 		     u32 known_flags);
 bool p2phub_all_zero(const void *p, size_t len);
+/*
+ * The UAPI's one rule for outputs: they must come in as 0 (a later ABI may
+ * give them an input meaning). True when fields @first..@last of *@p are 0.
+ */
+#define p2phub_outputs_zero(p, first, last)				\
+	p2phub_all_zero(&(p)->first,					\
+			offsetofend(typeof(*(p)), last) -		\
+			offsetof(typeof(*(p)), first))
 
 /*
  * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one

@@ -647,7 +647,8 @@ static long p2phub_ioctl_reg_info(struct p2phub_file *pf, void __user *uarg)
 	ret = p2phub_copy_args(&a, sizeof(a), uarg, 0);
 	if (ret)
 		return ret;
-	if (a.out_flags || !p2phub_all_zero(a.reserved, sizeof(a.reserved)))
+	if (!p2phub_outputs_zero(&a, out_state, out_flags) ||
+	    !p2phub_all_zero(a.reserved, sizeof(a.reserved)))
 		return -EINVAL;
 	reg = p2phub_reg_get(pf, a.handle);
 	if (IS_ERR(reg))

@@ -137,7 +137,7 @@ class _Pin:
         self.dependents: "weakref.WeakSet[Any] | None" = None  # MRs: closed first
         self.users: "weakref.WeakKeyDictionary[Any, Registration] | None" = None
         self.ordering: Any = None  # p2phub.ordering.Ordering, made on first use
-        self._info: uapi.RegInfo | None = None
+        self._info_arg: bytes | None = None  # REG_INFO's input, outputs zero
 
     @property
     def what(self) -> str:
@@ -163,14 +163,15 @@ class _Pin:
         """True while the memory is not revoked: one P2PHUB_REG_INFO (the cache's check)."""
         if self.revoked:
             return False
-        if self._info is None:
-            self._info = _args(uapi.RegInfo, handle=self.handle)
+        if self._info_arg is None:
+            self._info_arg = bytes(_args(uapi.RegInfo, handle=self.handle))
+        buf = bytearray(self._info_arg)  # outputs must come in as 0: a fresh copy each call
         try:
-            fcntl.ioctl(self.hub.device.fd, uapi.REG_INFO, self._info, True)
+            fcntl.ioctl(self.hub.device.fd, uapi.REG_INFO, buf, True)
         except OSError:
             self.mark_revoked()
             return False
-        if self._info.out_state != uapi.REG_STATE_LIVE:
+        if uapi.RegInfo.from_buffer(buf).out_state != uapi.REG_STATE_LIVE:
             self.mark_revoked()
             return False
         return True

@@ -4,8 +4,10 @@
  *
  * Every argument struct starts with { __u32 argsz; __u32 flags; }. The kernel
  * rejects an argsz smaller than the struct it knows, any flag bit it does not
- * know, and any nonzero reserved field, so fields can be added at the end
- * later without breaking old binaries. Structs are naturally aligned, padded
+ * know, any nonzero reserved field and any nonzero output field (out_*, and
+ * GET_INFO's fields after flags): outputs must come in as 0. So fields can be
+ * added at the end, and outputs given an input meaning, later without
+ * breaking old binaries. Structs are naturally aligned, padded
  * explicitly, and sized by static asserts in the kernel build; the Python
  * mirror (p2phub/uapi.py) is checked against this header by the unit tests.
  */
@@ -32,10 +34,10 @@
  * P2PHUB_GET_INFO - _IO(P2PHUB_IOCTL_TYPE, P2PHUB_IOCTL_BASE + 0)
  *
  * Report the ABI version, the module version and the capabilities.
- * In: argsz, flags (0). Out: the rest.
+ * In: argsz, flags (0), the rest 0. Out: the rest.
  *
  * Return: 0 on success, -EFAULT on a bad pointer, -EINVAL for argsz too
- * small, unknown flags or nonzero reserved fields.
+ * small, unknown flags or nonzero reserved or output fields.
  */
 struct p2phub_info {
 	__u32	argsz;
@@ -149,7 +151,7 @@ struct p2phub_reg_info {
 	__u32	out_nr_exports;		/* exported dma-bufs still open */
 	__u32	out_nr_attached;	/* importers attached to them */
 	__u32	out_io_holds;		/* in-kernel I/O holding it */
-	__u32	out_flags;		/* P2PHUB_REG_INFO_F_* (in: must be 0) */
+	__u32	out_flags;		/* P2PHUB_REG_INFO_F_* */
 	__aligned_u64 reserved[2];	/* must be 0 */
 };
 
@@ -281,7 +283,7 @@ struct p2phub_nvme_open {
  * In: argsz, flags (0), size (page multiple, <= P2PHUB_NVME_DMA_MAX_BUF).
  * Out: out_dma_addr (the controller's address), out_mmap_offset, out_id.
  *
- * Return: 0; -EINVAL bad size, flags or reserved; -ENOSPC over
+ * Return: 0; -EINVAL bad size, flags, reserved or out field; -ENOSPC over
  * P2PHUB_NVME_DMA_MAX_TOTAL or P2PHUB_NVME_DMA_MAX_BUFS; -ENOMEM; -EFAULT.
  */
 struct p2phub_nvme_dma_alloc {

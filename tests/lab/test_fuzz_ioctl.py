@@ -105,10 +105,10 @@ HOST_KINDS = ["udmabuf", "vgem"] if os.path.exists("/dev/udmabuf") else ["vgem"]
 # Extra errnos an exporter (udmabuf, vgem, p2phub's own export) may return from attach/map.
 EXPORTER = {errno.ENOMEM, errno.EINVAL, errno.EBUSY, errno.ENODEV, errno.EOPNOTSUPP, errno.EPERM}
 # Fields a malformed call may set nonzero: they must be rejected with EINVAL.
-# Fields the kernel checks as zero on the way in: the reserved ones everywhere, and the outputs the
-# UAPI header says must come in as 0 (REGISTER's outputs, REG_INFO's out_flags); other outputs are ignored.
+# Fields the kernel checks as zero on the way in (the UAPI's rule): reserved ones, and every output
+# (out_*, and GET_INFO's fields after flags).
 CHECKED_FIELDS = ("reserved", "__reserved", "__reserved0", "__reserved1")
-CHECKED_OUTPUTS = {"Register": ("out_handle", "out_page_size", "out_provider"), "RegInfo": ("out_flags",)}
+INFO_OUTPUTS = ("abi_version", "max_regs_per_file", "caps")
 MODES = ("valid", "short_argsz", "zero_argsz", "long_argsz", "unknown_flags", "reserved", "bad_pointer",
          "null_pointer")
 
@@ -219,8 +219,9 @@ def _fill(cls: type, mode: str, fields: dict[str, int]) -> tuple[object, int | N
         s.flags |= 1 << 30
         want = errno.EINVAL
     elif mode == "reserved":
-        checked = CHECKED_FIELDS + CHECKED_OUTPUTS.get(cls.__name__, ())
-        names = [f[0] for f in cls._fields_ if f[0] in checked]
+        names = [f[0] for f in cls._fields_
+                 if f[0] in CHECKED_FIELDS or f[0].startswith("out_")
+                 or (cls is uapi.Info and f[0] in INFO_OUTPUTS)]
         n = names[(s.argsz + len(fields)) % len(names)]
         if n == "reserved":
             s.reserved[len(s.reserved) - 1] = 1

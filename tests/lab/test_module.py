@@ -59,6 +59,33 @@ def test_get_info_rejects_nonzero_reserved() -> None:
     assert _raw_get_info(arg) == errno.EINVAL
 
 
+@pytest.mark.parametrize("field", ["abi_version", "max_regs_per_file", "caps"])
+def test_get_info_refuses_an_output_that_comes_in_nonzero(field: str) -> None:
+    arg = uapi.Info.new()
+    setattr(arg, field, 1)
+    assert _raw_get_info(arg) == errno.EINVAL
+
+
+def test_reg_info_refuses_every_output_that_comes_in_nonzero() -> None:
+    """The UAPI's one rule for outputs: 0 on input, on every ioctl."""
+    from p2phub.hostmem import VgemBuffer
+    from p2phub.hub import Hub
+
+    outputs = [f for f, *_ in uapi.RegInfo._fields_ if f.startswith("out_")]
+    assert len(outputs) == 10
+    with Hub() as hub, VgemBuffer(64 * 1024) as buf, hub.register_dmabuf(buf.fd) as reg:
+        for field in outputs:
+            a = uapi.RegInfo.new(handle=reg.handle)
+            setattr(a, field, 1)
+            with pytest.raises(OSError) as e:
+                fcntl.ioctl(hub.device.fd, uapi.REG_INFO, a, True)
+            assert e.value.errno == errno.EINVAL, field
+        a = uapi.RegInfo.new(handle=reg.handle)
+        fcntl.ioctl(hub.device.fd, uapi.REG_INFO, a, True)
+        assert a.out_length == 64 * 1024
+        assert reg.check_live() and reg.check_live()   # the cache's check, twice on one handle
+
+
 def test_get_info_accepts_a_longer_zeroed_struct_and_refuses_a_dirty_tail() -> None:
     class Longer(ctypes.Structure):
         _fields_ = [("info", uapi.Info), ("tail", ctypes.c_uint64 * 2)]

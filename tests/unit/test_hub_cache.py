@@ -44,6 +44,10 @@ class FakeKernel:
                 return 0
             if req == uapi.REG_INFO:
                 self.calls.append("REG_INFO")
+                if not isinstance(arg, uapi.RegInfo):
+                    arg = uapi.RegInfo.from_buffer(arg)
+                if any(getattr(arg, f) for f, *_ in arg._fields_ if f.startswith("out_")):
+                    raise OSError(errno.EINVAL, "outputs must come in as 0")  # the UAPI's rule
                 st = self.live.get(arg.handle)
                 if st is None:
                     raise OSError(errno.ENOENT, "no such handle")
