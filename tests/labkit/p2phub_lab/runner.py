@@ -49,7 +49,7 @@ BUILD = TOP / "build"
 VENV_BIN = TOP / ".venv" / "bin"
 CACHE = Path("/var/cache/p2phub-lab")
 # Where tests/labkit/build-debug-kernel puts the debug lab kernel (one directory per release).
-KERNEL_CACHE = Path(os.environ.get("P2PHUB_KERNEL_CACHE", "/var/cache/p2phub/kernels"))
+KERNEL_CACHE = Path(os.environ.get("P2PHUB_KERNEL_CACHE", "/var/lib/p2phub/kernels"))
 DEBUG_SUFFIX = "-p2phub-debug"
 
 EXIT_TIMEOUT = 124
