@@ -21,10 +21,7 @@ GPU memory comes from the GPU's own exporter: the CUDA driver's dma-buf export f
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import hashlib
-import mmap
 import os
 import time
 from dataclasses import dataclass
