@@ -1,8 +1,9 @@
-"""Only what pyproject.toml cannot say: the wheel carries the NVMe hot path compiled.
+"""Only what pyproject.toml cannot say: the wheel carries p2phub's C hot paths compiled.
 
-cffi (a build requirement) writes the C source of ``p2phub.nvme._hotlib`` from the definition in
-``p2phub/nvme/_hot_build.py``; setuptools compiles it like any extension. The runtime build in
-``p2phub/nvme/_build.py`` is only the fallback for a checkout whose C sources changed.
+cffi (a build requirement) writes the C source of each module in ``HOT_PATHS`` of
+``p2phub/_cffi_build.py`` (the NVMe engine, ``p2phub.nvme._hotlib``, and the KV transfer path,
+``p2phub.kv._kvhotlib``); setuptools compiles them like any extension. The runtime build in
+``p2phub/_cffi_build.py`` is only the fallback for a checkout whose C sources changed.
 """
 
 import importlib.util
@@ -11,32 +12,38 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-NVME = os.path.join("p2phub", "nvme")
+HERE = os.path.dirname(os.path.realpath(__file__))
 
 
-def _hot_build():
-    spec = importlib.util.spec_from_file_location("_hot_build", os.path.join(HERE, NVME, "_hot_build.py"))
+def _cffi_build():
+    """p2phub/_cffi_build.py, loaded by path: it imports nothing from the package."""
+    spec = importlib.util.spec_from_file_location("_p2phub_cffi_build", os.path.join(HERE, "p2phub", "_cffi_build.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+CFFI = _cffi_build()
+HOT = {hp.module: hp for hp in CFFI.HOT_PATHS}
+
+
 class BuildExt(build_ext):
-    """Write the cffi C source into the build directory just before compiling it."""
+    """Write each module's cffi C source into the build directory just before compiling it."""
 
     def build_extension(self, ext):
-        if ext.name == "p2phub.nvme._hotlib":
-            hb = _hot_build()
-            c_file = os.path.join(self.build_temp, "_hotlib.c")
+        hp = HOT.get(ext.name)
+        if hp is not None:
+            c_file = os.path.join(self.build_temp, ext.name.rpartition(".")[2] + ".c")
             os.makedirs(self.build_temp, exist_ok=True)
-            hb.make_ffi(hb.MODULE).emit_c_code(c_file)
+            hp.make_ffi(hp.module).emit_c_code(c_file)
             ext.sources = [c_file]
         super().build_extension(ext)
 
 
 setup(
-    ext_modules=[Extension("p2phub.nvme._hotlib", sources=["(written by BuildExt)"], include_dirs=[NVME],
-                           extra_compile_args=["-O2", "-std=gnu11", "-Wall"])],
+    ext_modules=[Extension(hp.module, sources=["(written by BuildExt)"],
+                           include_dirs=[os.path.relpath(hp.dir, HERE)],
+                           extra_compile_args=CFFI.COMPILE_ARGS)
+                 for hp in CFFI.HOT_PATHS],
     cmdclass={"build_ext": BuildExt},
 )

@@ -10,7 +10,8 @@ backend is a plugin: a module named by an entry point of the group
 The module has a ``backend()`` factory returning an object of the `Backend`
 shape below, and may have other factories for other interfaces
 (``stream_ops()``). A backend recognises the objects of its runtime (raw
-pointers, tensors, ``__cuda_array_interface__``, DLPack), validates the byte
+pointers, tensors, ``__cuda_array_interface__``, DLPack; `p2phub.arrays` reads
+their pointer and size the same way for every backend), validates the byte
 range, and hands the core something p2phub.ko can pin: a dma-buf fd of exactly
 that range, or, for the NVIDIA P2P path, a 64 KiB aligned GPU virtual address
 range. It may also claim PCI functions as GPUs for `p2phub doctor`

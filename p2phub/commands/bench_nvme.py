@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..pci import normalize
+
 SCHEMA = "p2phub.bench.nvme/2"
 PCTS = (50.0, 90.0, 99.0, 99.9)
 CHUNK = 4096
@@ -219,7 +221,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     try:
         report["engine"] = bench_engine(args.device, args.nsid, qds, args.bs, args.seconds, args.warmup)
     finally:
-        if not args.keep_bound and bind.current_driver(bind.normalize_bdf(args.device)) == bind.DRIVER:
+        if not args.keep_bound and bind.current_driver(normalize(args.device)) == bind.DRIVER:
             bind.unbind(args.device)
     if not args.no_fio and args.baseline:
         dev = _baseline_dev(args.baseline, args.nsid)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import P2PHubError
+from ..pci import normalize
 
 SCHEMA = "p2phub.nvme/1"
 from ..exitcodes import Exit
@@ -52,17 +53,17 @@ def run(args: argparse.Namespace) -> int:
             _emit(args, {"controllers": rows}, text)
         elif args.nvme_cmd == "bind":
             before = bind.bind(args.bdf)
-            _emit(args, {"bdf": bind.normalize_bdf(args.bdf), "driver": bind.DRIVER, "previous": before},
+            _emit(args, {"bdf": normalize(args.bdf), "driver": bind.DRIVER, "previous": before},
                   f"{args.bdf}: now on {bind.DRIVER} (was {before or 'unbound'})")
         elif args.nvme_cmd == "unbind":
             bind.unbind(args.bdf, driver=args.driver)
-            drv = bind.current_driver(bind.normalize_bdf(args.bdf))
-            _emit(args, {"bdf": bind.normalize_bdf(args.bdf), "driver": drv},
+            drv = bind.current_driver(normalize(args.bdf))
+            _emit(args, {"bdf": normalize(args.bdf), "driver": drv},
                   f"{args.bdf}: now on {drv or 'no driver'}")
         elif args.nvme_cmd == "identify":
             from ..nvme import controller
 
-            bdf = bind.normalize_bdf(args.bdf)
+            bdf = normalize(args.bdf)
             before = bind.current_driver(bdf)
             try:
                 with controller.open(bdf) as ctrl:

@@ -21,18 +21,16 @@ GPU memory comes from the GPU's own exporter: the CUDA driver's dma-buf export f
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import hashlib
-import mmap
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .. import backend
 from ..backend import GpuBuffer
+from ..errors import UsageError
+from ..pci import normalize
 from .model import FAIL, PASS, SKIP, CheckResult
 
 KiB = 1 << 10
@@ -61,16 +59,19 @@ class ActiveOptions:
         if self.write and self.lba is None:
             raise ActiveUsageError("--active-write needs --active-lba: name a scratch LBA range; "
                                    "the doctor never picks a range to write on its own")
-        if self.nvme is not None and not BDF_RE.match(_norm(self.nvme)):
-            raise ActiveUsageError(f"--active-nvme {self.nvme!r}: not a PCI address (DDDD:BB:DD.F)")
+        if self.nvme is not None:
+            try:
+                normalize(self.nvme)
+            except UsageError as exc:
+                raise ActiveUsageError(f"--active-nvme: {exc}") from None
 
 
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-
-
-def _norm(bdf: str) -> str:
-    b = bdf.strip().lower()
-    return b if b.count(":") == 2 else "0000:" + b
+def _pci_or_none(text: str) -> str | None:
+    """The kernel's spelling of `text` when it is a PCI address (--active-gpu also takes an id)."""
+    try:
+        return normalize(text)
+    except UsageError:
+        return None
 
 
 def sha256(data: bytes) -> str:
@@ -179,7 +180,7 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
     if not opts.nvme:
         return R(SKIP, "no controller named: --active-nvme BDF chooses the one NVMe controller the test may "
                  "take from the kernel nvme driver for a moment (read-only unless --active-write)")
-    bdf = _norm(opts.nvme)
+    bdf = normalize(opts.nvme)
     nvme = next((d for d in ctx.top.nvmes if d.bdf == bdf), None)
     pd = ctx.top.pci.get(bdf)
     if nvme is None and pd is not None and pd.cls == 0x010802 and pd.driver != "nvme":
@@ -202,7 +203,7 @@ def run_active(ctx: Any, opts: ActiveOptions) -> CheckResult:
     if opts.gpu:
         g = opts.gpu.lower()
         cands = [p for p in cands if p.provider.lower() == g or
-                 next((x.bdf for x in ctx.top.gpus if x.id == p.provider), None) in (g, _norm(g))]
+                 next((x.bdf for x in ctx.top.gpus if x.id == p.provider), None) in (g, _pci_or_none(g))]
     gpus = {x.id: x for x in ctx.top.gpus}
     cands = [p for p in cands if gpus[p.provider].info.get("flavour") == "nvidia" or _plugin(gpus[p.provider])]
     if not cands:

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import backend
+from ..pci import PciAddress, root_bus
 from .pcie import ConfigSpace, link_gbps, parse_config
 from .sysroot import SysRoot
 
 PCI_DEVICES = "/sys/bus/pci/devices"
-BDF_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-HB_RE = re.compile(r"^pci([0-9a-f]{4,8}):([0-9a-f]{2})$")
 
 VENDORS = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x1022: "AMD", 0x8086: "Intel", 0x15B3: "Mellanox",
            0x14E4: "Broadcom", 0x1000: "Broadcom/LSI", 0x10B5: "PLX/Broadcom", 0x144D: "Samsung",
@@ -127,10 +126,10 @@ def read_pci(sr: SysRoot, bdf: str) -> PciDev:
     real = sr.resolve(base)
     d = PciDev(bdf=bdf, sysfs=real)
     parts = [p for p in real.split("/") if p]
-    hb_idx = next((i for i, p in enumerate(parts) if HB_RE.match(p)), None)
+    hb_idx = next((i for i, p in enumerate(parts) if root_bus(p)), None)
     if hb_idx is not None:
         d.host_bridge = parts[hb_idx]
-        ups = [p for p in parts[hb_idx + 1:] if BDF_RE.match(p)]
+        ups = [p for p in parts[hb_idx + 1:] if PciAddress.is_canonical(p)]
         if ups and ups[-1] == bdf:
             ups = ups[:-1]
         d.chain = list(reversed(ups))
@@ -212,15 +211,14 @@ def discover(sr: SysRoot) -> Topology:
     top.modules = read_modules(sr)
     top.privileged = sr.euid == 0
     for bdf in sr.listdir(PCI_DEVICES):
-        if BDF_RE.match(bdf):
+        if PciAddress.is_canonical(bdf):
             top.pci[bdf] = read_pci(sr, bdf)
     # host bridges: the first device (devfn 00.0) of each root bus
     for d in top.pci.values():
         if d.host_bridge and d.host_bridge not in top.host_bridge_ids:
-            m = HB_RE.match(d.host_bridge)
-            assert m
-            first = f"{m.group(1)}:{m.group(2)}:00.0"
-            fd = top.pci.get(first)
+            first = root_bus(d.host_bridge)
+            assert first
+            fd = top.pci.get(str(first))
             top.host_bridge_ids[d.host_bridge] = (fd.vendor, fd.device) if fd else None
     # NUMA
     online = sr.read("/sys/devices/system/node/online")
@@ -276,7 +274,7 @@ def _find_gpus(sr: SysRoot, top: Topology) -> None:
 def _pci_of(sr: SysRoot, path: str) -> str | None:
     """The BDF of the nearest PCI device above a sysfs path (a class device's ``device`` link)."""
     real = sr.resolve(path)
-    bdfs = [p for p in real.split("/") if BDF_RE.match(p)]
+    bdfs = [p for p in real.split("/") if PciAddress.is_canonical(p)]
     return bdfs[-1] if bdfs else None
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..blockuse import BlockDev, usage_reasons
 from ..errors import P2PHubOSError, UsageError
+from ..pci import PciAddress, normalize
 from .errors import ControllerBusyError
 
 DRIVER = "p2phub-nvme"
@@ -27,24 +28,10 @@ PCI_DEVICES = Path("/sys/bus/pci/devices")
 PCI_DRIVERS = Path("/sys/bus/pci/drivers")
 NVME_CLASS = 0x010802
 
-_BDF = re.compile(r"^(?:([0-9a-fA-F]{4}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
-
-
-def normalize_bdf(bdf: str) -> str:
-    m = _BDF.match(bdf.strip())
-    if not m:
-        raise UsageError(f"{bdf!r} is not a PCI address (DDDD:BB:DD.F)")
-    if int(m.group(3), 16) > 0x1F:
-        raise UsageError(f"{bdf!r}: PCI device number 0x{m.group(3)} is above 0x1f")
-    dom = m.group(1) or "0000"
-    return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}".lower()
-
-
-def split_bdf(bdf: str) -> tuple[int, int, int]:
-    """(domain, bus, devfn)."""
-    m = _BDF.match(normalize_bdf(bdf))
-    assert m
-    return int(m.group(1), 16), int(m.group(2), 16), (int(m.group(3), 16) << 3) | int(m.group(4))
+def split_bdf(bdf: "str | PciAddress") -> tuple[int, int, int]:
+    """(domain, bus, devfn) of a PCI address, as the UAPI structs carry it (p2phub.pci parses)."""
+    a = PciAddress.parse(bdf)
+    return a.domain, a.bus, a.devfn
 
 
 def current_driver(bdf: str) -> str | None:
@@ -131,7 +118,7 @@ def _block_devices(bdf: str) -> list[tuple[str, Path]]:
 
 def busy_reasons(bdf: str) -> list[str]:
     """Why the controller's namespaces cannot be taken from the kernel (empty: free)."""
-    bdf = normalize_bdf(bdf)
+    bdf = normalize(bdf)
     reasons: list[str] = []
     devs = _block_devices(bdf)
     if not devs:
@@ -172,7 +159,7 @@ def _write(path: Path, value: str, what: str) -> None:
 
 def bind(bdf: str, *, timeout_s: float = 10.0) -> str:
     """Hand the controller to p2phub.ko. Returns the driver it had before."""
-    bdf = normalize_bdf(bdf)
+    bdf = normalize(bdf)
     dev = PCI_DEVICES / bdf
     if not dev.exists():
         raise UsageError(f"no PCI device {bdf}")
@@ -218,7 +205,7 @@ def unbind(bdf: str, *, driver: str = "nvme", timeout_s: float = 30.0) -> None:
 
     The owner's controller fd must be closed first: the kernel waits for it.
     """
-    bdf = normalize_bdf(bdf)
+    bdf = normalize(bdf)
     dev = PCI_DEVICES / bdf
     if current_driver(bdf) == DRIVER:
         _write(dev / "driver" / "unbind", bdf, "unbind")
@@ -254,4 +241,4 @@ def _wait_namespaces(bdf: str, timeout_s: float) -> None:
 
 def block_devices(bdf: str) -> list[str]:
     """/dev paths of the controller's namespaces (when the kernel driver has it)."""
-    return [f"/dev/{n}" for n, d in _block_devices(normalize_bdf(bdf)) if not (d / "partition").exists()]
+    return [f"/dev/{n}" for n, d in _block_devices(normalize(bdf)) if not (d / "partition").exists()]

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from .. import uapi
 from ..errors import P2PHubError, UsageError
+from ..pci import normalize
 from . import bind as _bind
 from . import prp, spec
 from .buffers import DmaBuffer, Mappings, RegMapping
@@ -96,7 +97,7 @@ class Controller:
         from . import _build
         from .kdev import ControllerFile
 
-        bdf = _bind.normalize_bdf(bdf)
+        bdf = normalize(bdf)
         if bind:
             _bind.bind(bdf)
         if hub is not None:

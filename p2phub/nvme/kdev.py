@@ -22,7 +22,7 @@ from typing import Any
 from .. import uapi
 from ..device import Device
 from ..errors import P2PHubOSError, RevokedError
-from . import bind as _bind
+from ..pci import PciAddress, normalize
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ControllerFile:
     """An open controller fd (``P2PHUB_NVME_OPEN``) and its mappings."""
 
     def __init__(self, bdf: str, hot: Any, device: Device | None = None) -> None:
-        self.bdf = _bind.normalize_bdf(bdf)
+        self.bdf = normalize(bdf)
         self.hot = hot
         self._own_device = device is None
         self.device = device if device is not None else Device()
@@ -88,8 +88,7 @@ class ControllerFile:
 
     # ---------------------------------------------------------------- open
     def _open(self) -> None:
-        dom, bus, devfn = _bind.split_bdf(self.bdf)
-        arg = uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn)
+        arg = uapi.NvmeOpen.new(**PciAddress.parse(self.bdf).fields())
         try:
             self.fd = fcntl.ioctl(self.device.fd, uapi.NVME_OPEN, arg, True)
         except OSError as exc:

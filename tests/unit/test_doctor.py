@@ -230,9 +230,12 @@ def test_active_usage_errors(argv: list[str], msg: str, capsys: pytest.CaptureFi
 
 
 def test_active_options_accept_a_short_bdf() -> None:
-    from p2phub.doctor.active import ActiveOptions, _norm
+    from p2phub.doctor.active import ActiveOptions, ActiveUsageError
     ActiveOptions(nvme="01:00.0").validate()
-    assert _norm("01:00.0") == "0000:01:00.0"
+    ActiveOptions(nvme="0000:0A:00.0").validate()
+    with pytest.raises(ActiveUsageError, match=r"--active-nvme: not a PCI address: '0000:01:20.0' "
+                                               r"\(device number 0x20 is above 0x1f\)"):
+        ActiveOptions(nvme="0000:01:20.0").validate()
 
 
 # ---------------------------------------------------------------------------- the lab's stand-in GPU

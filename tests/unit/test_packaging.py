@@ -1,4 +1,4 @@
-"""The wheels users install: p2phub ships its NVMe hot path compiled, and the vendor backends are
+"""The wheels users install: p2phub ships its C hot paths (NVMe engine, KV transfer) compiled, and the vendor backends are
 separate distributions found through the ``p2phub.backends`` entry-point group.
 
 Builds the three wheels from a copy of the checkout's files (what git would ship, so a file that
@@ -75,9 +75,11 @@ def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(install
     env["P2PHUB_CFFI_DIR"] = str(nocompile)   # where the developer fallback would compile
     code = ("import json, importlib.metadata as md, p2phub, p2phub.nvme\n"
             "from p2phub.nvme import _build\n"
-            "hot = _build.load()\n"
+            "from p2phub.kv import _build as _kvbuild\n"
+            "hot, kv = _build.load(), _kvbuild.load()\n"
             "print(json.dumps({'p2phub': p2phub.__file__, 'hot': hot.__name__, 'so': hot.__file__,"
             " 'calls': [n for n in dir(hot.lib) if n.startswith('p2h_')],"
+            " 'kv': kv.__name__, 'kv_so': kv.__file__, 'kv_calls': [n for n in dir(kv.lib) if n.startswith('kv_')],"
             " 'backends': sorted([e.name, e.value] for e in md.entry_points(group='p2phub.backends'))}))\n")
     out = json.loads(_run(installed / "venv" / "bin" / "python", "-c", code, cwd=installed, env=env))
     site = str(installed / "venv")
@@ -85,17 +87,34 @@ def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(install
     assert out["hot"] == "p2phub.nvme._hotlib", out       # the module built with the wheel
     assert out["so"].startswith(site), out
     assert out["calls"], out                              # the hot path's C entry points
+    assert out["kv"] == "p2phub.kv._kvhotlib" and out["kv_so"].startswith(site) and out["kv_calls"], out
     assert not nocompile.exists(), "the installed wheel fell back to compiling the hot path"
     assert ["cuda", "p2phub_cuda"] in out["backends"] and ["rocm", "p2phub_rocm"] in out["backends"], out
 
 
-def test_a_compiled_hot_path_older_than_its_sources_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2phub.nvme import _build, _hot_build
+@pytest.mark.parametrize("name", ["NVME", "KV"])
+def test_a_compiled_hot_path_older_than_its_sources_is_not_loaded(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2phub import _cffi_build
 
+    hp = getattr(_cffi_build, name)
     try:
-        from p2phub.nvme import _hotlib  # noqa: F401
+        __import__(hp.module)
     except ImportError:
-        pytest.skip("no compiled p2phub.nvme._hotlib in this install (checkout without an editable build)")
-    assert _build._prebuilt() is not None
-    monkeypatch.setattr(_hot_build, "sources_tag", lambda: "0" * 16)   # as if _hot.c had been edited
-    assert _build._prebuilt() is None
+        pytest.skip(f"no compiled {hp.module} in this install (checkout without an editable build)")
+    assert hp.prebuilt() is not None
+    monkeypatch.setattr(hp, "sources_tag", lambda: "0" * 16)   # as if the .c file had been edited
+    assert hp.prebuilt() is None
+
+
+def test_the_developer_fallback_compiles_the_same_definition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiled module that matches the sources: the loader compiles them into P2PHUB_CFFI_DIR,
+    under a name keyed by the sources, and the module it loads answers the sources' tag."""
+    from p2phub._cffi_build import HotPath
+
+    monkeypatch.setenv("P2PHUB_CFFI_DIR", str(tmp_path))
+    hp = HotPath("kv", "_kvhot")
+    monkeypatch.setattr(hp, "prebuilt", lambda: None)
+    mod = hp.load()
+    assert mod.__name__.startswith("_p2phub_kv_kvhot_") and mod.__file__.startswith(str(tmp_path))
+    assert mod.ffi.string(mod.lib.p2phub_kvhot_tag()).decode() == hp.sources_tag()
+    assert hp.load() is mod

@@ -48,6 +48,49 @@ def test_canonical_spelling_is_what_sysfs_names() -> None:
 def test_pci_address_fields() -> None:
     a = PciAddress.parse("0001:02:03.4")
     assert (a.domain, a.bus, a.device, a.function, a.devfn) == (1, 2, 3, 4, 0x1C)
+    assert a.fields() == {"domain": 1, "bus": 2, "devfn": 0x1C}
+
+
+@pytest.mark.parametrize("text,want", [
+    ("00:0a.0", (0, 0, 0x0A, 0)), ("0000:00:0a.0", (0, 0, 0x0A, 0)), ("00:0A.0", (0, 0, 0x0A, 0)),
+    ("0000:C1:1F.7", (0, 0xC1, 0x1F, 7)), ("ffff:ff:1f.7", (0xFFFF, 0xFF, 0x1F, 7)),
+    ("ffffffff:00:00.0", (0xFFFFFFFF, 0, 0, 0)), ("0:0:0.0", (0, 0, 0, 0)), ("\t0000:04:00.0\n", (0, 4, 0, 0)),
+])
+def test_pci_address_short_domain_and_upper_case_forms(text: str, want: tuple[int, int, int, int]) -> None:
+    a = PciAddress.parse(text)
+    assert (a.domain, a.bus, a.device, a.function) == want
+    assert PciAddress.parse(str(a)) == a and PciAddress.is_canonical(str(a))
+
+
+@pytest.mark.parametrize("text,why", [
+    ("0000:100:00.0", "bus 0x100 is above 0xff"),
+    ("0000:00:20.0", "device number 0x20 is above 0x1f"),
+    ("0000:00:1f.8", "function 0x8 is above 0x7"),
+    ("100000000:00:00.0", "domain 0x100000000 is above 0xffffffff"),
+    ("0000:00:00", "want [DDDD:]BB:DD.F"), ("0000:00:00.0.0", "want [DDDD:]BB:DD.F"),
+    ("0:0000:00:00.0", "want [DDDD:]BB:DD.F"), ("00:0x1.0", "want [DDDD:]BB:DD.F"),
+    ("00 :00.0", "want [DDDD:]BB:DD.F"), ("-1:00.0", "want [DDDD:]BB:DD.F"), ("pci0000:00", "want [DDDD:]BB:DD.F"),
+])
+def test_a_bad_pci_address_error_names_the_text_and_the_field(text: str, why: str) -> None:
+    """The ctypes fields of the UAPI structs would truncate an oversized value silently: the parser
+    refuses it first, saying which field is out of range and quoting what the user typed."""
+    with pytest.raises(UsageError) as exc:
+        PciAddress.parse(text)
+    assert str(exc.value).startswith(f"not a PCI address: {text!r} (") and why in str(exc.value)
+
+
+def test_root_bus_directories_name_device_0_of_their_bus() -> None:
+    from p2phub.pci import root_bus
+    assert root_bus("pci0000:00") == PciAddress(0, 0, 0)
+    assert str(root_bus("pci10000:e0")) == "10000:e0:00.0"
+    assert root_bus("0000:00:00.0") is None and root_bus("pci0000:00:00.0") is None and root_bus("pci") is None
+
+
+def test_nvme_bind_split_bdf_is_the_one_parser() -> None:
+    from p2phub.nvme import bind
+    assert bind.split_bdf("0A:00.1") == (0, 0x0A, 1) == tuple(PciAddress.parse("0000:0a:00.1").fields().values())
+    with pytest.raises(UsageError, match="not a PCI address: 'nvme0'"):
+        bind.split_bdf("nvme0")
 
 
 # ------------------------------------------------------------------ sources

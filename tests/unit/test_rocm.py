@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("hip", reason="hip-python is not installed (tools/setup installs it)")
 from hip import hip as hip_mod  # noqa: E402
 from p2phub import staged  # noqa: E402
+from p2phub.arrays import DLTensor  # noqa: E402
 from p2phub.errors import UsageError  # noqa: E402
 from p2phub.hub import Hub  # noqa: E402
 
@@ -281,9 +282,7 @@ class FakeTensor:
 
 
 class DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", rb.__dict__.get("DLTensor") or __import__(
-        "p2phub_rocm._arrays", fromlist=["DLTensor"]).DLTensor),
-        ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
 
 class DLPackArray:

@@ -22,11 +22,12 @@ complete before a peer device reads it.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from p2phub import arrays
+from p2phub.arrays import KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
 from p2phub.backend import GpuRange, check_range, describe
 from p2phub.errors import P2PHubOSError, UsageError
 
@@ -36,9 +37,8 @@ except ImportError:  # pragma: no cover - depends on the installed cuda-python
     from cuda import cuda as cu  # type: ignore[import-not-found,no-redef]
 
 HOST_PAGE = 4096
-KDL_CUDA = 2          # DLPack device types: CUDA, CUDA host (pinned), CUDA managed
-KDL_CUDA_HOST = 3
-KDL_CUDA_MANAGED = 13
+DLPACK = arrays.DLPackDevices("CUDA", (KDL_CUDA,), {
+    KDL_CUDA_MANAGED: "CUDA managed memory", KDL_CUDA_HOST: "CUDA pinned host memory, not device memory"})
 
 # cuda-python 12.8+ / 13 name it CUmemRangeFlags.CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE (0x1)
 _FLAGS = getattr(cu, "CUmemRangeFlags", None)
@@ -71,22 +71,13 @@ def stream_handle(stream: Any) -> int:
     """The raw CUstream of `stream`: None (legacy default stream, 0), an int handle,
     a cuda.bindings ``CUstream``, a torch ``torch.cuda.Stream`` (``.cuda_stream``), a CuPy
     stream (``.ptr``), a cuda.core stream (``.handle``) or anything with ``__cuda_stream__``."""
-    if stream is None:
-        return 0
-    if isinstance(stream, bool):
-        raise UsageError(f"{stream!r} is not a CUDA stream")
-    if isinstance(stream, int):
-        if stream < 0:
-            raise UsageError(f"stream handle {stream} is negative")
-        return stream
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         value = proto() if callable(proto) else proto
         return int(value[1])
-    for attr in ("cuda_stream", "ptr", "handle"):   # torch, CuPy, cuda.core
-        value = getattr(stream, attr, None)
-        if value is not None and not callable(value):
-            return int(value)
+    handle = arrays.stream_handle(stream, "CUDA", ("cuda_stream", "ptr", "handle"))  # torch, CuPy, cuda.core
+    if handle is not None:
+        return handle
     if type(stream).__name__ == "CUstream" or hasattr(stream, "getPtr"):
         return int(stream)                           # cuda.bindings CUstream
     raise UsageError(f"{describe(stream)} is not a CUDA stream (want a torch.cuda.Stream, a CuPy "
@@ -129,32 +120,20 @@ class CudaBackend:
     # ------------------------------------------------------------- recognise
 
     def claims(self, obj: Any) -> bool:
-        if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+        if arrays.is_raw_range(obj):
             return True
-        if getattr(obj, "is_cuda", False) and hasattr(obj, "data_ptr"):
-            return _torch_is_cuda(obj)
+        if arrays.is_torch_gpu_tensor(obj):
+            return not arrays.torch_is_hip()   # torch on ROCm reports is_cuda too
         if hasattr(obj, "__cuda_array_interface__"):
-            return not _hip_arrays()   # CuPy and torch on ROCm use the CUDA protocol name
+            return not arrays.arrays_are_hip()   # CuPy and torch on ROCm use the CUDA protocol name
         if hasattr(obj, "__dlpack_device__"):
-            try:
-                return obj.__dlpack_device__()[0] in (KDL_CUDA, KDL_CUDA_MANAGED)
-            except Exception:
-                return False
+            return arrays.dlpack_device(obj) in (KDL_CUDA, KDL_CUDA_MANAGED)
         return False
 
     @staticmethod
     def _span(obj: Any) -> tuple[int, int]:
         """(pointer, bytes) of a contiguous object."""
-        if isinstance(obj, tuple):
-            ptr, nbytes = obj
-            return ptr, nbytes
-        if getattr(obj, "is_cuda", False) and hasattr(obj, "data_ptr"):
-            if not obj.is_contiguous():
-                raise UsageError(f"{describe(obj)}: tensor is not contiguous")
-            return obj.data_ptr(), obj.numel() * obj.element_size()
-        if hasattr(obj, "__cuda_array_interface__"):
-            return cai_span(obj)
-        return _dlpack_span(obj)
+        return arrays.span(obj, DLPACK)
 
     # ------------------------------------------------------------- identify
 
@@ -374,88 +353,6 @@ class CudaBackend:
     def stream_wait_event(self, stream: Any, ev: int) -> None:
         (err,) = cu.cuStreamWaitEvent(stream_handle(stream), ev, 0)
         _check(err, "cuStreamWaitEvent")
-
-
-def _torch_is_cuda(t: Any) -> bool:
-    """torch on ROCm reports is_cuda too; only a CUDA build's tensors are ours."""
-    torch = sys.modules.get("torch")
-    return getattr(getattr(torch, "version", None), "hip", None) is None
-
-
-def _hip_arrays() -> bool:
-    """True when the array libraries loaded here are ROCm builds (their arrays are HIP's)."""
-    torch = sys.modules.get("torch")
-    if getattr(getattr(torch, "version", None), "hip", None) is not None:
-        return True
-    cupy = sys.modules.get("cupy")
-    try:
-        return bool(cupy and cupy.cuda.runtime.is_hip)
-    except Exception:  # noqa: BLE001 - claims() never raises
-        return False
-
-
-def cai_span(obj: Any) -> tuple[int, int]:
-    """(pointer, bytes) of a C-contiguous ``__cuda_array_interface__`` object."""
-    cai = obj.__cuda_array_interface__
-    ptr = cai["data"][0] or 0
-    itemsize = int(cai["typestr"][2:])
-    n = 1
-    for dim in cai["shape"]:
-        n *= dim
-    strides = cai.get("strides")
-    if strides is not None:
-        expect = itemsize
-        for dim, stride in zip(reversed(cai["shape"]), reversed(strides)):
-            if dim > 1 and stride != expect:
-                raise UsageError(f"{describe(obj)}: array is not C-contiguous")
-            expect *= dim
-    return ptr, n * itemsize
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-def dlpack_tensor(obj: Any) -> tuple[_DLTensor, Any]:
-    """The DLTensor of a DLPack producer, read without consuming the capsule (kept alive
-    by the second element)."""
-    capsule = obj.__dlpack__()
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype = ctypes.c_void_p
-    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return _DLTensor.from_address(get(capsule, b"dltensor")), capsule  # DLManagedTensor starts with DLTensor
-
-
-def dlpack_span_of(t: _DLTensor, what: str) -> tuple[int, int]:
-    n = 1
-    for i in range(t.ndim):
-        n *= t.shape[i]
-    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
-    if t.strides:
-        expect = 1
-        for i in reversed(range(t.ndim)):
-            if t.shape[i] > 1 and t.strides[i] != expect:
-                raise UsageError(f"{what}: DLPack tensor is not contiguous")
-            expect *= t.shape[i]
-    return int(t.data or 0) + int(t.byte_offset), n * itemsize
-
-
-def _dlpack_span(obj: Any) -> tuple[int, int]:
-    """(pointer, bytes) of a DLPack producer."""
-    t, _capsule = dlpack_tensor(obj)
-    if t.device.device_type == KDL_CUDA_MANAGED:
-        raise UsageError(f"{describe(obj)}: DLPack tensor is in CUDA managed memory")
-    return dlpack_span_of(t, describe(obj))
 
 
 _BACKEND: CudaBackend | None = None

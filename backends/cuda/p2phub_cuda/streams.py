@@ -11,10 +11,9 @@ import os
 import threading
 from typing import Any
 
-from p2phub.backend import describe
 from p2phub.errors import UsageError
 
-from .backend import CudaError, _check, cu
+from .backend import CudaError, _check, cu, stream_handle
 
 __all__ = ["CudaStreamOps", "HostWords", "stream_ops"]
 
@@ -98,24 +97,7 @@ class CudaStreamOps:
         return False
 
     def stream_handle(self, stream: Any) -> int:
-        if isinstance(stream, bool):
-            raise UsageError(f"{stream!r} is not a CUDA stream")
-        if isinstance(stream, int):
-            if stream < 0:
-                raise UsageError(f"stream handle {stream} is negative")
-            return stream
-        if isinstance(stream, cu.CUstream):
-            return int(stream)
-        if hasattr(stream, "__cuda_stream__"):
-            _version, handle = stream.__cuda_stream__()
-            return int(handle)
-        mod = type(stream).__module__
-        if mod.startswith("torch") and hasattr(stream, "cuda_stream"):
-            return int(stream.cuda_stream)
-        if mod.startswith("cupy") and hasattr(stream, "ptr"):
-            return int(stream.ptr)
-        raise UsageError(f"{describe(stream)} is not a CUDA stream (torch.cuda.Stream, "
-                         "cupy.cuda.Stream, CUstream or a raw handle)")
+        return stream_handle(stream)
 
     def stream_device(self, stream: Any) -> int:
         dev = getattr(stream, "device", None)

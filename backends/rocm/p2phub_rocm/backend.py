@@ -16,19 +16,20 @@ export) ranges not aligned to the host page are refused.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from p2phub import arrays
+from p2phub.arrays import KDL_ROCM, KDL_ROCM_HOST
 from p2phub.backend import GpuRange, check_range, describe
 from p2phub.errors import P2PHubOSError, UsageError
 
 from hip import hip  # type: ignore[import-not-found]  # hip-python; imports without ROCm
 
 HOST_PAGE = 4096
-KDL_ROCM = 10          # DLPack device types
-KDL_ROCM_HOST = 11
+DLPACK = arrays.DLPackDevices("ROCm", (KDL_ROCM,), {
+    KDL_ROCM_HOST: "ROCm pinned host memory, not device memory"})
 U32 = 0xFFFFFFFF
 
 
@@ -77,18 +78,6 @@ def _loader_text(exc: RuntimeError) -> str:
     if "dlopen" in msg:
         return f"no HIP runtime: libamdhip64.so cannot be loaded (install ROCm) ({msg})"
     return f"hip-python could not make the call: {msg}"
-
-
-def _torch_is_hip() -> bool:
-    torch = sys.modules.get("torch")
-    return getattr(getattr(torch, "version", None), "hip", None) is not None
-
-
-def _dlpack_device(obj: Any) -> int | None:
-    try:
-        return int(obj.__dlpack_device__()[0])
-    except Exception:  # noqa: BLE001 - claims() never raises
-        return None
 
 
 # ------------------------------------------------------------------ pinned memory and words
@@ -164,32 +153,21 @@ class RocmBackend:
     # ------------------------------------------------------------- recognise
 
     def claims(self, obj: Any) -> bool:
-        if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+        if arrays.is_raw_range(obj):
             return True
-        if hasattr(obj, "data_ptr") and getattr(obj, "is_cuda", False):
-            return _torch_is_hip()
+        if arrays.is_torch_gpu_tensor(obj):
+            return arrays.torch_is_hip()
         if hasattr(obj, "__dlpack_device__"):
-            if _dlpack_device(obj) == KDL_ROCM:
+            if arrays.dlpack_device(obj) == KDL_ROCM:
                 return True
         if hasattr(obj, "__cuda_array_interface__"):
             # CuPy on ROCm and other HIP arrays use the CUDA name for the protocol.
-            return _torch_is_hip() or _cupy_is_hip()
+            return arrays.arrays_are_hip()
         return False
 
     @staticmethod
     def _span(obj: Any) -> tuple[int, int]:
-        from p2phub_rocm._arrays import cai_span, dlpack_span
-        if isinstance(obj, tuple):
-            return obj
-        if hasattr(obj, "data_ptr") and getattr(obj, "is_cuda", False):
-            if not obj.is_contiguous():
-                raise UsageError(f"{describe(obj)}: tensor is not contiguous")
-            return obj.data_ptr(), obj.numel() * obj.element_size()
-        if hasattr(obj, "__dlpack_device__") and _dlpack_device(obj) == KDL_ROCM:
-            return dlpack_span(obj)
-        if hasattr(obj, "__cuda_array_interface__"):
-            return cai_span(obj)
-        return dlpack_span(obj)
+        return arrays.span(obj, DLPACK)
 
     # ------------------------------------------------------------- validate
 
@@ -255,24 +233,15 @@ class RocmBackend:
         if type(stream).__name__ == "ihipStream_t":
             return True
         if hasattr(stream, "cuda_stream"):          # torch.cuda.Stream on a HIP build
-            return _torch_is_hip()
+            return arrays.torch_is_hip()
         if hasattr(stream, "ptr") and type(stream).__module__.startswith("cupy"):
-            return _cupy_is_hip()
+            return arrays.cupy_is_hip()
         return False
 
     def stream_handle(self, stream: Any) -> int:
-        if stream is None:
-            return 0
-        if isinstance(stream, bool):
-            raise UsageError(f"{stream!r} is not a HIP stream")
-        if isinstance(stream, int):
-            if stream < 0:
-                raise UsageError(f"stream handle {stream} is negative")
-            return stream
-        for attr in ("cuda_stream", "ptr"):          # torch, CuPy
-            value = getattr(stream, attr, None)
-            if value is not None and not callable(value):
-                return int(value)
+        handle = arrays.stream_handle(stream, "HIP", ("cuda_stream", "ptr"))   # torch, CuPy
+        if handle is not None:
+            return handle
         if type(stream).__name__ == "ihipStream_t":
             return _addr(stream)
         raise UsageError(f"{describe(stream)} is not a HIP stream (want a torch stream, a CuPy "
@@ -368,14 +337,6 @@ class RocmBackend:
     def copy_d2h(self, dst: int, src: int, n: int, stream: int) -> None:
         call(f"hipMemcpyAsync(D2H, {n})", hip.hipMemcpyAsync, dst, src, n,
              hip.hipMemcpyKind.hipMemcpyDeviceToHost, stream)
-
-
-def _cupy_is_hip() -> bool:
-    cupy = sys.modules.get("cupy")
-    try:
-        return bool(cupy and cupy.cuda.runtime.is_hip)
-    except Exception:  # noqa: BLE001
-        return False
 
 
 _BACKEND: RocmBackend | None = None

@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -357,8 +358,9 @@ def _run_relayed(cmd: list[str], env: dict[str, str], timeout: int) -> subproces
     QEMU reopens the guest's stdout by path (/proc/self/fd/1) with truncation;
     handed a regular file it would overwrite what was already written there.
     """
+    # A session of its own: on timeout QEMU (vng's child) goes with it.
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     relays = [threading.Thread(target=_relay, args=(src, dst), daemon=True)
               for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for t in relays:
@@ -366,7 +368,7 @@ def _run_relayed(cmd: list[str], env: dict[str, str], timeout: int) -> subproces
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
     for t in relays:

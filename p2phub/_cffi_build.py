@@ -1,0 +1,136 @@
+"""p2phub's C hot paths, compiled through cffi in API mode: one definition each, one loader.
+
+- the NVMe engine: ``p2phub/nvme/_hot.h`` + ``_hot.c``, compiled as ``p2phub.nvme._hotlib``;
+- the KV transfer path: ``p2phub/kv/_kvhot.h`` + ``_kvhot.c``, compiled as ``p2phub.kv._kvhotlib``.
+
+Each definition has two users:
+
+- the wheel build: ``setup.py`` loads this file by path (so it imports nothing from the package),
+  has cffi write the C source of every module in `HOT_PATHS`, and setuptools compiles them into
+  the wheel (an editable install compiles them in place);
+- `HotPath.load()` at run time. It takes the compiled module when it was built from the sources
+  beside it: each module answers ``p2phub<stem>_tag()``, a hash of its two sources, so a stale
+  build is never loaded. Otherwise (a developer checkout whose C was just edited, or one never
+  built) it compiles the same definition on first use, into a directory keyed by a hash of the
+  sources and the Python ABI, so another interpreter never loads it either. That directory is
+  ``build/cffi`` in a writable checkout (the lab VM shares the checkout, so one build serves host
+  and VM), else ``$XDG_CACHE_HOME/p2phub/cffi``; ``P2PHUB_CFFI_DIR`` overrides both.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+PACKAGE = Path(__file__).resolve().parent   # p2phub/
+COMPILE_ARGS = ["-O2", "-std=gnu11", "-Wall"]
+
+
+class HotPath:
+    """One C hot path: ``<stem>.h`` (the declarations cffi parses) and ``<stem>.c`` in
+    ``p2phub/<subpackage>/``, compiled as ``p2phub.<subpackage>.<stem>lib``."""
+
+    def __init__(self, subpackage: str, stem: str) -> None:
+        self.dir = PACKAGE / subpackage
+        self.sources = (self.dir / f"{stem}.h", self.dir / f"{stem}.c")
+        self.module = f"p2phub.{subpackage}.{stem}lib"
+        self.tag_fn = f"p2phub{stem}_tag"
+        self.fallback_name = f"_p2phub_{subpackage}{stem}"
+        self._loaded: ModuleType | None = None
+
+    # ------------------------------------------------------------ the definition
+
+    def sources_tag(self) -> str:
+        """A hash of the two C sources (OSError where they are not installed)."""
+        h = hashlib.sha256()
+        for src in self.sources:
+            h.update(src.read_bytes())
+        return h.hexdigest()[:16]
+
+    def cdef(self) -> str:
+        """The header's declarations, stripped of comments (cffi's parser takes no comments),
+        and the tag function every build answers."""
+        text = re.sub(r"/\*.*?\*/", "", self.sources[0].read_text(), flags=re.S)
+        return f"{text}\nconst char *{self.tag_fn}(void);\n"
+
+    def make_ffi(self, module_name: str) -> Any:  # -> cffi.FFI
+        import cffi  # a build-time (and developer-fallback) dependency only
+
+        ffi = cffi.FFI()
+        ffi.cdef(self.cdef())
+        # the .c file includes its header and the system headers it needs
+        ffi.set_source(
+            module_name,
+            f'#include "{self.sources[1].name}"\n'
+            f'const char *{self.tag_fn}(void) {{ return "{self.sources_tag()}"; }}\n',
+            include_dirs=[str(self.dir)],
+            extra_compile_args=COMPILE_ARGS,
+        )
+        return ffi
+
+    # ------------------------------------------------------------ loading
+
+    def load(self) -> ModuleType:
+        """The compiled module (attributes ``ffi`` and ``lib``), built here if none matches."""
+        if self._loaded is None:
+            self._loaded = self.prebuilt() or self._fallback()
+        return self._loaded
+
+    def prebuilt(self) -> ModuleType | None:
+        """The module compiled at build time, when it matches the sources beside it."""
+        try:
+            mod = importlib.import_module(self.module)
+        except ImportError:
+            return None
+        try:
+            current = self.sources_tag()
+        except OSError:  # sources not installed: the compiled module is all there is
+            return mod
+        built = mod.ffi.string(getattr(mod.lib, self.tag_fn)()).decode()
+        return mod if built == current else None
+
+    def _fallback(self) -> ModuleType:
+        abi = hashlib.sha256(f"{self.sources_tag()} {sysconfig.get_config_var('EXT_SUFFIX')} "
+                             f"{sys.version}".encode()).hexdigest()[:16]
+        name = f"{self.fallback_name}_{abi}"
+        out = build_dir() / name
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one compiler per directory, across processes
+            found = sorted(out.glob(f"{name}*.so"))
+            if not found:
+                self.make_ffi(name).compile(tmpdir=str(out), verbose=False)
+                found = sorted(out.glob(f"{name}*.so"))
+        loader = importlib.machinery.ExtensionFileLoader(name, str(found[0]))
+        spec = importlib.util.spec_from_file_location(name, found[0], loader=loader)
+        assert spec is not None
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        return mod
+
+
+def build_dir() -> Path:
+    """Where the developer fallback compiles."""
+    env = os.environ.get("P2PHUB_CFFI_DIR")
+    if env:
+        return Path(env)
+    top = PACKAGE.parent
+    if (top / "pyproject.toml").exists() and os.access(top, os.W_OK):
+        return top / "build" / "cffi"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "p2phub" / "cffi"
+
+
+NVME = HotPath("nvme", "_hot")
+KV = HotPath("kv", "_kvhot")
+HOT_PATHS = (NVME, KV)
