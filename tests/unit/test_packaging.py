@@ -64,6 +64,9 @@ def test_three_wheels_p2phub_platform_specific_backends_pure(installed: Path) ->
         eps = [n for n in z.namelist() if n.endswith("entry_points.txt")]
         assert eps and "p2phub.backends" not in z.read(eps[0]).decode()
         assert not [n for n in z.namelist() if n.startswith(("p2phub_cuda/", "p2phub_rocm/"))]
+        # the C sources: the compiled modules are checked against them, the developer fallback reads them
+        for src in ("p2phub/nvme/_hot.c", "p2phub/nvme/_hot.h", "p2phub/kv/_kvhot.c", "p2phub/kv/_kvhot.h"):
+            assert src in z.namelist(), f"{core} lacks {src}"
 
 
 def test_installed_wheel_imports_the_compiled_hot_path_without_compiling(installed: Path) -> None:
