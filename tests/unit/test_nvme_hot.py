@@ -8,7 +8,11 @@ CQ head doorbell. No kernel module, no device.
 from __future__ import annotations
 
 import random
+import re
+import shutil
 import struct
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -405,3 +409,37 @@ def test_status_page_layout_matches_the_uapi() -> None:
     for name in ("abi", "state", "events", "reg_gen"):
         assert ffi.offsetof("struct p2h_status", name) == getattr(uapi.NvmeStatus, name).offset, name
     assert len(ffi.new("struct p2h_status *").reg_gen) == uapi.NVME_MAX_MAPS
+
+
+HOT_C = Path(_build.__file__).with_name("_hot.c")
+
+
+def _barrier_bodies(tmp_path: Path, arch_macro: str) -> dict[str, str]:
+    """The bodies p2h_wmb()/p2h_rmb() get when _hot.c is compiled for another architecture.
+
+    No cross compiler is needed: the preprocessor picks the barrier, the system headers are
+    replaced by empty ones (the barriers do not depend on them)."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name in ("errno.h", "stdint.h", "stdlib.h", "string.h", "time.h"):
+        (stubs / name).write_text("")
+    out = subprocess.run(["gcc", "-E", "-P", "-nostdinc", "-I", str(stubs), "-I", str(HOT_C.parent),
+                          "-U__x86_64__", "-U__i386__", f"-D{arch_macro}", str(HOT_C)],
+                         check=True, capture_output=True, text=True).stdout
+    bodies = {}
+    for fn in ("p2h_wmb", "p2h_rmb"):
+        m = re.search(rf"\b{fn}\(void\)\s*\{{(.*?)\}}", out, re.S)
+        assert m, f"{fn} is not defined for {arch_macro}"
+        bodies[fn] = " ".join(m.group(1).split())
+    return bodies
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc for the preprocessor")
+def test_arm64_doorbell_barriers_order_against_the_device(tmp_path: Path) -> None:
+    """M5: on arm64 (Grace, GH200) the SQE stores must be ordered before the MMIO doorbell with
+    the kernel's wmb() (dsb st) and the CQE reads after the phase tag with dma_rmb() (dmb oshld);
+    a C11 fence is an inner-shareable dmb, which does not order against a device. This host is
+    x86, so what is checked is what the arm64 build would execute."""
+    bodies = _barrier_bodies(tmp_path, "__aarch64__")
+    assert '"dsb st"' in bodies["p2h_wmb"], bodies["p2h_wmb"]
+    assert '"dmb oshld"' in bodies["p2h_rmb"], bodies["p2h_rmb"]
