@@ -130,8 +130,11 @@ def busy_reasons(bdf: str) -> list[str]:
                             tuple((h, _read(Path("/sys/class/block") / h / "dm" / "name") or None) for h in holders)))
     with open("/proc/self/mountinfo") as f:
         mountinfo = f.read()
-    with open("/proc/swaps") as f:
-        swaps = f.read()
+    try:
+        with open("/proc/swaps") as f:
+            swaps = f.read()
+    except FileNotFoundError:  # a kernel built without swap support
+        swaps = ""
     reasons = usage_reasons(blk, mountinfo=mountinfo, swaps=swaps, resolve=os.path.realpath)
     if not reasons:
         for name, _d in devs:
