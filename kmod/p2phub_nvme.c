@@ -162,8 +162,6 @@ static struct pci_driver p2phub_nvme_driver;
 static struct dentry *p2phub_nvme_debugfs;
 static atomic_t p2phub_nvme_live_bufs = ATOMIC_INIT(0);
 static atomic_t p2phub_nvme_live_handles = ATOMIC_INIT(0);
-/* Function resets done before handing a controller to a new owner. */
-static atomic_t p2phub_nvme_function_resets = ATOMIC_INIT(0);
 
 /* ------------------------------------------------------------ controller */
 
@@ -948,9 +946,7 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	 * other openers out until the owner is set.
 	 */
 	reset = pci_reset_function_locked(pdev);
-	if (!reset)
-		atomic_inc(&p2phub_nvme_function_resets);
-	else
+	if (reset)
 		pci_info_ratelimited(pdev, "p2phub: no function reset before handing it out (%d): state of its previous owner may remain\n",
 				     reset);
 	mutex_lock(&ctrl->lock);
@@ -1197,8 +1193,6 @@ int p2phub_nvme_init(void)
 				&p2phub_nvme_live_bufs);
 	debugfs_create_atomic_t("live_handles", 0444, p2phub_nvme_debugfs,
 				&p2phub_nvme_live_handles);
-	debugfs_create_atomic_t("function_resets", 0444, p2phub_nvme_debugfs,
-				&p2phub_nvme_function_resets);
 	return 0;
 }
 

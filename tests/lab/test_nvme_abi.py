@@ -232,18 +232,29 @@ def test_req_set(handle: int) -> None:
         os.close(efd)
 
 
-def test_a_new_owner_gets_the_controller_after_a_function_reset(bdf: str, dev: Device) -> None:
-    """NVME_OPEN resets the function (FLR, or the reset the device offers) before it hands the
-    controller out, so nothing one owner left in the controller (an unlocked range, features,
-    queues) reaches the next. What the reset clears is the device's contract (QEMU's FLR, for
-    one, keeps the admin queue registers); that it happens at every hand-over is p2phub's."""
-    resets = DEBUGFS / "function_resets"
-    before = int(resets.read_text())
-    for _ in range(2):
+def test_a_new_owner_gets_the_controller_in_its_power_on_state(bdf: str, dev: Device) -> None:
+    """NVME_OPEN resets the function (FLR): nothing one owner left in the controller's
+    registers reaches the next. The admin queue attributes survive a controller disable
+    (CC.EN = 0) by the spec; only a function reset clears them."""
+    def open_bar() -> tuple[int, mmap.mmap]:
         fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
-        with mmap.mmap(fd, 0x1000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0) as bar:
-            regs = memoryview(bar).cast("I")
-            assert regs[0x14 // 4] & 1 == 0 and regs[0x1C // 4] & 1 == 0   # CC.EN, CSTS.RDY: off
-            regs.release()
+        return fd, mmap.mmap(fd, 0x1000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+
+    fd, bar = open_bar()
+    regs = memoryview(bar).cast("I")
+    regs[0x14 // 4] = 0                                   # CC.EN = 0: AQA may be written
+    regs[0x24 // 4] = (7 << 16) | 7                       # AQA: 8-entry admin queues
+    assert regs[0x24 // 4] == (7 << 16) | 7, "the controller did not take AQA"
+    regs.release()
+    bar.close()
+    os.close(fd)
+
+    fd, bar = open_bar()
+    try:
+        regs = memoryview(bar).cast("I")
+        assert regs[0x24 // 4] == 0, "the previous owner's admin queue attributes survived"
+        assert regs[0x14 // 4] & 1 == 0
+        regs.release()
+    finally:
+        bar.close()
         os.close(fd)
-    assert int(resets.read_text()) == before + 2
