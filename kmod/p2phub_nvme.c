@@ -870,8 +870,7 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	struct p2phub_nvme_ctrl *ctrl;
 	struct pci_dev *pdev;
 	const char *why;
-	int ret, reset, fd;
-	bool busy;
+	int ret, fd;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
 	if (ret)
@@ -932,24 +931,12 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	}
 	ctrl = pci_get_drvdata(pdev);
 	mutex_lock(&ctrl->lock);
-	busy = ctrl->owner || ctrl->dying;
-	mutex_unlock(&ctrl->lock);
-	if (busy) {
+	if (ctrl->owner || ctrl->dying) {
+		mutex_unlock(&ctrl->lock);
 		device_unlock(&pdev->dev);
 		ret = -EBUSY;
 		goto err_free_handle;
 	}
-	/*
-	 * A new owner gets a controller in its power-on state: whatever the
-	 * last one left (an unlocked Opal range, queues, features) goes with a
-	 * function reset. The device lock, held since the check above, keeps
-	 * other openers out until the owner is set.
-	 */
-	reset = pci_reset_function_locked(pdev);
-	if (reset)
-		pci_info_ratelimited(pdev, "p2phub: no function reset before handing it out (%d): state of its previous owner may remain\n",
-				     reset);
-	mutex_lock(&ctrl->lock);
 	ctrl->owner = h;
 	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;

@@ -230,31 +230,3 @@ def test_req_set(handle: int) -> None:
         assert _errno_of(handle, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=efd, flags=1)) == errno.EINVAL
     finally:
         os.close(efd)
-
-
-def test_a_new_owner_gets_the_controller_in_its_power_on_state(bdf: str, dev: Device) -> None:
-    """NVME_OPEN resets the function (FLR): nothing one owner left in the controller's
-    registers reaches the next. The admin queue attributes survive a controller disable
-    (CC.EN = 0) by the spec; only a function reset clears them."""
-    def open_bar() -> tuple[int, mmap.mmap]:
-        fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
-        return fd, mmap.mmap(fd, 0x1000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
-
-    fd, bar = open_bar()
-    regs = memoryview(bar).cast("I")
-    regs[0x14 // 4] = 0                                   # CC.EN = 0: AQA may be written
-    regs[0x24 // 4] = (7 << 16) | 7                       # AQA: 8-entry admin queues
-    assert regs[0x24 // 4] == (7 << 16) | 7, "the controller did not take AQA"
-    regs.release()
-    bar.close()
-    os.close(fd)
-
-    fd, bar = open_bar()
-    try:
-        regs = memoryview(bar).cast("I")
-        assert regs[0x24 // 4] == 0, "the previous owner's admin queue attributes survived"
-        assert regs[0x14 // 4] & 1 == 0
-        regs.release()
-    finally:
-        bar.close()
-        os.close(fd)
