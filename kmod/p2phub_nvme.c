@@ -554,7 +554,10 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 {
 	struct p2phub_nvme_map_reg arg;
 	struct p2phub_nvme_regmap *rm;
+	struct p2phub_dma_list list;
+	struct p2phub_reg *reg;
 	u64 total;
+	u32 slot;
 	int ret;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
@@ -580,21 +583,36 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 			goto out_unlock;
 		}
 	}
-	ret = p2phub_reg_copy_dma_pages(rm->reg, &rm->list, arg.page_size,
-					arg.first, arg.count,
-					u64_to_user_ptr(arg.addrs), &total);
+	/*
+	 * The copy to user space may fault (mmap_lock), and the controller
+	 * fd's mmap takes h->lock under mmap_lock: copy without h->lock,
+	 * under a reference and an I/O hold of our own.
+	 */
+	reg = rm->reg;
+	list = rm->list;
+	slot = rm->slot;
+	ret = p2phub_reg_io_begin(reg, list.generation);
 	if (ret)
 		goto out_unlock;
-	if (!p2phub_reg_live(rm->reg, rm->list.generation)) {
+	p2phub_reg_get_ref(reg);
+	mutex_unlock(&h->lock);
+	ret = p2phub_reg_copy_dma_pages(reg, &list, arg.page_size, arg.first,
+					arg.count, u64_to_user_ptr(arg.addrs),
+					&total);
+	if (!ret && !p2phub_reg_live(reg, list.generation))
 		ret = -ESTALE;
-		goto out_unlock;
-	}
+	p2phub_reg_io_end(reg);
+	p2phub_reg_put(reg);
+	if (ret)
+		return ret;
 	arg.count = arg.count ? min_t(u64, arg.count, total - arg.first) : 0;
 	arg.out_total = total;
-	arg.out_generation = rm->list.generation;
-	arg.out_slot = rm->slot;
+	arg.out_generation = list.generation;
+	arg.out_slot = slot;
+	goto out_copy;
 out_unlock:
 	mutex_unlock(&h->lock);
+out_copy:
 	if (!ret && copy_to_user(uarg, &arg, sizeof(arg)))
 		ret = -EFAULT;
 	return ret;

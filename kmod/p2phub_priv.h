@@ -148,6 +148,10 @@ bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation);
  * units of page_size (0: the registration's), to @uaddrs. The caller keeps
  * the mapping alive (a user added, or an I/O hold).
  */
+void p2phub_reg_get_ref(struct p2phub_reg *reg);
+/* An I/O hold: the registration's maps stay while it is held (-ESTALE if not live). */
+int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation);
+void p2phub_reg_io_end(struct p2phub_reg *reg);
 int p2phub_reg_copy_dma_pages(struct p2phub_reg *reg,
 			      const struct p2phub_dma_list *list,
 			      u32 page_size, u64 first, u32 count,

@@ -202,7 +202,7 @@ bool p2phub_reg_live(struct p2phub_reg *reg, u64 generation)
  * An I/O hold keeps the registration's maps (and so their addrs arrays)
  * from being torn down: UNREGISTER fails with -EBUSY while one is held.
  */
-static int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
+int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
 {
 	int ret = 0;
 
@@ -215,7 +215,7 @@ static int p2phub_reg_io_begin(struct p2phub_reg *reg, u64 generation)
 	return ret;
 }
 
-static void p2phub_reg_io_end(struct p2phub_reg *reg)
+void p2phub_reg_io_end(struct p2phub_reg *reg)
 {
 	spin_lock(&reg->state_lock);
 	if (!WARN_ON_ONCE(!reg->io_holds))
