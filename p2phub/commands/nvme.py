@@ -21,6 +21,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("bind", help="hand a controller to p2phub (refused while a namespace is in use)")
     p.add_argument("bdf", help="PCI address, e.g. 0000:00:05.0")
+    p.add_argument("--allow-shared-subsystem", action="store_true",
+                   help="bind although other controllers of its NVMe subsystem may reach the same namespaces "
+                        "(still refused while one of them is seen in use)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("unbind", help="give a controller back to the kernel nvme driver")
     p.add_argument("bdf")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{' '.join(c.namespaces)}" for c in ctrls) or "no NVMe controllers"
             _emit(args, {"controllers": rows}, text)
         elif args.nvme_cmd == "bind":
-            before = bind.bind(args.bdf)
+            before = bind.bind(args.bdf, allow_shared_subsystem=args.allow_shared_subsystem)
             _emit(args, {"bdf": normalize(args.bdf), "driver": bind.DRIVER, "previous": before},
                   f"{args.bdf}: now on {bind.DRIVER} (was {before or 'unbound'})")
         elif args.nvme_cmd == "unbind":

@@ -2,7 +2,9 @@
 
 Binding goes: find the controller's namespaces (block devices, partitions),
 refuse if any is mounted, used as swap, held by a stacked device (LVM, md,
-dm-crypt, ...) or open exclusively by someone else; then open each one
+dm-crypt, ...), open by any process (exclusively or not, through the block
+device, its /dev/ngXnY or the controller's /dev/nvmeX), or reachable through
+another controller of its NVMe subsystem (p2phub.blockuse); then open each one
 exclusively ourselves, so nothing can mount or claim it between the check and
 the unbind; unbind from the kernel nvme driver, set driver_override to
 "p2phub-nvme", bind. Unbinding reverses it and lets the kernel nvme driver
@@ -18,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..blockuse import BlockDev, usage_reasons
+from ..blockuse import device_nodes, open_reasons, read_blockdev, sibling_reasons, usage_reasons
 from ..errors import P2PHubOSError, UsageError
 from ..pci import PciAddress, normalize
 from .errors import ControllerBusyError
@@ -116,18 +118,18 @@ def _block_devices(bdf: str) -> list[tuple[str, Path]]:
     return sorted(found.items())
 
 
-def busy_reasons(bdf: str) -> list[str]:
-    """Why the controller's namespaces cannot be taken from the kernel (empty: free)."""
+def busy_reasons(bdf: str, *, allow_shared_subsystem: bool = False) -> list[str]:
+    """Why the controller cannot be taken from the kernel (empty: free).
+
+    ``allow_shared_subsystem`` accepts a controller whose NVMe subsystem has other controllers when
+    nothing visible uses its namespaces through them; it cannot be told from here which namespaces
+    those controllers (or other hosts) share.
+    """
     bdf = normalize(bdf)
-    reasons: list[str] = []
-    devs = _block_devices(bdf)
-    if not devs:
-        return reasons
-    blk = []
-    for name, d in devs:
-        holders = sorted(p.name for p in (d / "holders").iterdir()) if (d / "holders").is_dir() else []
-        blk.append(BlockDev(name, _read(d / "dev") or None,
-                            tuple((h, _read(Path("/sys/class/block") / h / "dm" / "name") or None) for h in holders)))
+    ctrl = _kernel_ctrl(bdf)
+    if ctrl is None:
+        return []
+    names = [name for name, _d in _block_devices(bdf)]
     with open("/proc/self/mountinfo") as f:
         mountinfo = f.read()
     try:
@@ -135,9 +137,10 @@ def busy_reasons(bdf: str) -> list[str]:
             swaps = f.read()
     except FileNotFoundError:  # a kernel built without swap support
         swaps = ""
-    reasons = usage_reasons(blk, mountinfo=mountinfo, swaps=swaps, resolve=os.path.realpath)
-    if not reasons:
-        for name, _d in devs:
+    reasons = usage_reasons([read_blockdev(n) for n in names], mountinfo=mountinfo, swaps=swaps,
+                            resolve=os.path.realpath)
+    if not reasons:  # a mounted or stacked device is also held exclusively: say it once
+        for name in names:
             path = f"/dev/{name}"
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
@@ -149,6 +152,10 @@ def busy_reasons(bdf: str) -> list[str]:
                                    "RAID or volume manager, or a program)")
                 continue
             os.close(fd)
+    # Scanned before bind's own exclusive opens below: every opener found is someone else's use.
+    reasons += open_reasons(device_nodes(ctrl, names))
+    reasons += sibling_reasons(ctrl, names, mountinfo=mountinfo, swaps=swaps, resolve=os.path.realpath,
+                               allow_shared=allow_shared_subsystem)
     return reasons
 
 
@@ -160,8 +167,11 @@ def _write(path: Path, value: str, what: str) -> None:
         raise P2PHubOSError(exc.errno or errno.EIO, what, f"writing {value.strip()!r} to {path}") from None
 
 
-def bind(bdf: str, *, timeout_s: float = 10.0) -> str:
-    """Hand the controller to p2phub.ko. Returns the driver it had before."""
+def bind(bdf: str, *, timeout_s: float = 10.0, allow_shared_subsystem: bool = False) -> str:
+    """Hand the controller to p2phub.ko. Returns the driver it had before.
+
+    Refused (ControllerBusyError) while ``busy_reasons`` has any; ``allow_shared_subsystem`` is passed on.
+    """
     bdf = normalize(bdf)
     dev = PCI_DEVICES / bdf
     if not dev.exists():
@@ -173,7 +183,7 @@ def bind(bdf: str, *, timeout_s: float = 10.0) -> str:
         return before
     if not (PCI_DRIVERS / DRIVER).is_dir():
         raise P2PHubOSError(errno.ENODEV, "bind", f"no PCI driver {DRIVER}: is p2phub.ko loaded?")
-    reasons = busy_reasons(bdf)
+    reasons = busy_reasons(bdf, allow_shared_subsystem=allow_shared_subsystem)
     if reasons:
         raise ControllerBusyError(bdf, reasons)
     # Hold every namespace exclusively across the unbind: nothing may mount it meanwhile.
