@@ -29,6 +29,7 @@ DRIVER = "p2phub-nvme"
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 PCI_DRIVERS = Path("/sys/bus/pci/drivers")
 NVME_CLASS = 0x010802
+OPENER_GRACE_S = 3.0
 
 def split_bdf(bdf: "str | PciAddress") -> tuple[int, int, int]:
     """(domain, bus, devfn) of a PCI address, as the UAPI structs carry it (p2phub.pci parses)."""
@@ -153,7 +154,15 @@ def busy_reasons(bdf: str, *, allow_shared_subsystem: bool = False) -> list[str]
                 continue
             os.close(fd)
     # Scanned before bind's own exclusive opens below: every opener found is someone else's use.
-    reasons += open_reasons(device_nodes(ctrl, names))
+    # udev probes a namespace (blkid) for a moment after anything closes it from writing: wait
+    # that out, so only a process that keeps it open refuses the bind.
+    nodes = device_nodes(ctrl, names)
+    openers = open_reasons(nodes)
+    deadline = time.monotonic() + OPENER_GRACE_S
+    while openers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        openers = open_reasons(nodes)
+    reasons += openers
     reasons += sibling_reasons(ctrl, names, mountinfo=mountinfo, swaps=swaps, resolve=os.path.realpath,
                                allow_shared=allow_shared_subsystem)
     return reasons

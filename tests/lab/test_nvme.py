@@ -137,6 +137,35 @@ def test_bind_refuses_busy_namespaces_and_says_why(lab: dict[str, str], tmp_path
                   for d in bind.block_devices(b)) == [1, 2]
 
 
+def test_bind_refuses_plain_openers_and_names_their_pids(lab: dict[str, str]) -> None:
+    """Processes holding the namespace's block device (read-only, no O_EXCL, as an O_DIRECT database
+    does) and its generic char device open: bind names them, and binds once they are gone."""
+    b = lab["nvme_target"]
+    if bind.current_driver(b) != "nvme":
+        bind.unbind(b)
+    ns1 = kernel_io.require_namespace_device(b, 1)
+    ng1 = "/dev/ng" + os.path.basename(ns1)[len("nvme"):]
+    hold = "import os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\nprint('open', flush=True)\ntime.sleep(60)"
+    readers = [subprocess.Popen([sys.executable, "-c", hold, dev], stdout=subprocess.PIPE, text=True)
+               for dev in (ns1, ng1)]
+    try:
+        for r in readers:
+            assert r.stdout is not None and r.stdout.readline().strip() == "open"
+        with pytest.raises(ControllerBusyError) as e:
+            bind.bind(b)
+        want = [f"{dev} is open by pid {r.pid} ({Path(f'/proc/{r.pid}/comm').read_text().strip()})"
+                for dev, r in zip((ns1, ng1), readers)]
+        assert sorted(e.value.reasons) == sorted(want), e.value.reasons
+        assert bind.current_driver(b) == "nvme"
+    finally:
+        for r in readers:
+            r.kill()
+            r.wait()
+    assert bind.bind(b) == "nvme"
+    assert bind.current_driver(b) == "p2phub-nvme"
+    _give_back(b)
+
+
 # --------------------------------------------------------------------------- identify
 
 
