@@ -202,7 +202,8 @@ def open_reasons(nodes: list[DevNode], *, proc: Path = PROC, stat: StatFn = os.s
                for pid, name in found]
     if denied:
         shown = ", ".join(map(str, denied[:8])) + (f" and {len(denied) - 8} more" if len(denied) > 8 else "")
-        reasons.append(f"could not check pid {shown} for open namespaces: permission denied (run as root)")
+        hint = " (run as root)" if os.geteuid() else ""
+        reasons.append(f"could not check pid {shown} for open namespaces: permission denied{hint}")
     return reasons
 
 

@@ -194,8 +194,11 @@ def test_a_process_whose_fds_cannot_be_read_is_reported_not_ignored(tree: Tree,
             raise PermissionError(errno.EACCES, "Permission denied")
         return listdir(path)
     monkeypatch.setattr(os, "listdir", denied)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert _open_reasons(tree) == ["/dev/nvme0n1 is open by pid 61 (dd)",
                                    "could not check pid 60 for open namespaces: permission denied (run as root)"]
+    monkeypatch.setattr(os, "geteuid", lambda: 0)       # denied to root: an LSM, say
+    assert _open_reasons(tree)[-1] == "could not check pid 60 for open namespaces: permission denied"
 
 
 def test_a_denied_stat_falls_back_to_the_path_the_fd_names(tree: Tree) -> None:
