@@ -14,6 +14,7 @@
 #include <linux/irqdomain.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/swiotlb.h>
 #include <linux/version.h>
 
 /*
@@ -110,6 +111,23 @@ static inline bool p2phub_isolated_msi(struct iommu_group *group,
 #define p2phub_file_get_unless_zero(f)	file_ref_get(&(f)->f_ref)
 #else
 #define p2phub_file_get_unless_zero(f)	atomic_long_inc_not_zero(&(f)->f_count)
+#endif
+
+/*
+ * Whether @paddr lies in @dev's swiotlb bounce pool. 6.12 ("swiotlb: reduce
+ * swiotlb pool lookups") replaced is_swiotlb_buffer() with
+ * swiotlb_find_pool().
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+static inline bool p2phub_swiotlb_addr(struct device *dev, phys_addr_t paddr)
+{
+	return swiotlb_find_pool(dev, paddr) != NULL;
+}
+#else
+static inline bool p2phub_swiotlb_addr(struct device *dev, phys_addr_t paddr)
+{
+	return is_swiotlb_buffer(dev, paddr);
+}
 #endif
 
 #endif /* _P2PHUB_COMPAT_H */

@@ -29,6 +29,8 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/dma-buf.h>
+#include <linux/dma-direct.h>
+#include <linux/dma-map-ops.h>
 #include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/mm.h>
@@ -160,6 +162,32 @@ static const struct dma_buf_attach_ops p2phub_dmabuf_importer_ops = {
 };
 
 /*
+ * Devices reach registered memory with no kernel call around each transfer
+ * (the NVMe engine and NICs are driven from user space), so nothing could
+ * dma_sync a bounce buffer or a non-coherent cache: why @sgt needs that, or
+ * NULL. P2P segments (bus addresses) never bounce.
+ */
+static const char *p2phub_dmabuf_needs_sync(struct device *dev,
+					    struct sg_table *sgt)
+{
+	struct scatterlist *sg;
+	unsigned int i;
+
+	if (!dev_is_dma_coherent(dev))
+		return "the device is not DMA-coherent";
+	if (p2phub_dev_translated(dev)) {
+		/* dma-iommu bounces only for untrusted (external) devices. */
+		if (dev_is_pci(dev) && to_pci_dev(dev)->untrusted)
+			return "the IOMMU bounces DMA of this untrusted device";
+		return NULL;
+	}
+	for_each_sgtable_dma_sg(sgt, sg, i)
+		if (p2phub_swiotlb_addr(dev, dma_to_phys(dev, sg_dma_address(sg))))
+			return "the exporter mapped it through swiotlb bounce buffers";
+	return NULL;
+}
+
+/*
  * Fill map->addrs with one DMA address per page of the window
  * [offset, offset + length) of the mapped buffer. Every DMA segment must
  * start and end on a page boundary.
@@ -210,6 +238,7 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	struct dma_buf *dmabuf = reg->db.dmabuf;
 	struct dma_buf_attachment *attach;
 	struct sg_table *sgt;
+	const char *why;
 	int ret;
 
 	attach = dma_buf_dynamic_attach(dmabuf, dev,
@@ -240,6 +269,14 @@ static int p2phub_dmabuf_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	}
 	map->db.sgt = sgt;
 	map->db.mapping = false;
+	why = p2phub_dmabuf_needs_sync(dev, sgt);
+	if (why) {
+		dev_info_ratelimited(dev,
+				     "p2phub: registration %u: refusing a map that would need dma_sync: %s\n",
+				     reg->handle, why);
+		ret = -EOPNOTSUPP;
+		goto err_unmap;
+	}
 	ret = p2phub_dmabuf_flatten(reg, map, sgt);
 	if (ret)
 		goto err_unmap;

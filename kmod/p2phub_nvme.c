@@ -854,6 +854,16 @@ static int p2phub_nvme_group_dev_ok(struct device *dev, void *owned)
 	return -EBUSY;
 }
 
+bool p2phub_dev_translated(struct device *dev)
+{
+	struct iommu_domain *domain;
+
+	if (!device_iommu_mapped(dev))
+		return false;
+	domain = iommu_get_domain_for_dev(dev);
+	return domain && (domain->type & __IOMMU_DOMAIN_PAGING);
+}
+
 /*
  * Why the IOMMU does not confine @pdev's DMA to what p2phub mapped for it,
  * as VFIO requires: NULL when it does.
@@ -1193,7 +1203,8 @@ int p2phub_nvme_init(void)
 	ret = pci_register_driver(&p2phub_nvme_driver);
 	if (ret)
 		return ret;
-	p2phub_nvme_debugfs = debugfs_create_dir("p2phub_nvme", NULL);
+	/* Under the module's one debugfs root: /sys/kernel/debug/p2phub/nvme. */
+	p2phub_nvme_debugfs = debugfs_create_dir("nvme", p2phub_debugfs_dir);
 	debugfs_create_atomic_t("live_dma_buffers", 0444, p2phub_nvme_debugfs,
 				&p2phub_nvme_live_bufs);
 	debugfs_create_atomic_t("live_handles", 0444, p2phub_nvme_debugfs,

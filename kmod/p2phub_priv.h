@@ -34,6 +34,8 @@ u64 p2phub_max_reg_bytes(void);
 int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
 		     u32 known_flags);
 bool p2phub_all_zero(const void *p, size_t len);
+/* Whether an IOMMU paging domain translates @dev's DMA (p2phub_nvme.c). */
+bool p2phub_dev_translated(struct device *dev);
 /*
  * The UAPI's one rule for outputs: they must come in as 0 (a later ABI may
  * give them an input meaning). True when fields @first..@last of *@p are 0.

@@ -32,7 +32,7 @@ import p2phub_fakegpu as fg
 pytestmark = pytest.mark.lab
 
 KiB, MiB = 1 << 10, 1 << 20
-DEBUGFS = Path("/sys/kernel/debug/p2phub_nvme")
+DEBUGFS = Path("/sys/kernel/debug/p2phub/nvme")
 
 
 # --------------------------------------------------------------------------- helpers

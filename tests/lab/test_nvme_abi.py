@@ -18,7 +18,7 @@ from p2phub.nvme import bind
 
 pytestmark = pytest.mark.lab
 
-DEBUGFS = Path("/sys/kernel/debug/p2phub_nvme")
+DEBUGFS = Path("/sys/kernel/debug/p2phub/nvme")
 
 
 def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:

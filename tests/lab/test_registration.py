@@ -112,6 +112,38 @@ def test_udmabuf_page_list_is_iova_under_iommu(lab: dict[str, str], target: str,
         m.close()
 
 
+def test_memory_that_would_bounce_is_refused(lab: dict[str, str], gpu: fg.FakeGpu,
+                                            target: str, iommu: bool) -> None:
+    """No dma_sync runs around user-space DMA, so a swiotlb-bounced map must be refused.
+
+    With `tools/lab run --cmdline swiotlb=force` (no IOMMU) the exporter maps host pages
+    through bounce buffers: the SSD would write to the bounce copy and the pages would
+    never see it. The stand-in GPU's BAR is peer memory and never bounces.
+    """
+    if lab["kernel_release"].startswith("6.1."):
+        pytest.skip("Debian 6.1 has no udmabuf (CONFIG_UDMABUF off)")
+    forced = "swiotlb=force" in Path("/proc/cmdline").read_text().split()
+    with Hub() as hub, Udmabuf(1 * MiB) as buf, hub.register_dmabuf(buf.fd) as reg:
+        if forced and not iommu:
+            with pytest.raises(P2PHubOSError) as exc:
+                reg.dma_pages(target)
+            assert exc.value.errno == errno.EOPNOTSUPP
+            assert "would need dma_sync" in subprocess.run(
+                ["dmesg"], capture_output=True, text=True).stdout
+        else:
+            assert len(reg.dma_pages(target)) == 256
+    q = gpu.query()
+    fd = gpu.export_dmabuf(0, 1 * MiB)
+    try:
+        with Hub() as hub, hub.register_dmabuf(fd, device=target) as reg:
+            pages = reg.dma_pages(target)
+            if not iommu:
+                assert pages == [q.bar_addr + i * 4096 for i in range(256)]
+    finally:
+        os.close(fd)
+    assert ru.wait_no_leaks() == dict.fromkeys(ru.LEAK_COUNTERS, 0)
+
+
 def test_fakegpu_dmabuf_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
     q = gpu.query()
     off, length = 1 * MiB, 1 * MiB

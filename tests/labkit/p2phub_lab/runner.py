@@ -304,7 +304,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         str(VENV_BIN / "vng"), "--run", str(kernel_image(kver)), "--disable-microvm",
         "--cpus", str(args.cpus), "--memory", args.memory,
         "--rwdir", str(TOP), "--cwd", os.getcwd() if _inside(Path.cwd(), TOP) else str(TOP),
-        "--append", "nvme.poll_queues=1" + (" intel_iommu=on iommu=nopt" if args.iommu else ""),
+        "--append", " ".join(filter(None, ("nvme.poll_queues=1",
+                                         "intel_iommu=on iommu=nopt" if args.iommu else "",
+                                         args.cmdline))),
         "--qemu-opts=" + shlex.join(qemu_devices(run, args.topology, args.nvme_backing, args.iommu)),
         "--exec", f"bash {shlex.quote(str(GUEST))} {shlex.quote(str(run))}",
     ]
@@ -312,7 +314,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         vng.insert(3, "--disable-kvm")
     (run / "lab.args").write_text(
         f"kernel={kver}\ndebug_kernel={int(kver.endswith(DEBUG_SUFFIX))}\niommu={int(args.iommu)}\ntopology={args.topology}\n"
-        f"accel={'kvm' if kvm else 'tcg'}\nnvme_backing={args.nvme_backing}\n"
+        f"accel={'kvm' if kvm else 'tcg'}\nnvme_backing={args.nvme_backing}\ncmdline={args.cmdline}\n"
     )
     log(f"booting {kver} ({'kvm' if kvm else 'tcg'}, topology {args.topology}"
         f"{', iommu' if args.iommu else ''}): {shlex.join(command)}")
@@ -429,6 +431,8 @@ def main() -> int:
     r.add_argument("--memory", default="2G")
     r.add_argument("--timeout", type=int, default=1800, help="seconds (default 1800)")
     r.add_argument("--tcg", action="store_true", help="never use KVM")
+    r.add_argument("--cmdline", default="", metavar="ARGS",
+                   help="extra guest kernel command line (e.g. swiotlb=force)")
     r.add_argument("--keep", action="store_true", help="keep the run directory")
     r.add_argument("command", nargs=argparse.REMAINDER)
     b = sub.add_parser("bench-boot", help="median wall time of `run -- true` (boot, setup, teardown)")
