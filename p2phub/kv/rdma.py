@@ -10,10 +10,11 @@ layer's fence (RC delivers the WRITEs of a QP before the WRITE_WITH_IMM that fol
     tx.send_request("decode", 1, src, dst).wait(30)
 
 QPs come from pyverbs (the p2phub QP wrapper of the ordering work was not there yet);
-MRs from the pool's registrations (``reg.mr(pd)``: dma-buf MR where the NIC has it, else a
-CPU-mapped VA MR), or a VA MR of plain host memory. The control connection carries the QP
-and pool descriptors once and then only liveness: a peer whose process dies closes it, and
-every request it owed fails at once; a sender whose WRITEs do not complete within the
+MRs from the pool's registrations (``reg.mr(pd, POOL_ACCESS)``: dma-buf MR where the NIC has
+it, else a CPU-mapped VA MR), or a VA MR of plain host memory; either grants peers remote
+write, never remote read. The control connection carries the QP and pool descriptors once
+and then only liveness: a peer whose process dies closes it, and every request it owed fails
+at once; a sender whose WRITEs do not complete within the
 deadline fails the request and drops the QP. A new connect() makes a new QP pair.
 """
 
