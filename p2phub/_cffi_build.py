@@ -15,17 +15,27 @@ Each definition has two users:
   sources and the Python ABI, so another interpreter never loads it either. That directory is
   ``build/cffi`` in a writable checkout (the lab VM shares the checkout, so one build serves host
   and VM), else ``$XDG_CACHE_HOME/p2phub/cffi``; ``P2PHUB_CFFI_DIR`` overrides both.
+
+The fallback compiles and loads code from that directory, so it must be one no other user can
+change: root running another user's checkout (or keeping their XDG_CACHE_HOME) would otherwise
+run a `.so` that user placed there. The directory, every directory above it, and the `.so` must
+be owned by the effective user or root and not writable by group or others (a root-owned sticky
+directory such as /tmp is allowed above it); anything else is refused with PermissionError
+naming the path and its owner.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
+import pwd
 import re
+import stat
 import sys
 import sysconfig
 from pathlib import Path
@@ -103,20 +113,69 @@ class HotPath:
         abi = hashlib.sha256(f"{self.sources_tag()} {sysconfig.get_config_var('EXT_SUFFIX')} "
                              f"{sys.version}".encode()).hexdigest()[:16]
         name = f"{self.fallback_name}_{abi}"
-        out = build_dir() / name
-        out.mkdir(parents=True, exist_ok=True)
+        out = build_dir().resolve() / name
+        _make_private_dirs(out)
         with open(out / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one compiler per directory, across processes
             found = sorted(out.glob(f"{name}*.so"))
             if not found:
                 self.make_ffi(name).compile(tmpdir=str(out), verbose=False)
                 found = sorted(out.glob(f"{name}*.so"))
+                # the linker honours the umask; under 002 the new file would fail the check
+                os.chmod(found[0], os.stat(found[0]).st_mode & ~0o022)
+        check_private(found[0])
         loader = importlib.machinery.ExtensionFileLoader(name, str(found[0]))
         spec = importlib.util.spec_from_file_location(name, found[0], loader=loader)
         assert spec is not None
         mod = importlib.util.module_from_spec(spec)
         loader.exec_module(mod)
         return mod
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_private(path: Path) -> None:
+    """Refuse `path` unless no user but this one (or root) can change what it holds: it and
+    every directory above it owned by the effective uid or root, and none writable by group
+    or others, except a root-owned sticky directory above it (/tmp), whose entries only their
+    owners can rename."""
+    euid = os.geteuid()
+    for p in (path, *path.parents):
+        st = os.stat(p)
+        if st.st_uid not in (euid, 0):
+            raise PermissionError(
+                errno.EPERM, f"p2phub will not load compiled code from {path}: {p} is owned by "
+                f"{_owner(st.st_uid)}, not by this user ({_owner(euid)}) or root; set "
+                "P2PHUB_CFFI_DIR to a directory of your own, or install the p2phub wheel")
+        sticky_root = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (p != path and sticky_root):
+            raise PermissionError(
+                errno.EPERM, f"p2phub will not load compiled code from {path}: {p} (owner "
+                f"{_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):o}) is writable by its "
+                "group or others; remove their write permission or set P2PHUB_CFFI_DIR to a "
+                "directory of your own")
+
+
+def _make_private_dirs(path: Path) -> None:
+    """mkdir -p, each new directory mode 755 (Path.mkdir gives parents the umask's mode, and a
+    group-writable one would fail the check), nothing made under a directory that fails it."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            check_private(p)
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o755)
+        except FileExistsError:  # another process made it first
+            pass
+    check_private(path)
 
 
 def build_dir() -> Path:

@@ -10,10 +10,11 @@ layer's fence (RC delivers the WRITEs of a QP before the WRITE_WITH_IMM that fol
     tx.send_request("decode", 1, src, dst).wait(30)
 
 QPs come from pyverbs (the p2phub QP wrapper of the ordering work was not there yet);
-MRs from the pool's registrations (``reg.mr(pd)``: dma-buf MR where the NIC has it, else a
-CPU-mapped VA MR), or a VA MR of plain host memory. The control connection carries the QP
-and pool descriptors once and then only liveness: a peer whose process dies closes it, and
-every request it owed fails at once; a sender whose WRITEs do not complete within the
+MRs from the pool's registrations (``reg.mr(pd, POOL_ACCESS)``: dma-buf MR where the NIC has
+it, else a CPU-mapped VA MR), or a VA MR of plain host memory; either grants peers remote
+write, never remote read. The control connection carries the QP and pool descriptors once
+and then only liveness: a peer whose process dies closes it, and every request it owed fails
+at once; a sender whose WRITEs do not complete within the
 deadline fails the request and drops the QP. A new connect() makes a new QP pair.
 """
 
@@ -28,6 +29,7 @@ import time
 from typing import Any, Sequence
 
 from ..errors import UsageError
+from ..rdma.verbs import Access
 from . import transport as tp
 from .errors import KVError, KVPeerError
 from .fence import HostFence
@@ -42,6 +44,9 @@ SQ_DEPTH = 512
 RQ_DEPTH = 512
 SIGNAL_EVERY = 32    # one signaled WR in this many (selective signaling)
 IMM_LAYER_BITS = 8
+# The pool is the target of peers' RDMA WRITEs and is never read remotely (senders push,
+# nothing pulls), so its MRs grant remote write and not remote read.
+POOL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 
 
 def pack_imm(req: int, layer: int) -> int:
@@ -190,7 +195,7 @@ class RdmaAgent:
         try:
             for seg in pool.segments:
                 if seg.registration is not None:
-                    mr = seg.registration.mr(self.pd)
+                    mr = seg.registration.mr(self.pd, POOL_ACCESS)
                 else:
                     mr = _VaMr(self.pd, seg.addr, seg.length)
                 self.mrs.append(mr)
@@ -514,8 +519,7 @@ class _VaMr:
 
     def __init__(self, pd: Any, addr: int, length: int) -> None:
         from pyverbs.mr import MR
-        from ..rdma import verbs
-        self._mr = MR(pd.pd, length, verbs.ACCESS_ALL, address=addr)
+        self._mr = MR(pd.pd, length, int(POOL_ACCESS), address=addr)
         self.addr, self.length, self.lkey, self.rkey = addr, length, self._mr.lkey, self._mr.rkey
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from ..backend import GpuRange
 from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from . import verbs
 from .probe import dmabuf_mr_support
+from .verbs import Access
 
 if TYPE_CHECKING:
     from ..hub import Registration
@@ -47,9 +48,12 @@ class ProtectionDomain(Resource):
         self.pd = PD(self.ctx)
         self._verbs_pd: verbs.VerbsPd | None = None
 
-    def reg_mr(self, reg: "Registration", access: int | None = None) -> "MemoryRegion":
+    def reg_mr(self, reg: "Registration", access: Access | None = None) -> "MemoryRegion":
         """An RDMA memory region of registration `reg`, by the best path the NIC supports.
 
+        `access` grants the NIC rights on the memory: local write only by default, so the
+        rkey lets a peer do nothing; ask for ``Access.REMOTE_WRITE`` (a peer's RDMA WRITE
+        target) and/or ``Access.REMOTE_READ`` (a peer's RDMA READ source) as the role needs.
         ``mr.path`` says which path was taken (dma-buf MR, peer-memory VA MR, CPU-mapped
         VA MR). The MR keeps `reg` from closing (EBUSY) until it is closed itself, and is
         closed with it by close(force=True) or Hub.close().
@@ -114,11 +118,24 @@ def _peermem_loaded() -> bool:
     return Path("/sys/module/nvidia_peermem").exists()
 
 
-def register_mr(reg: "Registration", pd: ProtectionDomain, access: int | None) -> MemoryRegion:
+def mr_access(access: Access | int | None) -> int:
+    """The IBV_ACCESS_* bits of an MR: local write unless more is asked for. Verbs refuses
+    remote write without local write, so asking for the first brings the second."""
+    if access is None:
+        return int(Access.LOCAL_WRITE)
+    if access < 0 or access & ~verbs._KNOWN_ACCESS:
+        raise UsageError(f"MR access {access!r}: not a set of IBV_ACCESS_* bits "
+                         "(use p2phub.rdma.Access)")
+    if access & Access.REMOTE_WRITE:
+        access |= Access.LOCAL_WRITE
+    return int(access)
+
+
+def register_mr(reg: "Registration", pd: ProtectionDomain,
+                access: Access | int | None = None) -> MemoryRegion:
     if not isinstance(pd, ProtectionDomain):
         raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
-    if access is None:
-        access = verbs.ACCESS_ALL
+    access = mr_access(access)
     if reg.info().revoked:
         raise RevokedError(f"{reg}: revoked; cannot make an MR of it")
 

@@ -9,6 +9,7 @@ belongs to the same kernel PD the caller's QPs use.
 
 from __future__ import annotations
 
+import enum
 import errno as _errno
 import os
 from functools import lru_cache
@@ -45,10 +46,17 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t leng
 int ibv_dereg_mr(struct ibv_mr *mr);
 """
 
-ACCESS_LOCAL_WRITE = 1
-ACCESS_REMOTE_WRITE = 2
-ACCESS_REMOTE_READ = 4
-ACCESS_ALL = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ
+
+
+class Access(enum.IntFlag):
+    """What an MR lets the NIC do with its memory (the IBV_ACCESS_* bits). A peer holding
+    the rkey can reach the memory only in the remote ways granted here."""
+
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+
+
 _KNOWN_ACCESS = 0x1FFF  # every IBV_ACCESS_* bit libibverbs defines today
 
 ffi = cffi.FFI()
@@ -145,7 +153,7 @@ class VerbsPd:
 
     def reg_dmabuf_mr(self, offset: int, length: int, iova: int, fd: int, access: int):
         check_dmabuf_args(offset, length, iova, fd, access)
-        mr = lib().ibv_reg_dmabuf_mr(self._pd, offset, length, iova, fd, access)
+        mr = lib().ibv_reg_dmabuf_mr(self._pd, offset, length, iova, fd, int(access))
         if mr == ffi.NULL:
             raise _err(f"ibv_reg_dmabuf_mr(fd {fd}, offset {offset}, length {length}, iova {iova:#x})")
         return mr
@@ -157,7 +165,7 @@ class VerbsPd:
 
     def probe_dmabuf(self) -> tuple[bool, str]:
         """NCCL's probe: register fd -1. EBADF means the provider got as far as the fd."""
-        mr = lib().ibv_reg_dmabuf_mr(self._pd, 0, 4096, 0, -1, ACCESS_LOCAL_WRITE)
+        mr = lib().ibv_reg_dmabuf_mr(self._pd, 0, 4096, 0, -1, Access.LOCAL_WRITE)
         if mr != ffi.NULL:  # no provider should accept fd -1; do not leak it if one does
             lib().ibv_dereg_mr(mr)
             return True, "accepted fd -1"

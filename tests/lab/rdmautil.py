@@ -16,6 +16,14 @@ GID_INDEX = 1  # the IPv4-mapped RoCE v2 GID of the node's address
 PORT = 1
 
 
+class CompletionError(RuntimeError):
+    """A work completion with an error status (``status``: an IBV_WC_* code)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"RDMA completion status {status}")
+        self.status = status
+
+
 class Endpoint:
     def __init__(self, pd: ProtectionDomain) -> None:
         self.pd = pd
@@ -54,7 +62,7 @@ class Endpoint:
             if n:
                 wc = wcs[0]
                 if wc.status != e.IBV_WC_SUCCESS:
-                    raise RuntimeError(f"RDMA completion status {wc.status}")
+                    raise CompletionError(wc.status)
                 return
             time.sleep(0.001)
         raise TimeoutError(f"no RDMA completion within {timeout} s")

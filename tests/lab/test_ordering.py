@@ -22,7 +22,7 @@ from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io
 from p2phub.nvme import ReadOp
 from p2phub.ordering import AccessKind, FenceError, OrderingError
-from p2phub.rdma import ProtectionDomain, WriteState, connected_pair, remote_buffer
+from p2phub.rdma import Access, ProtectionDomain, WriteState, connected_pair, remote_buffer
 
 pytestmark = pytest.mark.lab
 
@@ -67,7 +67,8 @@ class Pair:
 
     def __init__(self, hub: Hub, pds, size: int = MiB) -> None:
         self.reg_a, self.reg_b = hub.alloc_host(size), hub.alloc_host(size)
-        self.mr_a, self.mr_b = self.reg_a.mr(pds[0]), self.reg_b.mr(pds[1])
+        # B is the target of A's WRITEs; sends and receives need no remote access.
+        self.mr_a, self.mr_b = self.reg_a.mr(pds[0]), self.reg_b.mr(pds[1], Access.REMOTE_WRITE)
         self.qa, self.qb = connected_pair(pds[0], pds[1])
         self.va, self.vb = _view(self.reg_a), _view(self.reg_b)
 

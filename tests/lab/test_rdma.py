@@ -16,17 +16,18 @@ import sys
 from typing import Iterator
 
 import pytest
+import pyverbs.enums as e
 
 from p2phub import uapi
 from p2phub.errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io
-from p2phub.rdma import MrPath, ProtectionDomain, dmabuf_mr_support
+from p2phub.rdma import Access, MrPath, ProtectionDomain, dmabuf_mr_support
 
 import p2phub_fakegpu as fg
 import regutil as ru
-from rdmautil import connected_pair
+from rdmautil import CompletionError, connected_pair
 
 MiB = 1 << 20
 
@@ -62,7 +63,7 @@ def test_dmabuf_mr_probe_reports_unsupported_on_rxe(lab: dict[str, str]) -> None
 def _write_read_between_nodes(reg_a, reg_b, pds) -> None:
     """RDMA WRITE A->B then READ B<-A, each checked on the other side's own CPU view."""
     pd_a, pd_b = pds
-    mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
+    mr_a, mr_b = reg_a.mr(pd_a, Access.REMOTE_READ), reg_b.mr(pd_b, Access.REMOTE_WRITE)
     assert mr_a.path is MrPath.HOST_VA and "EOPNOTSUPP" in mr_a.reason
     assert mr_b.path is MrPath.HOST_VA
     ea, eb = connected_pair(pd_a, pd_b)
@@ -206,12 +207,35 @@ def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
         va = _cpu_view(reg_a)
         assert va[:len(pattern)] == pattern, "node A's memory does not hold the SSD's bytes"
         va.close()
-        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
+        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b, Access.REMOTE_WRITE)
         ea, eb = connected_pair(pd_a, pd_b)
         try:
             ea.write(mr_a, mr_b, len(pattern))
             vb = _cpu_view(reg_b)
             assert vb[:len(pattern)] == pattern, "node B's memory does not hold node A's bytes"
+            vb.close()
+        finally:
+            ea.close()
+            eb.close()
+            mr_a.close()
+            mr_b.close()
+
+
+def test_remote_write_into_a_default_mr_is_refused(hub: Hub, pds) -> None:
+    """An MR grants local write only unless remote access is asked for: the NIC refuses a
+    peer's WRITE with a remote access error, and B's memory keeps its bytes."""
+    pd_a, pd_b = pds
+    with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b:
+        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
+        ea, eb = connected_pair(pd_a, pd_b)
+        try:
+            va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
+            va[:64 << 10] = random.randbytes(64 << 10)
+            with pytest.raises(CompletionError) as exc:
+                ea.write(mr_a, mr_b, 64 << 10)
+            assert exc.value.status == e.IBV_WC_REM_ACCESS_ERR
+            assert vb[:64 << 10] == bytes(64 << 10)
+            va.close()
             vb.close()
         finally:
             ea.close()

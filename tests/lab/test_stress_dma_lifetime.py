@@ -436,6 +436,7 @@ def test_release_during_rdma_writes_into_an_mr(pds, lab: dict[str, str]) -> None
     rxe cannot take an MR on stand-in GPU memory (no dma-buf MRs, and a BAR export has no
     struct pages to mmap), so revocation itself is shown for MRs by the refusal of an MR on a
     revoked registration (test_rdma.py) and by this release of host memory under live MRs."""
+    from p2phub.rdma import Access
     from rdmautil import connected_pair
     pd_a, pd_b = pds
     size = 4 * MiB
@@ -451,7 +452,7 @@ def test_release_during_rdma_writes_into_an_mr(pds, lab: dict[str, str]) -> None
                 reg_b.source.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             payload = bytes(random.Random(len(rounds)).randbytes(64 * KiB))
             src[:len(payload)] = payload
-            mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
+            mr_a, mr_b = reg_a.mr(pd_a, Access.REMOTE_WRITE), reg_b.mr(pd_b)
             ea, eb = connected_pair(pd_a, pd_b)
             writes, failure = [0], []
             stop = threading.Event()

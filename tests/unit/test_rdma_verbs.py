@@ -41,7 +41,8 @@ def test_bad_arguments_are_refused_before_the_call(offset, length, iova, fd, acc
 
 
 def test_good_arguments_pass() -> None:
-    verbs.check_dmabuf_args(0x1000, 1 << 20, 0x7F00_0000_1000, 5, verbs.ACCESS_ALL)
+    verbs.check_dmabuf_args(0x1000, 1 << 20, 0x7F00_0000_1000, 5,
+                            verbs.Access.LOCAL_WRITE | verbs.Access.REMOTE_WRITE)
 
 
 def test_unknown_device_is_a_clear_error() -> None:
