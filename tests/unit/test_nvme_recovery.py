@@ -249,7 +249,8 @@ def test_revocation_signalled_on_the_request_eventfd_fences_not_removes(rig) -> 
     dev.revoke(victim.handle)
     os.eventfd_write(dev.req_efd, 1)
     deadline = time.monotonic() + 5
-    while c.recovery.fences == 0 and time.monotonic() < deadline:
+    # The watcher counts the fence first and resumes after: wait for both.
+    while not (c.recovery.fences and c.state == "live") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert c.recovery.fences == 1 and c.state == "live" and not c.holds(victim)
     other.mem[:4096] = b"\x5a" * 4096
