@@ -80,6 +80,7 @@ def main() -> int:
         for i, j in enumerate(perm):
             expect[j * SZ:(j + 1) * SZ] = pattern[i * SZ:(i + 1) * SZ]
         result.update(notifs=[m.decode() for m in got], bytes_ok=bool((buf == expect).all()))
+        wait_file(d / "done.json")       # the initiator still READs from this buffer
     else:
         peer = wait_file(d / "target.json")
         name = agent.add_remote_agent(base64.b64decode(peer["md"]))
@@ -125,6 +126,7 @@ def main() -> int:
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         result["states"] = states
+        put_file(d / "done.json", {})
         time.sleep(0.5)              # NIXL sends the notification from its progress path
     agent.deregister_memory(reg)
     print(json.dumps(result), flush=True)
