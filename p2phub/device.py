@@ -12,6 +12,20 @@ from . import uapi
 from ._resource import Resource
 from .errors import ModuleNotLoadedError, P2PHubOSError
 
+# The ioctls that map memory for a device, and what their EOPNOTSUPP means.
+_MAPS = (uapi.REGISTER, uapi.DMA_PAGES, uapi.NVME_MAP_REG)
+_MAP_REFUSED = ("the device cannot use this memory directly: its DMA would need bounce buffers or "
+                "cache maintenance (swiotlb, a non-coherent or untrusted device), or the exporter "
+                "cannot map it peer-to-peer; the kernel log names the reason")
+
+
+def ioctl_error(exc: OSError, request: int, what: str) -> P2PHubOSError:
+    """The error for a failed /dev/p2phub ioctl, with what its errno means where that is not
+    obvious."""
+    err = exc.errno or errno.EIO
+    detail = _MAP_REFUSED if err == errno.EOPNOTSUPP and request in _MAPS else ""
+    return P2PHubOSError(err, what, detail)
+
 
 @dataclass(frozen=True)
 class ModuleInfo:
@@ -51,7 +65,7 @@ class Device(Resource):
         try:
             fcntl.ioctl(self.fd, request, arg, True)
         except OSError as exc:
-            raise P2PHubOSError(exc.errno or errno.EIO, what) from None
+            raise ioctl_error(exc, request, what) from None
 
     def info(self) -> ModuleInfo:
         arg = uapi.Info.new()

@@ -38,7 +38,7 @@ from typing import Any, Hashable, Iterable, Protocol
 
 from . import sources, uapi
 from ._resource import Resource
-from .device import Device, ModuleInfo
+from .device import Device, ModuleInfo, ioctl_error
 from .errors import P2PHubOSError, RevokedError, UsageError
 from .pci import PciAddress
 
@@ -153,7 +153,7 @@ class _Pin:
                 raise RevokedError(
                     f"{self.what}: the memory was revoked by its owner (ESTALE during {what}); "
                     "close() the registration and register the memory again") from None
-            raise P2PHubOSError(err, what) from None
+            raise ioctl_error(exc, request, what) from None
 
     def mark_revoked(self) -> None:
         self.revoked = True
@@ -527,7 +527,7 @@ class Hub(Resource):
             if src.owned and hasattr(src.keep, "close"):
                 src.keep.close()
             if isinstance(exc, OSError):
-                raise P2PHubOSError(exc.errno or errno.EIO, f"P2PHUB_REGISTER {src.what}") from None
+                raise ioctl_error(exc, uapi.REGISTER, f"P2PHUB_REGISTER {src.what}") from None
             raise
         src.finish()
         pin = _Pin(self, a, src)
