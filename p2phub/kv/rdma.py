@@ -9,8 +9,13 @@ layer's fence (RC delivers the WRITEs of a QP before the WRITE_WITH_IMM that fol
     r = rx.expect("prefill", req=1, blocks=dst)   # layer(l) / done fences
     tx.send_request("decode", 1, src, dst).wait(30)
 
-QPs come from pyverbs (the p2phub QP wrapper of the ordering work was not there yet);
-MRs from the pool's registrations (``reg.mr(pd, POOL_ACCESS)``: dma-buf MR where the NIC has
+Ordering (p2phub.ordering): where the pool is p2phub memory, ``expect()`` declares a
+producer access (an RDMA write target) on exactly the pages each layer fills, after earlier
+readers of those pages are done, and the layer's fence completes it; ``send_request()``
+declares consumer accesses (RDMA sends) on the pages it reads. So an NVMe write or a GPU
+kernel that consumes received pages waits for their layer, and fails with it.
+
+QPs come from pyverbs; MRs from the pool's registrations (``reg.mr(pd, POOL_ACCESS)``: dma-buf MR where the NIC has
 it, else a CPU-mapped VA MR), or a VA MR of plain host memory; either grants peers remote
 write, never remote read. The control connection carries the QP and pool descriptors once
 and then only liveness: a peer whose process dies closes it, and every request it owed fails
@@ -29,6 +34,8 @@ import time
 from typing import Any, Sequence
 
 from ..errors import UsageError
+from ..ordering import AccessKind
+from ..ordering import bind as bind_access
 from ..rdma.verbs import Access
 from . import transport as tp
 from .errors import KVError, KVPeerError
@@ -356,16 +363,51 @@ class RdmaAgent:
                 q = self._reqs[(peer, req & 0xFFFFFF)] = RdmaRequest(peer, req, self.layout.num_layers, None)
             return q
 
-    def expect(self, peer: str, req: int, blocks: Sequence[int] | None = None) -> RdmaRequest:
-        """The receiving side of `req` from `peer`; `blocks` are the pages it will fill."""
+    def expect(self, peer: str, req: int, blocks: Sequence[int] | None = None,
+               timeout: float | None = None) -> RdmaRequest:
+        """The receiving side of `req` from `peer`; `blocks` are the pages it will fill.
+
+        With `blocks`, each layer's pages become a producer access of the pool's
+        registrations, completed by that layer's fence; this waits (up to `timeout`)
+        for earlier accesses that read those pages (strict ordering raises instead)."""
         q = self._request(peer, req)
         if blocks is not None:
             q.blocks = list(blocks)
+            try:
+                self._declare(q.blocks, range(self.layout.num_layers),
+                              AccessKind.RDMA_WRITE_TARGET, q.layers,
+                              f"kv request {req} from {peer}", timeout)
+            except BaseException as exc:
+                q._fail(exc)
+                self.release(peer, req)
+                raise
         return q
 
+    def _declare(self, blocks: Sequence[int], layers: Sequence[int] | range, kind: AccessKind,
+                 fences: Sequence[HostFence], what: str, timeout: float | None) -> None:
+        """Accesses of `kind` on `blocks` of every layer in `layers` (contiguous pages
+        merged), each bound to its layer's fence in `fences` (indexed by position in
+        `layers`). Plain host memory (no registration) has no ordering to declare on."""
+        lay = self.layout
+        runs = _runs(blocks)
+        for i, ly in enumerate(layers):
+            for kv in range(lay.kv):
+                seg, base = lay.block_base(ly, kv)
+                reg = self.pool.segments[seg].registration
+                if reg is None:
+                    continue
+                for first, count in runs:
+                    a = reg.ordering.acquire(base + first * lay.block_bytes,
+                                             count * lay.block_bytes, kind,
+                                             f"{what} layer {ly}", timeout=timeout)
+                    bind_access(a, fences[i])
+
     def release(self, peer: str, req: int) -> None:
+        """Forget `req`; one that did not complete fails (its pages never become visible)."""
         with self._lock:
-            self._reqs.pop((peer, req & 0xFFFFFF), None)
+            q = self._reqs.pop((peer, req & 0xFFFFFF), None)
+        if q is not None:
+            q._fail(KVError(f"kv request {req} from {peer} was released before it completed"))
 
     # ------------------------------------------------------------------ sending
     def send_request(self, peer: str, req: int, local_blocks: Sequence[int],
@@ -391,6 +433,14 @@ class RdmaAgent:
         n = len(lids)
         fence = HostFence(f"kv rdma request {req} to {peer}")
         lay = self.layout
+        sent = list(layers) if layers is not None else range(lay.num_layers)
+        # The pages this request reads: consumers until it completes (or fails).
+        try:
+            self._declare(local_blocks, sent, AccessKind.RDMA_SEND, [fence] * len(sent),
+                          f"kv rdma request {req} to {peer}", None)
+        except BaseException as exc:
+            fence.fail(exc)     # ends the accesses declared so far
+            raise
         cap = max(1, n)
         liov = h.ffi.new("struct kv_iov[]", cap)
         wire = h.ffi.new("struct kv_wire[]", cap)
@@ -502,6 +552,11 @@ class RdmaAgent:
         for p in peers:
             with p.lock:
                 p.close()
+        with self._lock:
+            reqs = list(self._reqs.values())
+            self._reqs.clear()
+        for q in reqs:   # their producer accesses end with them
+            q._fail(KVError(f"kv request {q.req} from {q.peer}: agent {self.name} closed"))
         for mr in self.mrs:
             mr.close()
         self.mrs = []
@@ -524,6 +579,17 @@ class _VaMr:
 
     def close(self) -> None:
         self._mr.close()
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive page numbers in `blocks`."""
+    out: list[tuple[int, int]] = []
+    for b in sorted(set(int(b) for b in blocks)):
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
 
 
 def tp_int32(values: Sequence[int]):

@@ -20,6 +20,7 @@ from p2phub.kv import KVLayout, KVPeerError, KVPool
 from p2phub.kv.fence import FenceError
 from p2phub.kv.pattern import page
 from p2phub.kv.rdma import RdmaAgent
+from p2phub.ordering import AccessKind, OrderingTimeout, bind, completed
 
 # The pools' CPU view (checking every byte, filling pages) is the udmabuf's memfd; the 6.1 lab
 # kernel has no udmabuf, and a vgem buffer offers no CPU mapping of its own to the pool.
@@ -60,6 +61,23 @@ def _bad_pages(pool: KVPool, seed: int, src, dst, layers=None) -> int:
     return bad
 
 
+def _page(pool: KVPool, layer: int, kv: int, block: int):
+    """(registration, offset, length) of one page of a registered pool."""
+    seg, off, n = pool.layout.offset(layer, kv, block)
+    return pool.segments[seg].registration, off, n
+
+
+def _consume_now(pool: KVPool, layer: int, block: int) -> bool:
+    """Whether an NVMe write of that page could start at once (its producers are done)."""
+    reg, off, n = _page(pool, layer, 0, block)
+    try:
+        a = reg.ordering.acquire(off, n, AccessKind.NVME_WRITE, "check", timeout=0.05)
+    except OrderingTimeout:
+        return False
+    bind(a, completed())
+    return True
+
+
 def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) -> None:
     rnd = random.Random(1)
     src, dst = rnd.sample(range(128), PAGES), rnd.sample(range(128), PAGES)
@@ -78,12 +96,16 @@ def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) ->
             sender.start()
             r.layer(0).wait(60)
             assert not r.layer(LAY.num_layers - 1).done()     # layer 0 usable, 31 still to come
+            # the ordering agrees: a consumer of layer 0's pages starts, one of layer 31's waits
+            assert _consume_now(pb, 0, dst[0])
+            assert not _consume_now(pb, LAY.num_layers - 1, dst[0]) or r.layer(LAY.num_layers - 1).done()
             assert _bad_pages(pb, 21, src, dst, layers=[0]) == 0
             r.done.wait(300)
             sender.join(60)
             assert done_at[0] - t0 < done_at[LAY.num_layers - 1] - t0 - 0.5
             assert _bad_pages(pb, 21, src, dst) == 0
             assert sorted(r.visible_blocks(7)) == sorted(dst)
+            assert _consume_now(pb, LAY.num_layers - 1, dst[0])
             untouched = sorted(set(range(128)) - set(dst))[:4]
             for b in untouched:
                 assert bytes(pb.block(3, 1, b)) == bytes(LAY.block_bytes)
@@ -124,6 +146,22 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
             assert child.stdout.readline().strip() == "connected"
             r = rx.expect("prefill-child", 9, blocks=dst)
             r.layer(2).wait(60)                      # a few layers in
+            # a consumer of the last layer's page waits for that layer, and must fail with it
+            reg, off, n = _page(pb, LAY.num_layers - 1, 0, dst[0])
+            got: dict = {}
+
+            def consume() -> None:
+                try:
+                    reg.ordering.acquire(off, n, AccessKind.NVME_WRITE, "consumer", timeout=DEATH + 60)
+                    got["ok"] = True
+                except Exception as exc:  # noqa: BLE001 - the test inspects it
+                    got["exc"] = exc
+            consumer = threading.Thread(target=consume)
+            consumer.start()
+            deadline = time.monotonic() + 10
+            while not any(a.kind is AccessKind.NVME_WRITE for a in reg.ordering.overlapping(off, n)):
+                assert time.monotonic() < deadline and consumer.is_alive(), got
+                time.sleep(0.01)
             t_kill = time.monotonic()
             child.kill()                             # its exit may take long: not waited for
             with pytest.raises(Exception) as ei:
@@ -140,6 +178,8 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
         missing = [ly for ly in range(LAY.num_layers) if ly not in r.landed]
         assert r.visible_blocks(missing[0]) == []    # never marked visible
         assert r.layer(missing[0]).failed()
+        consumer.join(DEATH + 60)
+        assert isinstance(got.get("exc"), FenceError), got   # never told the bytes are there
         # the same pool, a new sender on a new QP: the next request lands whole
         with KVPool.registered(hub, LAY) as pa, \
              RdmaAgent("prefill-2", pa, lab["node_a_rdma"], stall_timeout=STALL, peer_timeout=PEER) as tx:

@@ -107,3 +107,10 @@ def test_rdma_immediate_carries_request_and_layer() -> None:
     assert pack_imm(1, 0) == 256 and pack_imm(0xFFFFFF, 255) == 0xFFFFFFFF
     with pytest.raises(UsageError, match="layer 256 does not fit"):
         pack_imm(1, 256)
+
+
+def test_page_runs_merge_consecutive_pages_for_the_ordering() -> None:
+    from p2phub.kv.rdma import _runs
+    assert _runs([7, 3, 4, 5, 9, 8, 3]) == [(3, 3), (7, 3)]
+    assert _runs([]) == []
+    assert _runs([0]) == [(0, 1)]
