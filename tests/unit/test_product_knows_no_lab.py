@@ -23,10 +23,6 @@ FORBIDDEN = [
 ]
 PATTERN = re.compile("|".join(FORBIDDEN), re.IGNORECASE)
 
-# Lab infrastructure still inside the package until the lab wing (tests/labkit/p2phub_lab) lands.
-NOT_YET_MOVED = {"p2phub/labenv.py", "p2phub/klog.py", "p2phub/commands/bench_nvme.py"}
-
-
 def _product_files() -> list[Path]:
     out = []
     for root in PRODUCT:
@@ -47,8 +43,6 @@ def test_no_lab_or_stand_in_knowledge_in_product_code() -> None:
     hits = []
     for p in _product_files():
         rel = p.relative_to(TOP).as_posix()
-        if rel in NOT_YET_MOVED:
-            continue
         for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
             m = PATTERN.search(line)
             if m:
