@@ -321,7 +321,12 @@ class RdmaAgent:
                     return
             if n:
                 continue
-            r, _, _ = select.select([fd], [], [], 0.0005)
+            try:
+                r, _, _ = select.select([fd], [], [], 0.0005)
+            except (OSError, ValueError):   # closed under us by close() or _drop()
+                if peer.closed:
+                    return
+                raise
             if r:
                 try:
                     data = peer.sock.recv(64)
