@@ -29,39 +29,6 @@ bool p2phub_all_zero(const void *p, size_t len)
 	return !memchr_inv(p, 0, len);
 }
 
-/*
- * Copy in an argument struct whose first two fields are argsz and flags.
- * A caller built against an older, shorter struct is refused (no field may
- * be silently zero-filled); a newer, longer one must have zeroed the tail
- * this kernel does not know.
- */
-int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
-		     u32 known_flags)
-{
-	u32 hdr[2];
-	int ret;
-
-	if (copy_from_user(hdr, uarg, sizeof(hdr)))
-		return -EFAULT;
-	if (hdr[0] < ksize)
-		return -EINVAL;
-	/* Room to grow, not a 4 GiB scan of user memory. */
-	if (hdr[0] > PAGE_SIZE)
-		return -E2BIG;
-	if (hdr[1] & ~known_flags)
-		return -EINVAL;
-	if (hdr[0] > ksize) {
-		ret = check_zeroed_user(uarg + ksize, hdr[0] - ksize);
-		if (ret < 0)
-			return ret;
-		if (!ret)
-			return -E2BIG;
-	}
-	if (copy_from_user(karg, uarg, ksize))
-		return -EFAULT;
-	return 0;
-}
-
 static u64 p2phub_caps(void)
 {
 	return P2PHUB_CAP_NVME | p2phub_reg_caps();

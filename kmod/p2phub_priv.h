@@ -16,6 +16,7 @@
 #include <linux/types.h>
 #include <linux/xarray.h>
 
+#include "p2phub_uargs.h"
 #include "uapi/p2phub.h"
 
 #define P2PHUB_VERSION		"0.1.0"
@@ -30,9 +31,6 @@ struct p2phub_file {
 /* Per-file cap on registered bytes (module parameter max_reg_gib). */
 u64 p2phub_max_reg_bytes(void);
 
-/* Copy an argsz-prefixed struct from user space, checking argsz and flags. */
-int p2phub_copy_args(void *karg, size_t ksize, const void __user *uarg,
-		     u32 known_flags);
 bool p2phub_all_zero(const void *p, size_t len);
 /* Whether an IOMMU paging domain translates @dev's DMA (p2phub_nvme.c). */
 bool p2phub_dev_translated(struct device *dev);

@@ -159,6 +159,8 @@ def build_modules(kver: str, dest: Path | None = None) -> list[Path]:
             cmd = ["make", "-C", str(dst), f"KDIR={headers_dir(kver)}", "W=1"]
             if name == "tests":
                 cmd.append(f"KBUILD_EXTRA_SYMBOLS={out / 'p2phub' / 'Module.symvers'}")
+            if name == "fakegpu":
+                cmd.append(f"P2PHUB_KMOD={out / 'p2phub'}")   # the mirrored kmod/ headers
             res = subprocess.run(cmd, capture_output=True, text=True)
             warnings = [l for l in res.stderr.splitlines() if "warning:" in l]
             if res.returncode != 0 or warnings:

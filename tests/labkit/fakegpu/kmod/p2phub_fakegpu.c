@@ -70,6 +70,7 @@
 #include <linux/uaccess.h>
 
 #include "p2phub_fakegpu.h"
+#include "p2phub_uargs.h"
 
 #ifdef P2PHUB_FAKEGPU_NV_P2P
 #include "nv-p2p.h"
@@ -912,35 +913,12 @@ static void fakegpu_nv_teardown(void)
 
 /* ------------------------------------------------------------------ ioctls */
 
-/* Copy in a struct led by { argsz, flags }; a longer one must have a zero tail. */
-static int fakegpu_copy_args(void *karg, size_t ksize, const void __user *uarg,
-			     u32 known_flags)
-{
-	u32 hdr[2];
-	int ret;
-
-	if (copy_from_user(hdr, uarg, sizeof(hdr)))
-		return -EFAULT;
-	if (hdr[0] < ksize || (hdr[1] & ~known_flags))
-		return -EINVAL;
-	if (hdr[0] > ksize) {
-		ret = check_zeroed_user(uarg + ksize, hdr[0] - ksize);
-		if (ret < 0)
-			return ret;
-		if (!ret)
-			return -E2BIG;
-	}
-	if (copy_from_user(karg, uarg, ksize))
-		return -EFAULT;
-	return 0;
-}
-
 static long fakegpu_ioctl_query(void __user *uarg)
 {
 	struct p2phub_fakegpu_query q;
 	int ret;
 
-	ret = fakegpu_copy_args(&q, sizeof(q), uarg, 0);
+	ret = p2phub_copy_args(&q, sizeof(q), uarg, 0);
 	if (ret)
 		return ret;
 	if (memchr_inv(q.reserved, 0, sizeof(q.reserved)))
@@ -980,7 +958,7 @@ static long fakegpu_ioctl_export(void __user *uarg)
 	u64 end;
 	int ret, fd;
 
-	ret = fakegpu_copy_args(&args, sizeof(args), uarg, 0);
+	ret = p2phub_copy_args(&args, sizeof(args), uarg, 0);
 	if (ret)
 		return ret;
 	if (args.reserved)
@@ -1043,7 +1021,7 @@ static long fakegpu_ioctl_revoke(void __user *uarg)
 	struct dma_buf *dmabuf;
 	int ret;
 
-	ret = fakegpu_copy_args(&args, sizeof(args), uarg, 0);
+	ret = p2phub_copy_args(&args, sizeof(args), uarg, 0);
 	if (ret)
 		return ret;
 	if (args.reserved || args.mappings_left || args.pins_left)
@@ -1096,7 +1074,7 @@ static long fakegpu_ioctl_free(void __user *uarg)
 	u64 end;
 	int ret;
 
-	ret = fakegpu_copy_args(&args, sizeof(args), uarg, 0);
+	ret = p2phub_copy_args(&args, sizeof(args), uarg, 0);
 	if (ret)
 		return ret;
 	if (args.reserved || args.callbacks || !args.length)
