@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
     k = sub.add_parser("kv", help="KV transfer over TCP loopback: p2phub vs NIXL, Mooncake and a raw stream")
     k.add_argument("--blocks", default="64K,1M", help="page sizes, comma-separated (default 64K,1M)")
     k.add_argument("--total", default="64M", help="bytes per transfer (default 64M)")
-    k.add_argument("--iters", type=int, default=8, help="timed transfers per run (default 8)")
+    k.add_argument("--iters", type=int, default=32,
+                   help="timed transfers per run (default 32: fewer time too little to settle)")
     k.add_argument("--runs", type=int, default=5, help="runs per method and size (default 5)")
     k.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
