@@ -870,15 +870,13 @@ bool p2phub_dev_translated(struct device *dev)
  */
 static const char *p2phub_nvme_unconfined(struct pci_dev *pdev)
 {
-	struct iommu_domain *domain;
 	struct iommu_group *group;
 	const char *why = NULL;
 
-	if (!device_iommu_mapped(&pdev->dev))
-		return "no IOMMU translates its DMA";
-	domain = iommu_get_domain_for_dev(&pdev->dev);
-	if (!domain || !(domain->type & __IOMMU_DOMAIN_PAGING))
-		return "its IOMMU domain is identity (passthrough)";
+	if (!p2phub_dev_translated(&pdev->dev))
+		return device_iommu_mapped(&pdev->dev) ?
+		       "its IOMMU domain is identity (passthrough)" :
+		       "no IOMMU translates its DMA";
 	group = iommu_group_get(&pdev->dev);
 	if (!group)
 		return "it has no IOMMU group";
