@@ -104,7 +104,8 @@ class DevNode:
     devno: str      # "259:1", as sysfs dev reads
 
 
-def _read(p: Path) -> str:
+def read_attr(p: Path) -> str:
+    """A sysfs/procfs attribute, stripped; "" when it cannot be read (gone, or never there)."""
     try:
         return p.read_text().strip()
     except OSError:
@@ -118,8 +119,8 @@ def read_blockdev(name: str, *, sysfs: Path = SYS) -> BlockDev:
         holders = sorted(os.listdir(d / "holders"))
     except OSError:
         holders = []
-    return BlockDev(name, _read(d / "dev") or None,
-                    tuple((h, _read(sysfs / "class" / "block" / h / "dm" / "name") or None) for h in holders))
+    return BlockDev(name, read_attr(d / "dev") or None,
+                    tuple((h, read_attr(sysfs / "class" / "block" / h / "dm" / "name") or None) for h in holders))
 
 
 def device_nodes(ctrl: str | None, blocks: list[str], *, sysfs: Path = SYS) -> list[DevNode]:
@@ -128,7 +129,7 @@ def device_nodes(ctrl: str | None, blocks: list[str], *, sysfs: Path = SYS) -> l
     out: list[DevNode] = []
 
     def add(name: str, block: bool, d: Path) -> None:
-        devno = _read(d / "dev")
+        devno = read_attr(d / "dev")
         if devno:
             out.append(DevNode(name, block, devno))
 
@@ -198,7 +199,7 @@ def open_reasons(nodes: list[DevNode], *, proc: Path = PROC, stat: StatFn = os.s
             name = _opened(str(fddir / fd), by_rdev, by_path, stat)
             if name is not None:
                 found.setdefault((pid, name))
-    reasons = [f"/dev/{name} is open by pid {pid} ({_read(proc / str(pid) / 'comm') or '?'})"
+    reasons = [f"/dev/{name} is open by pid {pid} ({read_attr(proc / str(pid) / 'comm') or '?'})"
                for pid, name in found]
     if denied:
         shown = ", ".join(map(str, denied[:8])) + (f" and {len(denied) - 8} more" if len(denied) > 8 else "")
@@ -229,7 +230,7 @@ def subsystem_siblings(ctrl: str, *, sysfs: Path = SYS) -> tuple[str, list[str]]
 
 def _nsid(name: str, sysfs: Path) -> int | None:
     try:
-        return int(_read(sysfs / "class" / "block" / name / "nsid"))
+        return int(read_attr(sysfs / "class" / "block" / name / "nsid"))
     except ValueError:
         return None
 

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..blockuse import device_nodes, open_reasons, read_blockdev, sibling_reasons, usage_reasons
+from ..blockuse import (device_nodes, open_reasons, read_attr, read_blockdev, sibling_reasons,
+                        usage_reasons)
 from ..errors import P2PHubOSError, UsageError
 from ..pci import PciAddress, normalize
 from .errors import ControllerBusyError
@@ -59,18 +60,11 @@ class ControllerInfo:
                 "namespaces": self.namespaces}
 
 
-def _read(p: Path) -> str:
-    try:
-        return p.read_text().strip()
-    except OSError:
-        return ""
-
-
 def list_controllers() -> list[ControllerInfo]:
     out = []
     for dev in sorted(PCI_DEVICES.iterdir()) if PCI_DEVICES.exists() else []:
         try:
-            cls = int(_read(dev / "class"), 16)
+            cls = int(read_attr(dev / "class"), 16)
         except ValueError:
             continue
         if cls != NVME_CLASS:
@@ -78,9 +72,9 @@ def list_controllers() -> list[ControllerInfo]:
         ctrl = _kernel_ctrl(dev.name)
         cdir = dev / "nvme" / ctrl if ctrl else None
         out.append(ControllerInfo(
-            bdf=dev.name, driver=current_driver(dev.name), vendor=_read(dev / "vendor"),
-            device=_read(dev / "device"), ctrl=ctrl,
-            model=_read(cdir / "model") if cdir else "", serial=_read(cdir / "serial") if cdir else "",
+            bdf=dev.name, driver=current_driver(dev.name), vendor=read_attr(dev / "vendor"),
+            device=read_attr(dev / "device"), ctrl=ctrl,
+            model=read_attr(cdir / "model") if cdir else "", serial=read_attr(cdir / "serial") if cdir else "",
             namespaces=[b for b, _ in _block_devices(dev.name)]))
     return out
 
@@ -185,8 +179,8 @@ def bind(bdf: str, *, timeout_s: float = 10.0, allow_shared_subsystem: bool = Fa
     dev = PCI_DEVICES / bdf
     if not dev.exists():
         raise UsageError(f"no PCI device {bdf}")
-    if int(_read(dev / "class") or "0", 16) != NVME_CLASS:
-        raise UsageError(f"{bdf} is not an NVMe controller (class {_read(dev / 'class')})")
+    if int(read_attr(dev / "class") or "0", 16) != NVME_CLASS:
+        raise UsageError(f"{bdf} is not an NVMe controller (class {read_attr(dev / 'class')})")
     before = current_driver(bdf)
     if before == DRIVER:
         return before
