@@ -452,7 +452,7 @@ class RdmaAgent:
         bad = h.ffi.new("size_t *")
         lp, rp = h.ffi.from_buffer("int32_t[]", lids), h.ffi.from_buffer("int32_t[]", rids)
         try:
-            for li, ly in enumerate(layers if layers is not None else range(lay.num_layers)):
+            for li, ly in enumerate(sent):
                 wrs: list[Any] = []
                 for kv in range(lay.kv):
                     lseg, lbase = lay.block_base(ly, kv)
@@ -477,7 +477,7 @@ class RdmaAgent:
                 last.opcode = e.IBV_WR_RDMA_WRITE_WITH_IMM
                 last.imm_data = pack_imm(req, ly)
                 self._post_all(p, wrs)
-                if pace and li + 1 < len(layers or range(lay.num_layers)):
+                if pace and li + 1 < len(sent):
                     time.sleep(pace)
         except KVPeerError as exc:
             fence.fail(exc)
