@@ -47,7 +47,6 @@ int ibv_dereg_mr(struct ibv_mr *mr);
 """
 
 
-
 class Access(enum.IntFlag):
     """What an MR lets the NIC do with its memory (the IBV_ACCESS_* bits). A peer holding
     the rkey can reach the memory only in the remote ways granted here."""
