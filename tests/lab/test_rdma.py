@@ -6,6 +6,7 @@ byte crosses that pair. Bytes are checked on the receiving side's own CPU view.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -60,15 +61,26 @@ def test_dmabuf_mr_probe_reports_unsupported_on_rxe(lab: dict[str, str]) -> None
     assert "EOPNOTSUPP" in evidence
 
 
+@contextlib.contextmanager
+def _linked(reg_a, reg_b, pds, access_a: Access | None = None, access_b: Access | None = None):
+    """MRs of reg_a on node A and reg_b on node B, a connected QP pair and each registration's
+    own CPU view: (ea, eb, mr_a, mr_b, va, vb), all closed on the way out."""
+    pd_a, pd_b = pds
+    mr_a, mr_b = reg_a.mr(pd_a, access_a), reg_b.mr(pd_b, access_b)
+    ea, eb = connected_pair(pd_a, pd_b)
+    va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
+    try:
+        yield ea, eb, mr_a, mr_b, va, vb
+    finally:
+        for o in (va, vb, ea, eb, mr_a, mr_b):
+            o.close()
+
+
 def _write_read_between_nodes(reg_a, reg_b, pds) -> None:
     """RDMA WRITE A->B then READ B<-A, each checked on the other side's own CPU view."""
-    pd_a, pd_b = pds
-    mr_a, mr_b = reg_a.mr(pd_a, Access.REMOTE_READ), reg_b.mr(pd_b, Access.REMOTE_WRITE)
-    assert mr_a.path is MrPath.HOST_VA and "EOPNOTSUPP" in mr_a.reason
-    assert mr_b.path is MrPath.HOST_VA
-    ea, eb = connected_pair(pd_a, pd_b)
-    try:
-        va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
+    with _linked(reg_a, reg_b, pds, Access.REMOTE_READ, Access.REMOTE_WRITE) as (ea, eb, mr_a, mr_b, va, vb):
+        assert mr_a.path is MrPath.HOST_VA and "EOPNOTSUPP" in mr_a.reason
+        assert mr_b.path is MrPath.HOST_VA
         payload = random.randbytes(256 << 10)
         va[:len(payload)] = payload
         ea.write(mr_a, mr_b, len(payload), roff=64 << 10)
@@ -79,13 +91,6 @@ def _write_read_between_nodes(reg_a, reg_b, pds) -> None:
         va[512 << 10:(512 << 10) + len(back)] = back
         eb.read(mr_b, mr_a, len(back), loff=0, roff=512 << 10)
         assert vb[:len(back)] == back
-        va.close()
-        vb.close()
-    finally:
-        ea.close()
-        eb.close()
-        mr_a.close()
-        mr_b.close()
 
 
 def test_vgem_memory_write_then_read_between_nodes(hub: Hub, pds) -> None:
@@ -192,7 +197,6 @@ def test_host_memory_write_then_read_between_nodes(hub: Hub, pds) -> None:
 def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
                                                                lab: dict[str, str]) -> None:
     """Node A reads a region from the SSD into its registration, then RDMA-writes it to B."""
-    pd_a, pd_b = pds
     bdf = lab["nvme_target"]
     pattern = random.randbytes(512 << 10)
     kernel_io.write(kernel_io.require_namespace_device(bdf, 1), 8 * MiB, pattern)
@@ -204,44 +208,22 @@ def test_ssd_to_host_memory_then_rdma_write_to_the_other_node(hub: Hub, pds,
         finally:
             ctrl.close()
             bind.unbind(bdf)
-        va = _cpu_view(reg_a)
-        assert va[:len(pattern)] == pattern, "node A's memory does not hold the SSD's bytes"
-        va.close()
-        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b, Access.REMOTE_WRITE)
-        ea, eb = connected_pair(pd_a, pd_b)
-        try:
+        with _linked(reg_a, reg_b, pds, None, Access.REMOTE_WRITE) as (ea, _eb, mr_a, mr_b, va, vb):
+            assert va[:len(pattern)] == pattern, "node A's memory does not hold the SSD's bytes"
             ea.write(mr_a, mr_b, len(pattern))
-            vb = _cpu_view(reg_b)
             assert vb[:len(pattern)] == pattern, "node B's memory does not hold node A's bytes"
-            vb.close()
-        finally:
-            ea.close()
-            eb.close()
-            mr_a.close()
-            mr_b.close()
 
 
 def test_remote_write_into_a_default_mr_is_refused(hub: Hub, pds) -> None:
     """An MR grants local write only unless remote access is asked for: the NIC refuses a
     peer's WRITE with a remote access error, and B's memory keeps its bytes."""
-    pd_a, pd_b = pds
-    with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b:
-        mr_a, mr_b = reg_a.mr(pd_a), reg_b.mr(pd_b)
-        ea, eb = connected_pair(pd_a, pd_b)
-        try:
-            va, vb = _cpu_view(reg_a), _cpu_view(reg_b)
-            va[:64 << 10] = random.randbytes(64 << 10)
-            with pytest.raises(CompletionError) as exc:
-                ea.write(mr_a, mr_b, 64 << 10)
-            assert exc.value.status == e.IBV_WC_REM_ACCESS_ERR
-            assert vb[:64 << 10] == bytes(64 << 10)
-            va.close()
-            vb.close()
-        finally:
-            ea.close()
-            eb.close()
-            mr_a.close()
-            mr_b.close()
+    with hub.alloc_host(MiB) as reg_a, hub.alloc_host(MiB) as reg_b, \
+         _linked(reg_a, reg_b, pds) as (ea, _eb, mr_a, mr_b, va, vb):
+        va[:64 << 10] = random.randbytes(64 << 10)
+        with pytest.raises(CompletionError) as exc:
+            ea.write(mr_a, mr_b, 64 << 10)
+        assert exc.value.status == e.IBV_WC_REM_ACCESS_ERR
+        assert vb[:64 << 10] == bytes(64 << 10)
 
 
 def test_close_with_live_mr_is_refused_then_forced(hub: Hub, pds) -> None:
