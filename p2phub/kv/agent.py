@@ -36,6 +36,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import UsageError
 from . import transport as tp
+from ..ordering import AccessKind
 from .errors import KVError, KVPeerError
 from .layout import KVLayout
 from .pool import KVPool
@@ -305,14 +306,36 @@ class Agent:
                 r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout)
             return r
 
-    def expect(self, peer: str, req: int) -> tp.InboundRequest:
-        """The receiving side of request `req` from `peer`: ``layer(l)`` and ``done`` fences."""
-        return self._inbound(peer, req)
+    def expect(self, peer: str, req: int, blocks: Sequence[int] | None = None,
+               timeout: float | None = None) -> tp.InboundRequest:
+        """The receiving side of request `req` from `peer`: ``layer(l)`` and ``done`` fences.
+
+        With `blocks` (the pages the request fills), each layer's pages become a producer
+        access of the pool's registrations, completed by that layer's fence, so a consumer
+        of those pages (an NVMe write, a GPU kernel) waits for its layer and fails with the
+        request. This first waits (up to `timeout`) for earlier readers of the pages; strict
+        ordering raises instead. Call it before the sender starts."""
+        r = self._inbound(peer, req)
+        if blocks is not None:
+            if self.pool is None:
+                raise UsageError(f"agent {self.name!r} has no KV pool to declare blocks on")
+            layers = range(self.pool.layout.num_layers)
+            try:
+                self.pool.declare(blocks, layers, AccessKind.SOCKET_RECV,
+                                  [r.layer(ly) for ly in layers],
+                                  f"kv request {req} from {peer}", timeout)
+            except BaseException as exc:
+                r._fail(exc)
+                self.release(peer, req)
+                raise
+        return r
 
     def release(self, peer: str, req: int) -> None:
-        """Forget a finished request (its fences stay as they are for who holds them)."""
+        """Forget `req`; one that did not complete fails (its pages never become visible)."""
         with self._lock:
-            self._inbound_reqs.pop((peer, req), None)
+            r = self._inbound_reqs.pop((peer, req), None)
+        if r is not None:
+            r._fail(KVError(f"kv request {req} from {peer} was released before it completed"))
 
     def _notify(self, peer: str, body: bytes) -> None:
         with self._lock:
@@ -397,7 +420,9 @@ class Agent:
             raise UsageError("a transfer needs at least one layer or a notification")
         if end:
             msgs[-1].last = True  # F_REQ_END carried in the header (see post)
-        return tp.Xfer(peer, msgs, next(self._xids))
+        x = tp.Xfer(peer, msgs, next(self._xids))
+        x.reads = (lids, layer_list)
+        return x
 
     def send_request(self, peer: str, req: int, local_blocks: Sequence[int],
                      remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
@@ -481,6 +506,16 @@ class Agent:
             xfer._reset(next(self._xids))
         elif xfer.posted:
             raise UsageError(f"kv xfer {xfer.id} is still in flight; one post at a time")
+        if xfer.reads is not None and self.pool is not None:
+            # The pages it sends: consumers until the receiver acknowledged them (or the
+            # transfer failed); this waits for earlier writers of those pages.
+            pages, layers = xfer.reads
+            try:
+                self.pool.declare(pages, layers, AccessKind.SOCKET_SEND, [xfer.fence] * len(layers),
+                                  f"kv xfer {xfer.id} to {xfer.peer}", None)
+            except BaseException as exc:
+                xfer._finish(exc)    # ends the accesses declared so far
+                raise
         import time
         xfer.posted = time.monotonic()
         try:

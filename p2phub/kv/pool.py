@@ -14,9 +14,22 @@ import mmap
 from typing import Any, Sequence
 
 from ..errors import UsageError
+from ..ordering import AccessKind
+from ..ordering import bind as bind_access
 from .layout import KVLayout
 
-__all__ = ["KVPool", "Segment"]
+__all__ = ["KVPool", "Segment", "page_runs"]
+
+
+def page_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive page numbers in `blocks`."""
+    out: list[tuple[int, int]] = []
+    for b in sorted(set(int(b) for b in blocks)):
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
 
 
 class Segment:
@@ -138,6 +151,27 @@ class KVPool:
         if view is None:
             raise UsageError(f"KV pool on {self.device} has no host view")
         return view[off:off + n]
+
+    def declare(self, blocks: Sequence[int], layers: Sequence[int] | range, kind: AccessKind,
+                fences: Sequence[Any], what: str, timeout: float | None) -> None:
+        """Accesses of `kind` on pages `blocks` (K and V) of every layer in `layers`, with
+        consecutive pages merged, each bound to its layer's fence in `fences` (by position in
+        `layers`): the ordering layer then orders other users of those pages against them.
+        A producer first waits (up to `timeout`) for earlier readers of its pages. Segments
+        with no registration (plain host memory) have no ordering to declare on."""
+        lay = self.layout
+        runs = page_runs(blocks)
+        for i, ly in enumerate(layers):
+            for kv in range(lay.kv):
+                seg, base = lay.block_base(ly, kv)
+                reg = self.segments[seg].registration
+                if reg is None:
+                    continue
+                for first, count in runs:
+                    a = reg.ordering.acquire(base + first * lay.block_bytes,
+                                             count * lay.block_bytes, kind,
+                                             f"{what} layer {ly}", timeout=timeout)
+                    bind_access(a, fences[i])
 
     def seg_table(self) -> list[tuple[int, int]]:
         return [(s.addr, s.length) for s in self.segments]

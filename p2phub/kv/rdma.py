@@ -35,7 +35,6 @@ from typing import Any, Sequence
 
 from ..errors import UsageError
 from ..ordering import AccessKind
-from ..ordering import bind as bind_access
 from ..rdma.verbs import Access
 from . import transport as tp
 from .errors import KVError, KVPeerError
@@ -379,33 +378,14 @@ class RdmaAgent:
         if blocks is not None:
             q.blocks = list(blocks)
             try:
-                self._declare(q.blocks, range(self.layout.num_layers),
-                              AccessKind.RDMA_WRITE_TARGET, q.layers,
-                              f"kv request {req} from {peer}", timeout)
+                self.pool.declare(q.blocks, range(self.layout.num_layers),
+                                  AccessKind.RDMA_WRITE_TARGET, q.layers,
+                                  f"kv request {req} from {peer}", timeout)
             except BaseException as exc:
                 q._fail(exc)
                 self.release(peer, req)
                 raise
         return q
-
-    def _declare(self, blocks: Sequence[int], layers: Sequence[int] | range, kind: AccessKind,
-                 fences: Sequence[HostFence], what: str, timeout: float | None) -> None:
-        """Accesses of `kind` on `blocks` of every layer in `layers` (contiguous pages
-        merged), each bound to its layer's fence in `fences` (indexed by position in
-        `layers`). Plain host memory (no registration) has no ordering to declare on."""
-        lay = self.layout
-        runs = _runs(blocks)
-        for i, ly in enumerate(layers):
-            for kv in range(lay.kv):
-                seg, base = lay.block_base(ly, kv)
-                reg = self.pool.segments[seg].registration
-                if reg is None:
-                    continue
-                for first, count in runs:
-                    a = reg.ordering.acquire(base + first * lay.block_bytes,
-                                             count * lay.block_bytes, kind,
-                                             f"{what} layer {ly}", timeout=timeout)
-                    bind_access(a, fences[i])
 
     def release(self, peer: str, req: int) -> None:
         """Forget `req`; one that did not complete fails (its pages never become visible)."""
@@ -441,8 +421,8 @@ class RdmaAgent:
         sent = list(layers) if layers is not None else range(lay.num_layers)
         # The pages this request reads: consumers until it completes (or fails).
         try:
-            self._declare(local_blocks, sent, AccessKind.RDMA_SEND, [fence] * len(sent),
-                          f"kv rdma request {req} to {peer}", None)
+            self.pool.declare(local_blocks, sent, AccessKind.RDMA_SEND, [fence] * len(sent),
+                              f"kv rdma request {req} to {peer}", None)
         except BaseException as exc:
             fence.fail(exc)     # ends the accesses declared so far
             raise
@@ -584,17 +564,6 @@ class _VaMr:
 
     def close(self) -> None:
         self._mr.close()
-
-
-def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive page numbers in `blocks`."""
-    out: list[tuple[int, int]] = []
-    for b in sorted(set(int(b) for b in blocks)):
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
 
 
 def tp_int32(values: Sequence[int]):

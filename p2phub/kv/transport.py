@@ -98,6 +98,7 @@ class Xfer:
         self.posted = 0.0
         self.nbytes = sum(m.nbytes for m in messages)
         self.on_done: Callable[["Xfer"], None] | None = None
+        self.reads: tuple[Any, list[int]] | None = None   # (pages, layers) of the sender's pool
 
     def _reset(self, xid: int) -> None:
         self.id = xid

@@ -34,11 +34,13 @@ class AccessKind(enum.Enum):
     RDMA_WRITE_TARGET = ("rdma write target", True)  # a peer WRITEs into the buffer
     RDMA_READ_DEST = ("rdma read dest", True)    # a local READ lands in the buffer
     GPU_WRITE = ("gpu write", True)
+    SOCKET_RECV = ("socket recv", True)          # bytes from a socket land in the buffer
     # consumers
     NVME_WRITE = ("nvme write", False)           # buffer -> SSD
     RDMA_SEND = ("rdma send", False)             # SEND or WRITE from the buffer
     RDMA_READ_SOURCE = ("rdma read source", False)  # a peer READs the buffer
     GPU_READ = ("gpu read", False)
+    SOCKET_SEND = ("socket send", False)         # the buffer's bytes go out on a socket
 
     def __init__(self, label: str, producer: bool) -> None:
         self.label = label

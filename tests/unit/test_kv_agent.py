@@ -261,3 +261,96 @@ def test_read_pulls_pages_back_and_refuses_bad_ranges(pair) -> None:
     a.add_remote(b.metadata())
     a.post(x)
     x.wait(5)
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+def _ordered_pools() -> tuple[KVPool, KVPool]:
+    """Host pools whose segments carry an ordering layer, as registered pools do."""
+    from types import SimpleNamespace
+
+    from p2phub.ordering import Ordering
+    pools = KVPool.host(LAY), KVPool.host(LAY)
+    for p in pools:
+        for i, s in enumerate(p.segments):
+            s.registration = SimpleNamespace(ordering=Ordering(f"seg {i}", s.length))
+    return pools
+
+
+def _consume(pool: KVPool, layer: int, blk: int, within: float) -> bool:
+    """Would a reader of (layer, K, blk) start within `within` s? (It ends at once if so.)"""
+    from p2phub.ordering import AccessKind, OrderingTimeout, bind, completed
+    seg, base = LAY.block_base(layer, 0)
+    ordering = pool.segments[seg].registration.ordering
+    try:
+        a = ordering.acquire(base + blk * LAY.block_bytes, LAY.block_bytes, AccessKind.NVME_WRITE,
+                             "reader", timeout=within)
+    except OrderingTimeout:
+        return False
+    bind(a, completed())
+    return True
+
+
+def test_receiver_declares_the_pages_each_layer_fills() -> None:
+    """expect(blocks=...) makes each layer's pages a producer until that layer landed: a
+    reader of layer 0 starts once layer 0 is in while a reader of layer 3 waits; releasing
+    the unfinished request fails the reader waiting on it."""
+    import threading
+    import time
+
+    from p2phub.ordering import FenceError
+    pa, pb = _ordered_pools()
+    with Agent("a", pa, stall_timeout=5.0) as a, Agent("b", pb, stall_timeout=5.0) as b:
+        a.add_remote(b.metadata())
+        src, dst = [3, 4, 9], [20, 21, 5]
+        r = b.expect("a", 7, blocks=dst)
+        assert not _consume(pb, 0, 20, within=0.2)            # nothing landed yet
+        a.send_request("b", 7, src, dst, layers=[0], end=False).wait(5)
+        r.layer(0).wait(5)
+        assert _consume(pb, 0, 20, within=5)
+        assert not _consume(pb, 3, 5, within=0.2)             # layer 3 still to come
+        assert _consume(pb, 3, 6, within=0.2)                 # a page the request does not fill
+        failed: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                _consume(pb, 3, 5, within=10)
+            except FenceError as exc:
+                failed.append(exc)
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.2)
+        b.release("a", 7)                                     # gives the rest up
+        t.join(10)
+        assert len(failed) == 1 and "released" in str(failed[0]), failed
+        # the pool is usable for the next request
+        r = b.expect("a", 8, blocks=dst)
+        a.send_request("b", 8, src, dst).wait(5)
+        r.done.wait(5)
+        assert _consume(pb, 3, 5, within=5)
+
+
+def test_sender_waits_for_the_writer_of_its_pages() -> None:
+    """The pages a transfer sends are read: posting it waits until an earlier writer of
+    those pages (a GPU kernel, an NVMe read) completed."""
+    import threading
+
+    from p2phub.ordering import AccessKind, HostFence, bind
+    pa, pb = _ordered_pools()
+    with Agent("a", pa, stall_timeout=5.0) as a, Agent("b", pb, stall_timeout=5.0) as b:
+        a.add_remote(b.metadata())
+        seg, base = LAY.block_base(2, 1)
+        writer = HostFence("writer")
+        bind(pa.segments[seg].registration.ordering.enter(base + 3 * LAY.block_bytes, 4096,
+                                                          AccessKind.GPU_WRITE, "writer"), writer)
+        x = a.make_request("b", 1, [3], [0])
+        t = threading.Thread(target=a.post, args=(x,))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not x.posted                 # held back by the writer
+        pa.block(2, 1, 3)[:] = b"\x77" * 4096
+        writer.set()
+        t.join(5)
+        x.wait(5)
+        assert bytes(pb.block(2, 1, 0)) == b"\x77" * 4096

@@ -13,7 +13,7 @@ SMALL = ["--layers", "4", "--blocks", "64", "--block-bytes", "8192"]
 
 
 def _p2phub(*args: str, **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(TOP))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TOP), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-m", "p2phub", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 

@@ -110,7 +110,7 @@ def test_rdma_immediate_carries_request_and_layer() -> None:
 
 
 def test_page_runs_merge_consecutive_pages_for_the_ordering() -> None:
-    from p2phub.kv.rdma import _runs
-    assert _runs([7, 3, 4, 5, 9, 8, 3]) == [(3, 3), (7, 3)]
-    assert _runs([]) == []
-    assert _runs([0]) == [(0, 1)]
+    from p2phub.kv.pool import page_runs
+    assert page_runs([7, 3, 4, 5, 9, 8, 3]) == [(3, 3), (7, 3)]
+    assert page_runs([]) == []
+    assert page_runs([0]) == [(0, 1)]

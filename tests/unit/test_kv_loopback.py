@@ -26,7 +26,8 @@ class Proc:
     """One kvpeer.py process."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), str(HERE)]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(HERE.parent.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
         self.p = subprocess.Popen([sys.executable, str(HERE / "kvpeer.py")], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
 

@@ -29,7 +29,7 @@ def _impls() -> list:
 def test_nixl_script_two_processes(impl: str, tmp_path: Path) -> None:
     pytest.importorskip("numpy")
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
-               PYTHONPATH=str(HERE.parent.parent))
+               PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(HERE / "nixl_script.py"), "--impl", impl, "--dir", str(tmp_path)]
     tgt = subprocess.Popen(cmd + ["--role", "target"], stdout=subprocess.PIPE, text=True, env=env)
     ini = subprocess.Popen(cmd + ["--role", "initiator"], stdout=subprocess.PIPE, text=True, env=env)

@@ -153,9 +153,9 @@ def test_conflict_table(first: AccessKind, second: AccessKind) -> None:
 
 def test_kinds_split_into_the_issue_table() -> None:
     assert {k.name for k in PRODUCERS} == {"NVME_READ", "RDMA_RECV", "RDMA_WRITE_TARGET",
-                                         "RDMA_READ_DEST", "GPU_WRITE"}
+                                         "RDMA_READ_DEST", "GPU_WRITE", "SOCKET_RECV"}
     assert {k.name for k in CONSUMERS} == {"NVME_WRITE", "RDMA_SEND", "RDMA_READ_SOURCE",
-                                         "GPU_READ"}
+                                         "GPU_READ", "SOCKET_SEND"}
 
 
 def test_adjacent_ranges_do_not_conflict() -> None:
