@@ -375,3 +375,58 @@ long kv_discard(int fd, uint64_t n, int timeout_ms)
 	}
 	return 0;
 }
+
+/* ---- CUDA staging (see _kvhot.h): the driver is called through the addresses Python
+ * resolved; CUresult is an int, CUdeviceptr a 64-bit integer, CUstream and CUcontext
+ * pointers. */
+typedef int (*kv_ctx_set_fn)(void *ctx);
+typedef int (*kv_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);
+typedef int (*kv_htod_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*kv_sync_fn)(void *stream);
+
+static int kv_cuda_enter(const struct kv_cuda *cu, int *cuerr)
+{
+	int rc = ((kv_ctx_set_fn)(uintptr_t)cu->ctx_set_current)((void *)(uintptr_t)cu->ctx);
+
+	*cuerr = rc;
+	return rc ? -EIO : 0;
+}
+
+long kv_cuda_copy(const struct kv_cuda *cu, int to_device, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t stream, int *cuerr)
+{
+	void *s = (void *)(uintptr_t)stream;
+	char *p = stage;
+	uint64_t done = 0;
+	size_t i;
+
+	if (kv_cuda_enter(cu, cuerr))
+		return -EIO;
+	for (i = 0; i < nruns; i++) {
+		int rc;
+
+		if (to_device)
+			rc = ((kv_htod_fn)(uintptr_t)cu->htod_async)(runs[i].addr, p + done,
+								    (size_t)runs[i].len, s);
+		else
+			rc = ((kv_dtoh_fn)(uintptr_t)cu->dtoh_async)(p + done, runs[i].addr,
+								    (size_t)runs[i].len, s);
+		if (rc) {
+			*cuerr = rc;
+			return -EIO;
+		}
+		done += runs[i].len;
+	}
+	return (long)(done > LONG_MAX ? LONG_MAX : done);
+}
+
+long kv_cuda_sync(const struct kv_cuda *cu, uint64_t stream, int *cuerr)
+{
+	int rc;
+
+	if (kv_cuda_enter(cu, cuerr))
+		return -EIO;
+	rc = ((kv_sync_fn)(uintptr_t)cu->stream_sync)((void *)(uintptr_t)stream);
+	*cuerr = rc;
+	return rc ? -EIO : 0;
+}

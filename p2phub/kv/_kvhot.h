@@ -49,3 +49,27 @@ long kv_recv_iov(int fd, const struct kv_iov *iov, size_t niov, int timeout_ms);
 
 /* Read and drop n bytes (the payload of a rejected message). */
 long kv_discard(int fd, uint64_t n, int timeout_ms);
+
+/* CUDA staging: driver entry points that Python resolved once (from libcuda), as
+ * addresses, and the context made current in the calling thread before each copy.
+ *   ctx_set_current  CUresult cuCtxSetCurrent(CUcontext)
+ *   dtoh_async       CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t, CUstream)
+ *   htod_async       CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t, CUstream)
+ *   stream_sync      CUresult cuStreamSynchronize(CUstream) */
+struct kv_cuda {
+	uint64_t ctx_set_current;
+	uint64_t dtoh_async;
+	uint64_t htod_async;
+	uint64_t stream_sync;
+	uint64_t ctx;
+};
+
+/* Queue on `stream` one copy per run between the device ranges `runs` and the host
+ * staging buffer `stage`, packed in order: device -> stage (to_device 0) or stage ->
+ * device (to_device 1). Nothing waits for the copies (kv_cuda_sync does). Returns the
+ * bytes queued, or -EIO with *cuerr = the CUresult of the call that failed. */
+long kv_cuda_copy(const struct kv_cuda *cu, int to_device, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t stream, int *cuerr);
+
+/* Wait for everything queued on `stream`: 0, or -EIO with *cuerr set. */
+long kv_cuda_sync(const struct kv_cuda *cu, uint64_t stream, int *cuerr);

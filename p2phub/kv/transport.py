@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
+from .cuda import CudaCopyError
 from .fence import FenceTimeout, HostFence
 
 if TYPE_CHECKING:
@@ -219,6 +220,13 @@ class Connection:
         self._last_rx = time.monotonic()
         self._skip: set[int] = set()                        # inbound: refused transfers
         self.error: BaseException | None = None
+        self.cuda = agent.cuda_device                      # None: host pool, no staging
+        self._tx_stage: Any = None
+        self._rx_stage: Any = None
+        self._rx_slots = threading.Semaphore(2)
+        self._rx_next = 0
+        self._rx_done: "queue.Queue[Any]" = queue.Queue()
+        self._rx_thread: threading.Thread | None = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"kv-rx-{peer}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -271,6 +279,9 @@ class Connection:
                 msgs = xfer.messages
                 with self._lock:
                     self._pending[xfer.id] = (xfer, float("inf"))
+                if self.cuda is not None:
+                    self._send_staged(xfer, msgs)
+                    continue
                 for i, m in enumerate(msgs):
                     flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
                     if m.type == DATA:
@@ -290,7 +301,11 @@ class Connection:
             except Exception as exc:  # a bug or a bad message: fail this transfer only
                 with self._lock:
                     self._pending.pop(xfer.id, None)
-                xfer._finish(KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
+                xfer._finish(exc if isinstance(exc, KVError)
+                             else KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
+        if self._tx_stage is not None:
+            self._tx_stage.close()
+            self._tx_stage = None
         # Drain what is still queued: it will never be sent on this connection.
         while True:
             try:
@@ -299,6 +314,59 @@ class Connection:
                 break
             if x is not None:
                 x._finish(self._closed_error())
+
+    def _stage(self, direction: str) -> Any:
+        from . import cuda
+        assert self.cuda is not None
+        return cuda.Staging(cuda.driver(), self.cuda,
+                            f"kv {direction} {self.peer!r} (cuda:{self.cuda})")
+
+    def _send_staged(self, xfer: Xfer, msgs: list[Message]) -> None:
+        """Send `xfer` from a CUDA pool: message i+1's device-to-host copies run on the other
+        staging buffer's stream while message i goes out. A CUDA error fails this transfer
+        (the receiver is told with FAIL); the connection stays up."""
+        if self._tx_stage is None:
+            self._tx_stage = self._stage("send to")
+        st = self._tx_stage
+
+        def start(i: int) -> None:
+            m = msgs[i]
+            if m.type == DATA:
+                st.ensure(i % 2, m.nbytes)
+                st.copy(i % 2, False, m.iov, m.nruns,
+                        f"device-to-host copy of request {m.req} layer {m.layer}")
+
+        sent = 0
+        try:
+            start(0)
+            for i, m in enumerate(msgs):
+                if i + 1 < len(msgs):
+                    start(i + 1)
+                flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
+                if m.type == DATA:
+                    st.sync(i % 2, f"device-to-host copy of request {m.req} layer {m.layer}")
+                    self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                                   nruns=m.nruns, iov=st.payload(i % 2, m.nbytes), niov=1,
+                                   nbytes=m.nbytes)
+                elif m.type == READ:
+                    raise KVError("READ over TCP moves host pools only")
+                else:
+                    self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
+                sent += 1
+        except KVError as exc:
+            if isinstance(exc, KVPeerError):
+                raise
+            for k in range(2):   # nothing may still write the buffers
+                try:
+                    st.sync(k, "draining")
+                except KVError:
+                    pass
+            if sent:
+                self._send_raw(FAIL, 0, xfer.id, 0, 0, body=str(exc).encode()[:MAX_CTRL])
+            raise
+        with self._lock:
+            if xfer.id in self._pending:
+                self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
 
     # ------------------------------------------------------------------ receiving
     def _recv(self, n: int) -> bytes:
@@ -346,8 +414,12 @@ class Connection:
                 magic, type_, flags, xid, req, layer, n, nbytes = HDR.unpack(raw)
                 if magic != MAGIC:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
+                if type_ != DATA and self._rx_thread is not None:
+                    self._rx_done.join()   # staged layers land before what follows them
                 if type_ == DATA and flags & F_READ_RESP:
                     self._on_read_resp(xid, n, nbytes)
+                elif type_ == DATA and self.cuda is not None:
+                    self._on_data_staged(flags, xid, req, layer, n, nbytes)
                 elif type_ == DATA:
                     self._on_data(flags, xid, req, layer, n, nbytes)
                 elif type_ == READ:
@@ -379,6 +451,13 @@ class Connection:
             self._fail_connection(exc)
         except Exception as exc:  # never let the thread die silently
             self._fail_connection(KVPeerError(self.peer, "reset", f"receiver error: {exc!r}"))
+        finally:
+            if self._rx_thread is not None:
+                self._rx_done.put(None)
+                self._rx_thread.join()
+            if self._rx_stage is not None:
+                self._rx_stage.close()
+                self._rx_stage = None
 
     def _track(self, xid: int, req: int) -> None:
         with self._lock:
@@ -422,12 +501,113 @@ class Connection:
         if flags & F_LAST:
             self._finish_inbound(xid)
 
+    def _reject(self, flags: int, xid: int, req: int, layer: int, nbytes: int, why: str) -> None:
+        self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+        exc = KVRejected(self.peer, f"request {req} layer {layer}: {why}")
+        self._fail_inbound(xid, exc)
+        self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
+        if not flags & F_LAST:
+            self._skip.add(xid)
+
+    def _on_data_staged(self, flags: int, xid: int, req: int, layer: int, nruns: int,
+                        nbytes: int) -> None:
+        """DATA into a CUDA pool: check the runs, read the payload into a free staging
+        buffer, queue its host-to-device copies; the completion thread lands the layer."""
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
+        h = hot()
+        wire = self._recv(nruns * WIRE_RUN)
+        if xid in self._skip:
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            if flags & F_LAST:
+                self._skip.discard(xid)
+            return
+        self._track(xid, req)
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        if rc < 0:
+            seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, bad[0] * WIRE_RUN)
+            return self._reject(flags, xid, req, layer, nbytes,
+                                f"run {bad[0]} (segment {seg}, offset {off}, {ln} bytes) is "
+                                f"outside the {nsegs} registered segment(s)")
+        if total[0] != nbytes:
+            return self._reject(flags, xid, req, layer, nbytes,
+                                f"runs add up to other than the {nbytes} payload bytes")
+        if self._rx_stage is None:
+            self._rx_stage = self._stage("receive from")
+            self._rx_thread = threading.Thread(target=self._land_loop, daemon=True,
+                                               name=f"kv-land-{self.peer}")
+            self._rx_thread.start()
+        st = self._rx_stage
+        while not self._rx_slots.acquire(timeout=0.1):
+            if self.closed:
+                raise self._closed_error()
+        k = self._rx_next
+        self._rx_next ^= 1
+        what = f"host-to-device copy of request {req} layer {layer}"
+        try:
+            st.ensure(k, nbytes)
+            self._check_rx(h.lib.kv_recv_exact(self.fd, h.ffi.cast("void *", st.bufs[k]), nbytes,
+                                               self.timeout_ms) if nbytes else 0)
+            err: BaseException | None = None
+            try:
+                st.copy(k, True, iov, nruns, what)
+            except CudaCopyError as exc:
+                err = exc
+        except BaseException:
+            self._rx_slots.release()
+            raise
+        self._rx_done.put((k, err, what, flags, xid, req, layer, wire, iov))
+
+    def _land_loop(self) -> None:
+        """Complete staged layers in arrival order, each once its copies are synchronized."""
+        st = self._rx_stage
+        cuerr = hot().ffi.new("int *")
+        while True:
+            item = self._rx_done.get()
+            try:
+                if item is None:
+                    return
+                k, err, what, flags, xid, req, layer, wire, _iov = item
+                try:
+                    st.sync(k, what, cuerr)
+                except CudaCopyError as exc:
+                    err = err or exc
+                self._rx_slots.release()
+                if err is not None:
+                    self._fail_inbound(xid, err)
+                    if not self.closed:
+                        self._send_ctrl(ERR, xid, req, layer, str(err).encode())
+                    continue
+                inb = self.agent._inbound(self.peer, req)
+                inb._landed(layer, wire)
+                if flags & F_REQ_END:
+                    inb._complete()
+                if flags & F_LAST:
+                    self._finish_inbound(xid)
+            except KVPeerError as exc:
+                self._fail_connection(exc)
+            except Exception as exc:  # never die silently: the reader joins this queue
+                self._fail_connection(KVPeerError(self.peer, "reset", f"landing error: {exc!r}"))
+            finally:
+                self._rx_done.task_done()
+
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         """Serve a READ: check the runs against our segments, send their bytes back."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
         h = hot()
         wire = self._recv(nruns * WIRE_RUN)
+        if self.cuda is not None:
+            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: agent "
+                            f"{self.agent.name!r} has a CUDA pool; READ over TCP moves host "
+                            "pools only".encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
         segs, nsegs = self.agent._seg_table()
         iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
         bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
