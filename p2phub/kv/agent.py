@@ -115,6 +115,7 @@ class Agent:
         self._remotes: dict[str, RemoteAgent] = {}
         self._out: dict[str, tp.Connection] = {}
         self._in: dict[str, tp.Connection] = {}
+        self._failed: list[tp.Connection] = []   # dropped, their threads maybe still ending
         self._inbound_reqs: dict[tuple[str, int], tp.InboundRequest] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._notif_cv = threading.Condition(self._lock)
@@ -307,6 +308,7 @@ class Agent:
             table = self._out if conn.outbound else self._in
             if table.get(conn.peer) is conn:
                 del table[conn.peer]
+            self._failed = [c for c in self._failed if c.alive()] + [conn]
             waiting = [r for (p, _), r in self._inbound_reqs.items()
                        if p == conn.peer and not r.done.done()] if not conn.outbound else []
         for r in waiting:  # the peer is gone: nothing it owed us will arrive
@@ -556,9 +558,10 @@ class Agent:
             pass
         self._listener.close()
         with self._lock:
-            conns = list(self._out.values()) + list(self._in.values())
+            conns = list(self._out.values()) + list(self._in.values()) + self._failed
             self._out.clear()
             self._in.clear()
+            self._failed = []
         for c in conns:
             c.close()
 

@@ -685,6 +685,11 @@ class Connection:
         self._queue.put(None)
         self.agent._connection_failed(self, exc)
 
+    def alive(self) -> bool:
+        """Whether one of its threads still runs (a dropped connection's end their work:
+        Agent.close waits for them, so staging buffers are freed when it returns)."""
+        return any(t is not None and t.is_alive() for t in (self._reader, self._sender))
+
     def close(self) -> None:
         self._fail_connection(KVPeerError(self.peer, "closed", "closed locally"))
         for t in (self._reader, self._sender):
