@@ -73,3 +73,23 @@ long kv_cuda_copy(const struct kv_cuda *cu, int to_device, const struct kv_iov *
 
 /* Wait for everything queued on `stream`: 0, or -EIO with *cuerr set. */
 long kv_cuda_sync(const struct kv_cuda *cu, uint64_t stream, int *cuerr);
+
+/* Send one DATA message from device runs: hdr and the run table, then the payload, staged
+ * in chunks of `chunk` bytes through the two halves of `stage` (2 * chunk bytes), chunk c
+ * copied on streams[c % 2]: the copies of chunk c + 1 run while chunk c is sent. Returns
+ * the payload bytes; -EIO with *cuerr set and *sent = 0 when a copy failed before anything
+ * was sent, *sent = 1 when it failed mid-message (the stream is then out of step: drop the
+ * connection); other -errno as kv_send. */
+long kv_cuda_send(const struct kv_cuda *cu, int fd, const void *hdr, size_t hdrlen,
+                  const struct kv_wire *wire, size_t nwire, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr, int *sent);
+
+/* Receive a payload of `total` bytes into device runs (checked by the caller), chunk by
+ * chunk through the two halves of `stage`, each chunk's copies queued on streams[c % 2]
+ * while the next chunk is read; both streams are synchronized before it returns. A failed
+ * copy does not stop the reading (the stream stays in step): -EIO with *cuerr set once the
+ * whole payload was read; socket errors as kv_recv_exact. */
+long kv_cuda_recv(const struct kv_cuda *cu, int fd, const struct kv_iov *runs, size_t nruns,
+                  uint64_t total, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr);

@@ -124,6 +124,7 @@ class Agent:
         self.pool: KVPool | None = None
         self.layout: KVLayout | None = None
         self.cuda_device: int | None = None   # a CUDA pool's device: transfers are staged
+        self.stage_chunk = 4 << 20            # bytes per staging chunk (two per direction)
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,

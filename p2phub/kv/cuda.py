@@ -8,10 +8,11 @@ addresses resolved here once, from ``libcuda.so.1`` with ctypes (no CUDA toolkit
 Every copy first makes the pool device's primary context current in the calling thread (the
 context torch and CuPy use).
 
-Each connection has two staging buffers, each with its own non-blocking stream: the sender
-queues the copy of message i+1 before it sends message i; the receiver reads message i+1 while
-message i's copies run, and a completion thread completes a layer's fence only once its
-copies are synchronized.
+Each connection direction has one pinned staging buffer of two chunk-sized halves
+(``Agent.stage_chunk``, 4 MiB by default), each half with its own non-blocking stream: the
+sender copies chunk c+1 of a message into one half while chunk c goes out of the other; the
+receiver reads chunk c+1 into one half while chunk c's copies to the device run, and completes
+the layer's fence only after both streams are synchronized.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class CudaDriver:
         self._check(self.lib.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         return s.value or 0
 
+    def stream_sync(self, stream: int) -> None:
+        self.lib.cuStreamSynchronize(ctypes.c_void_p(stream))
+
     def stream_destroy(self, stream: int) -> None:
         self.lib.cuStreamDestroy_v2(ctypes.c_void_p(stream))
 
@@ -145,83 +149,53 @@ def set_driver(d: CudaDriver | None) -> CudaDriver | None:
 
 
 class Staging:
-    """Two pinned staging buffers with a stream each, for one direction of one connection.
-    Made, used and freed by one thread (the sender, or the receiver's reader); the
-    receiver's completion thread only synchronizes streams."""
+    """A pinned staging buffer of two chunk-sized halves, with a stream each, for one
+    direction of one connection; made, used and freed by one thread (the connection's sender
+    or its reader)."""
 
-    def __init__(self, drv: CudaDriver, ordinal: int, what: str) -> None:
+    def __init__(self, drv: CudaDriver, ordinal: int, what: str, chunk: int) -> None:
         from . import transport as tp
         h = tp.hot()
         self.drv = drv
         self.what = what
+        self.chunk = chunk
         self.ctx = drv.primary_context(ordinal)
         self.c = h.ffi.new("struct kv_cuda *")
         for k, v in drv.entry_points().items():
             setattr(self.c, k, v)
         self.c.ctx = self.ctx
         self.cuerr = h.ffi.new("int *")
-        self.iov = h.ffi.new("struct kv_iov[]", 2)
-        self.bufs = [0, 0]
-        self.sizes = [0, 0]
-        self.streams = [0, 0]
+        self.sent = h.ffi.new("int *")
+        self.streams = h.ffi.new("uint64_t[2]")
+        self.buf = 0
         drv.set_current(self.ctx)
-        for k in range(2):
-            self.streams[k] = drv.stream_create()
+        try:
+            for k in range(2):
+                self.streams[k] = drv.stream_create()
+            self.buf = drv.host_alloc(2 * chunk)
+        except BaseException:
+            self.close()
+            raise
+        self.stage = h.ffi.cast("void *", self.buf)
 
-    def ensure(self, k: int, n: int) -> None:
-        """Buffer k holds at least n bytes (grown by doubling; its stream must be idle)."""
-        if self.sizes[k] >= n:
-            return
-        size = max(n, 2 * self.sizes[k], 1 << 20)
-        self.drv.set_current(self.ctx)
-        if self.bufs[k]:
-            self.drv.host_free(self.bufs[k])
-            self.bufs[k], self.sizes[k] = 0, 0
-        self.bufs[k] = self.drv.host_alloc(size)
-        self.sizes[k] = size
-        self.iov[k].addr = self.bufs[k]
-
-    def payload(self, k: int, n: int) -> Any:
-        """Buffer k's first n bytes as a one-range kv_iov array (for kv_send)."""
-        self.iov[k].len = n
-        return self.iov + k
-
-    def copy(self, k: int, to_device: bool, runs: Any, nruns: int, what: str) -> None:
-        """Queue the copies between the device runs and buffer k on stream k."""
-        from . import transport as tp
-        rc = tp.hot().lib.kv_cuda_copy(self.c, 1 if to_device else 0, runs, nruns,
-                                       tp.hot().ffi.cast("void *", self.bufs[k]),
-                                       self.streams[k], self.cuerr)
-        if rc < 0:
-            self._raise(what)
-
-    def sync(self, k: int, what: str, cuerr: Any = None) -> None:
-        from . import transport as tp
-        err = cuerr if cuerr is not None else self.cuerr
-        if tp.hot().lib.kv_cuda_sync(self.c, self.streams[k], err) < 0:
-            self._raise(what, err)
-
-    def _raise(self, what: str, err: Any = None) -> None:
-        code = int((err if err is not None else self.cuerr)[0])
-        raise CudaCopyError(f"{self.what}: {what}", code, self.drv.error_name(code))
+    def error(self, what: str) -> CudaCopyError:
+        code = int(self.cuerr[0])
+        return CudaCopyError(f"{self.what}: {what}", code, self.drv.error_name(code))
 
     def close(self) -> None:
-        """Wait for the streams, free the buffers and streams (errors are ignored: this runs
-        when a connection ends, whatever ended it)."""
-        from . import transport as tp
-        h = tp.hot()
-        err = h.ffi.new("int *")
-        for k in range(2):
-            if self.streams[k]:
-                h.lib.kv_cuda_sync(self.c, self.streams[k], err)
+        """Wait for the streams, free the buffer and the streams (errors are ignored: this
+        runs when a connection ends, whatever ended it)."""
         try:
             self.drv.set_current(self.ctx)
         except KVError:
             pass
         for k in range(2):
-            if self.bufs[k]:
-                self.drv.host_free(self.bufs[k])
-                self.bufs[k], self.sizes[k] = 0, 0
+            if self.streams[k]:
+                self.drv.stream_sync(self.streams[k])
+        if self.buf:
+            self.drv.host_free(self.buf)
+            self.buf = 0
+        for k in range(2):
             if self.streams[k]:
                 self.drv.stream_destroy(self.streams[k])
                 self.streams[k] = 0

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
-from .cuda import CudaCopyError
 from .fence import FenceTimeout, HostFence
 
 if TYPE_CHECKING:
@@ -223,10 +222,6 @@ class Connection:
         self.cuda = agent.cuda_device                      # None: host pool, no staging
         self._tx_stage: Any = None
         self._rx_stage: Any = None
-        self._rx_slots = threading.Semaphore(2)
-        self._rx_next = 0
-        self._rx_done: "queue.Queue[Any]" = queue.Queue()
-        self._rx_thread: threading.Thread | None = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"kv-rx-{peer}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -319,51 +314,49 @@ class Connection:
         from . import cuda
         assert self.cuda is not None
         return cuda.Staging(cuda.driver(), self.cuda,
-                            f"kv {direction} {self.peer!r} (cuda:{self.cuda})")
+                            f"kv {direction} {self.peer!r} (cuda:{self.cuda})",
+                            self.agent.stage_chunk)
 
     def _send_staged(self, xfer: Xfer, msgs: list[Message]) -> None:
-        """Send `xfer` from a CUDA pool: message i+1's device-to-host copies run on the other
-        staging buffer's stream while message i goes out. A CUDA error fails this transfer
-        (the receiver is told with FAIL); the connection stays up."""
+        """Send `xfer` from a CUDA pool, each DATA message staged chunk by chunk in C
+        (kv_cuda_send). A CUDA error before a message's first byte fails this transfer only
+        (the receiver is told with FAIL); one in the middle of a message leaves the byte
+        stream out of step, so it drops this connection (its other transfers fail with it;
+        the next one reconnects)."""
         if self._tx_stage is None:
             self._tx_stage = self._stage("send to")
         st = self._tx_stage
-
-        def start(i: int) -> None:
-            m = msgs[i]
-            if m.type == DATA:
-                st.ensure(i % 2, m.nbytes)
-                st.copy(i % 2, False, m.iov, m.nruns,
-                        f"device-to-host copy of request {m.req} layer {m.layer}")
-
-        sent = 0
-        try:
-            start(0)
-            for i, m in enumerate(msgs):
-                if i + 1 < len(msgs):
-                    start(i + 1)
-                flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
-                if m.type == DATA:
-                    st.sync(i % 2, f"device-to-host copy of request {m.req} layer {m.layer}")
-                    self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
-                                   nruns=m.nruns, iov=st.payload(i % 2, m.nbytes), niov=1,
-                                   nbytes=m.nbytes)
-                elif m.type == READ:
-                    raise KVError("READ over TCP moves host pools only")
-                else:
-                    self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
-                sent += 1
-        except KVError as exc:
-            if isinstance(exc, KVPeerError):
-                raise
-            for k in range(2):   # nothing may still write the buffers
-                try:
-                    st.sync(k, "draining")
-                except KVError:
-                    pass
-            if sent:
-                self._send_raw(FAIL, 0, xfer.id, 0, 0, body=str(exc).encode()[:MAX_CTRL])
-            raise
+        h = hot()
+        for i, m in enumerate(msgs):
+            flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
+            if m.type == READ:
+                raise KVError("READ over TCP moves host pools only")
+            if m.type != DATA:
+                self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
+                continue
+            hdr = HDR.pack(MAGIC, DATA, flags, xfer.id, m.req, m.layer, m.nruns, m.nbytes)
+            with self._lock:
+                if self.closed:
+                    raise self._closed_error()
+                rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), m.wire, m.nruns, m.iov,
+                                        m.nruns, st.stage, st.chunk, st.streams, self.timeout_ms,
+                                        st.cuerr, st.sent)
+            if rc == -errno.EIO:
+                exc = st.error(f"device-to-host copy of request {m.req} layer {m.layer}")
+                if st.sent[0]:
+                    with self._lock:   # this transfer fails with the CUDA error, not the drop
+                        self._pending.pop(xfer.id, None)
+                    self._fail_connection(KVPeerError(self.peer, "reset", f"{exc} in the middle "
+                                                      "of a message; connection dropped"))
+                    raise exc
+                if i:
+                    self._send_raw(FAIL, 0, xfer.id, 0, 0, body=str(exc).encode()[:MAX_CTRL])
+                raise exc
+            if rc < 0:
+                if rc == -errno.ETIMEDOUT:
+                    raise KVPeerError(self.peer, "stalled",
+                                      f"no send progress for {self.agent.stall_timeout} s")
+                raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
         with self._lock:
             if xfer.id in self._pending:
                 self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
@@ -414,8 +407,6 @@ class Connection:
                 magic, type_, flags, xid, req, layer, n, nbytes = HDR.unpack(raw)
                 if magic != MAGIC:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
-                if type_ != DATA and self._rx_thread is not None:
-                    self._rx_done.join()   # staged layers land before what follows them
                 if type_ == DATA and flags & F_READ_RESP:
                     self._on_read_resp(xid, n, nbytes)
                 elif type_ == DATA and self.cuda is not None:
@@ -452,9 +443,6 @@ class Connection:
         except Exception as exc:  # never let the thread die silently
             self._fail_connection(KVPeerError(self.peer, "reset", f"receiver error: {exc!r}"))
         finally:
-            if self._rx_thread is not None:
-                self._rx_done.put(None)
-                self._rx_thread.join()
             if self._rx_stage is not None:
                 self._rx_stage.close()
                 self._rx_stage = None
@@ -538,62 +526,23 @@ class Connection:
                                 f"runs add up to other than the {nbytes} payload bytes")
         if self._rx_stage is None:
             self._rx_stage = self._stage("receive from")
-            self._rx_thread = threading.Thread(target=self._land_loop, daemon=True,
-                                               name=f"kv-land-{self.peer}")
-            self._rx_thread.start()
         st = self._rx_stage
-        while not self._rx_slots.acquire(timeout=0.1):
-            if self.closed:
-                raise self._closed_error()
-        k = self._rx_next
-        self._rx_next ^= 1
-        what = f"host-to-device copy of request {req} layer {layer}"
-        try:
-            st.ensure(k, nbytes)
-            self._check_rx(h.lib.kv_recv_exact(self.fd, h.ffi.cast("void *", st.bufs[k]), nbytes,
-                                               self.timeout_ms) if nbytes else 0)
-            err: BaseException | None = None
-            try:
-                st.copy(k, True, iov, nruns, what)
-            except CudaCopyError as exc:
-                err = exc
-        except BaseException:
-            self._rx_slots.release()
-            raise
-        self._rx_done.put((k, err, what, flags, xid, req, layer, wire, iov))
-
-    def _land_loop(self) -> None:
-        """Complete staged layers in arrival order, each once its copies are synchronized."""
-        st = self._rx_stage
-        cuerr = hot().ffi.new("int *")
-        while True:
-            item = self._rx_done.get()
-            try:
-                if item is None:
-                    return
-                k, err, what, flags, xid, req, layer, wire, _iov = item
-                try:
-                    st.sync(k, what, cuerr)
-                except CudaCopyError as exc:
-                    err = err or exc
-                self._rx_slots.release()
-                if err is not None:
-                    self._fail_inbound(xid, err)
-                    if not self.closed:
-                        self._send_ctrl(ERR, xid, req, layer, str(err).encode())
-                    continue
-                inb = self.agent._inbound(self.peer, req)
-                inb._landed(layer, wire)
-                if flags & F_REQ_END:
-                    inb._complete()
-                if flags & F_LAST:
-                    self._finish_inbound(xid)
-            except KVPeerError as exc:
-                self._fail_connection(exc)
-            except Exception as exc:  # never die silently: the reader joins this queue
-                self._fail_connection(KVPeerError(self.peer, "reset", f"landing error: {exc!r}"))
-            finally:
-                self._rx_done.task_done()
+        rc = h.lib.kv_cuda_recv(st.c, self.fd, iov, nruns, nbytes, st.stage, st.chunk,
+                                st.streams, self.timeout_ms, st.cuerr)
+        if rc == -errno.EIO:   # the payload was read: the stream is in step
+            exc = st.error(f"host-to-device copy of request {req} layer {layer}")
+            self._fail_inbound(xid, exc)
+            self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
+        self._check_rx(rc)
+        inb = self.agent._inbound(self.peer, req)
+        inb._landed(layer, wire)   # only now: its bytes are on the GPU
+        if flags & F_REQ_END:
+            inb._complete()
+        if flags & F_LAST:
+            self._finish_inbound(xid)
 
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         """Serve a READ: check the runs against our segments, send their bytes back."""

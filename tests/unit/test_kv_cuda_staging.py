@@ -90,6 +90,9 @@ class FakeDriver:
         self.streams.add(self._next_stream)
         return self._next_stream
 
+    def stream_sync(self, s: int) -> None:
+        assert s in self.streams
+
     def stream_destroy(self, s: int) -> None:
         self.streams.remove(s)
 
@@ -167,8 +170,9 @@ def _check(dst: KVPool, src_ids: list[int], dst_ids: list[int], seed: int, layer
                 assert _block(dst, ly, kv, d) == page(seed, ly, kv, s, dst.layout.block_bytes), (ly, kv, s, d)
 
 
+@pytest.mark.parametrize("chunk", [4 << 20, 5000, 3 * 4096])
 @pytest.mark.parametrize("sides", ["cuda->cuda", "host->cuda", "cuda->host"])
-def test_staged_pages_land_byte_for_byte(fake, sides) -> None:
+def test_staged_pages_land_byte_for_byte(fake, sides, chunk) -> None:
     sdev, rdev = sides.split("->")
     sp = _pool()[0] if sdev == "cuda" else KVPool.host(LAY)
     rp = _pool()[0] if rdev == "cuda" else KVPool.host(LAY)
@@ -184,6 +188,7 @@ def test_staged_pages_land_byte_for_byte(fake, sides) -> None:
     with Agent("s", sp) as a, Agent("r", rp) as b:
         assert (a.cuda_device, b.cuda_device) == ((0 if sdev == "cuda" else None),
                                                   (0 if rdev == "cuda" else None))
+        a.stage_chunk = b.stage_chunk = chunk   # chunks that cut runs anywhere
         a.add_remote(b.metadata())
         r = b.expect("s", 1)
         for req in (1, 2):   # the second reuses the staging buffers
@@ -198,13 +203,15 @@ def test_staged_pages_land_byte_for_byte(fake, sides) -> None:
                for t in fake.ctx_threads)
 
 
-def test_receiver_cuda_error_fails_that_request_only(fake) -> None:
+@pytest.mark.parametrize("chunk", [4 << 20, 5000])
+def test_receiver_cuda_error_fails_that_request_only(fake, chunk) -> None:
     sp, rp = _pool()[0], _pool()[0]
     _fill(sp, 4)
-    seg, off, _n = LAY.offset(5, 0, 0)
-    fake.poison = [(rp.segments[seg].addr, LAY.segment_bytes)]
+    seg, off, _n = LAY.offset(5, 1, 0)   # V of layer 5: mid-message with small chunks
+    fake.poison = [(rp.segments[seg].addr + off, LAY.segment_bytes - off)]
     ids = list(range(0, 64, 3))
     with Agent("s", sp) as a, Agent("r", rp) as b:
+        a.stage_chunk = b.stage_chunk = chunk
         a.add_remote(b.metadata())
         r = b.expect("s", 9)
         x = a.send_request("r", 9, ids, ids)
@@ -251,6 +258,31 @@ def test_sender_cuda_error_fails_the_transfer_and_no_later_layer_lands(fake) -> 
         r2.done.wait(5)
         r3.done.wait(5)
         _check(rp, ids, ids, 6, range(LAY.num_layers))
+    assert fake.pinned == {} and fake.streams == set()
+
+
+def test_sender_cuda_error_mid_message_drops_the_connection_then_reconnects(fake) -> None:
+    sp, rp = _pool()[0], KVPool.host(LAY)
+    _fill(sp, 8)
+    seg, off, _n = LAY.offset(3, 1, 0)   # V of layer 3: after the message's first chunk went out
+    fake.poison = [(sp.segments[seg].addr + off, LAY.segment_bytes - off)]
+    ids = list(range(0, 64, 2))
+    with Agent("s", sp, stall_timeout=3) as a, Agent("r", rp) as b:
+        a.stage_chunk = 8192
+        a.add_remote(b.metadata())
+        r = b.expect("s", 1)
+        x = a.send_request("r", 1, ids, ids)
+        with pytest.raises(KVError, match="device-to-host copy of request 1 layer 3: CUDA error "
+                                          "CUDA_ERROR_ILLEGAL_ADDRESS"):
+            x.wait(10)
+        with pytest.raises(FenceError):
+            r.done.wait(5)
+        assert r.landed_layers() == [0, 1, 2] and r.visible_blocks(3) == []
+        fake.poison = []
+        r2 = b.expect("s", 2)
+        a.send_request("r", 2, ids, ids).wait(10)   # a new connection
+        r2.done.wait(5)
+        _check(rp, ids, ids, 8, range(LAY.num_layers))
     assert fake.pinned == {} and fake.streams == set()
 
 
