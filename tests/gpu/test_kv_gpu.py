@@ -230,3 +230,17 @@ def test_staging_freed_and_threads_end_on_close() -> None:
     time.sleep(0.5)
     left = {t.name for t in threading.enumerate()} - before
     assert not {n for n in left if n.startswith(("kv-tx-", "kv-rx-", "kv-land-"))}, left
+
+
+def test_odd_staging_chunks_cut_runs_anywhere() -> None:
+    lay = KVLayout(num_layers=8, blocks_per_layer=128, block_bytes=16 << 10)
+    src, dst = _tensors(lay, 6), _tensors(lay, None)
+    sids, dids = random.Random(13).sample(range(128), 120), random.Random(14).sample(range(128), 120)
+    sids[:40], dids[:40] = list(range(40)), list(range(50, 90))   # a long merged run too
+    with Agent("s", KVPool.cuda(lay, src)) as a, Agent("r", KVPool.cuda(lay, dst)) as b:
+        a.stage_chunk, b.stage_chunk = 100_003, 77_777
+        a.add_remote(b.metadata())
+        r = b.expect("s", 1)
+        a.send_request("r", 1, sids, dids).wait(30)
+        r.done.wait(10)
+    _verify(src, dst, lay, sids, dids, range(lay.num_layers))
