@@ -232,11 +232,17 @@ def test_staging_freed_and_threads_end_on_close() -> None:
     assert not {n for n in left if n.startswith(("kv-tx-", "kv-rx-", "kv-land-"))}, left
 
 
+def _long_run_ids() -> tuple[list[int], list[int]]:
+    """120 distinct pages each side: 40 consecutive ones first (one merged run), then scattered."""
+    rest_s = random.Random(13).sample(range(40, 128), 80)
+    rest_d = random.Random(14).sample([b for b in range(128) if not 50 <= b < 90], 80)
+    return list(range(40)) + rest_s, list(range(50, 90)) + rest_d
+
+
 def test_odd_staging_chunks_cut_runs_anywhere() -> None:
     lay = KVLayout(num_layers=8, blocks_per_layer=128, block_bytes=16 << 10)
     src, dst = _tensors(lay, 6), _tensors(lay, None)
-    sids, dids = random.Random(13).sample(range(128), 120), random.Random(14).sample(range(128), 120)
-    sids[:40], dids[:40] = list(range(40)), list(range(50, 90))   # a long merged run too
+    sids, dids = _long_run_ids()
     with Agent("s", KVPool.cuda(lay, src)) as a, Agent("r", KVPool.cuda(lay, dst)) as b:
         a.stage_chunk, b.stage_chunk = 100_003, 77_777
         a.add_remote(b.metadata())

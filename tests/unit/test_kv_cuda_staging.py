@@ -203,6 +203,23 @@ def test_staged_pages_land_byte_for_byte(fake, sides, chunk) -> None:
                for t in fake.ctx_threads)
 
 
+def test_odd_chunks_and_a_long_merged_run(fake) -> None:
+    """tests/gpu/test_kv_gpu.py::test_odd_staging_chunks_cut_runs_anywhere over the stand-in."""
+    lay = KVLayout(num_layers=8, blocks_per_layer=128, block_bytes=16 << 10)
+    rest_s = random.Random(13).sample(range(40, 128), 80)
+    rest_d = random.Random(14).sample([b for b in range(128) if not 50 <= b < 90], 80)
+    sids, dids = list(range(40)) + rest_s, list(range(50, 90)) + rest_d
+    sp, rp = _pool(lay)[0], _pool(lay)[0]
+    _fill(sp, 12)
+    with Agent("s", sp) as a, Agent("r", rp) as b:
+        a.stage_chunk, b.stage_chunk = 100_003, 77_777
+        a.add_remote(b.metadata())
+        r = b.expect("s", 1)
+        a.send_request("r", 1, sids, dids).wait(30)
+        r.done.wait(10)
+        _check(rp, sids, dids, 12, range(lay.num_layers))
+
+
 @pytest.mark.parametrize("chunk", [4 << 20, 5000])
 def test_receiver_cuda_error_fails_that_request_only(fake, chunk) -> None:
     sp, rp = _pool()[0], _pool()[0]
