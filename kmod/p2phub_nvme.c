@@ -162,6 +162,7 @@ static struct pci_driver p2phub_nvme_driver;
 static struct dentry *p2phub_nvme_debugfs;
 static atomic_t p2phub_nvme_live_bufs = ATOMIC_INIT(0);
 static atomic_t p2phub_nvme_live_handles = ATOMIC_INIT(0);
+static atomic_t p2phub_nvme_function_resets = ATOMIC_INIT(0);
 
 /* ------------------------------------------------------------ controller */
 
@@ -302,6 +303,27 @@ static void p2phub_nvme_handle_free(struct p2phub_nvme_handle *h)
 	kfree(h);
 }
 
+/*
+ * Reset the function before the controller changes hands, as VFIO does: what
+ * an owner left in it (features, host memory buffer settings, a security
+ * state such as an unlocked Opal range) must not reach the next owner or the
+ * kernel's nvme driver. Only a trylock of the device: remove() holds the
+ * device lock while it waits for this release, and must not wait for us.
+ */
+static void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct pci_dev *pdev = ctrl->pdev;
+	int ret;
+
+	ret = pci_try_reset_function(pdev);
+	if (ret) {
+		pci_info_ratelimited(pdev, "no function reset before the next owner (%d): controller state carries over\n",
+				     ret);
+		return;
+	}
+	atomic_inc(&p2phub_nvme_function_resets);
+}
+
 static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
@@ -331,6 +353,9 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 		p2phub_nvme_regmap_drop(h, rm);
 	}
 	mutex_unlock(&h->lock);
+
+	/* Stopped and holding no memory: clear what this owner left behind. */
+	p2phub_nvme_reset_function(ctrl);
 
 	/* Hand the controller back; remove() may be waiting for this. */
 	mutex_lock(&ctrl->lock);
@@ -1207,6 +1232,8 @@ int p2phub_nvme_init(void)
 				&p2phub_nvme_live_bufs);
 	debugfs_create_atomic_t("live_handles", 0444, p2phub_nvme_debugfs,
 				&p2phub_nvme_live_handles);
+	debugfs_create_atomic_t("function_resets", 0444, p2phub_nvme_debugfs,
+				&p2phub_nvme_function_resets);
 	return 0;
 }
 

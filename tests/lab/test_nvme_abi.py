@@ -126,6 +126,30 @@ def test_dma_free_refused_while_controller_enabled(handle: int) -> None:
     # Closing the handle (fixture) disables the controller, then frees both buffers.
 
 
+def test_function_reset_between_owners(bdf: str, dev: Device) -> None:
+    """Closing the controller fd resets the PCI function before anyone else gets it (as
+    VFIO does), and the next owner finds a working controller."""
+    methods = Path(f"/sys/bus/pci/devices/{bdf}/reset_method").read_text().split()
+    assert methods, "the lab's NVMe controller offers no reset method"
+    before = int((DEBUGFS / "function_resets").read_text())
+    aqa_left = (0x1F << 16) | 0x1F
+    for owner in range(2):
+        fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
+        bar = mmap.mmap(fd, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        regs = memoryview(bar).cast("I")
+        assert regs[0x1C // 4] & 1 == 0, "the controller is still ready from its last owner"
+        assert regs[2] >= 0x10000                 # VS: the registers answer after the reset
+        aqa = regs[0x24 // 4]
+        if owner == 0:
+            regs[0x24 // 4] = aqa_left            # state this owner leaves behind
+        regs.release()
+        bar.close()
+        os.close(fd)
+    resets = int((DEBUGFS / "function_resets").read_text()) - before
+    assert resets == 2, f"{resets} function resets for 2 owners (reset methods: {methods})"
+    print(f"reset methods {methods}; AQA the next owner saw: {aqa:#x} (left: {aqa_left:#x})")
+
+
 def test_bar_mmap_bounds(handle: int) -> None:
     m = mmap.mmap(handle, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
     vs = memoryview(m).cast("I")[2]

@@ -24,6 +24,7 @@ import pytest
 
 import p2phub_fakegpu as fg
 import regutil
+import uffd
 from p2phub import uapi
 from p2phub.device import Device
 from p2phub.hostmem import Udmabuf, VgemBuffer
@@ -290,6 +291,46 @@ def test_dma_pages_races_unregister(dev: Device, lab: dict[str, str]) -> None:
                     break
             t.join()
     assert seen <= {0, errno.EBUSY, errno.ENOENT, errno.ESTALE}, seen
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+def test_dma_pages_blocked_in_its_copy_keeps_the_registration(dev: Device, lab: dict[str, str]) -> None:
+    """H1, forced rather than raced: DMA_PAGES is held inside its copy to user space (the
+    destination is a userfaultfd page whose fault this test serves late) while UNREGISTER
+    runs on the same fd. The registration must stay (EBUSY) until the copy is over, and every
+    address handed out must be the registration's own, not bytes of a freed array."""
+    why = uffd.available()
+    if why:
+        pytest.skip(f"needs userfaultfd to hold the copy: {why}")
+    dom, bus, devfn = bind.split_bdf(lab["nvme_baseline"])
+    n = 16 * MiB // 4096
+    with host_buf(16 * MiB) as buf:
+        handle = _register(dev, buf.fd, 16 * MiB)
+        ref = (ctypes.c_uint64 * n)()
+        dev.ioctl(uapi.DMA_PAGES, uapi.DmaPages.new(handle=handle, domain=dom, bus=bus, devfn=devfn,
+                                                    count=n, addrs=ctypes.addressof(ref)), "DMA_PAGES")
+        result: dict[str, int] = {}
+        with uffd.HeldPages(n * 8 // mmap.PAGESIZE) as held:
+            def pages() -> None:
+                arg = uapi.DmaPages.new(handle=handle, domain=dom, bus=bus, devfn=devfn, count=n,
+                                        addrs=held.addr)
+                result["errno"] = _errno_of(dev.fd, uapi.DMA_PAGES, arg)
+
+            t = threading.Thread(target=pages)
+            t.start()
+            assert held.wait_fault(60), "DMA_PAGES never reached its copy to user space"
+            unreg = _unregister(dev, handle)          # while the copy is held
+            held.release()
+            t.join(60)
+            assert not t.is_alive(), "DMA_PAGES did not return after its page was served"
+            got = list((ctypes.c_uint64 * n).from_address(held.addr))
+        foreign = sum(1 for a, b in zip(got, ref) if a != b)
+        assert unreg == errno.EBUSY and foreign == 0, (
+            f"UNREGISTER during the copy returned {errno.errorcode.get(unreg, unreg)} (want EBUSY); "
+            f"DMA_PAGES returned {errno.errorcode.get(result.get('errno', -1), result)} and "
+            f"{foreign} of {n} addresses it handed out are not the registration's")
+        assert result["errno"] == 0
+        assert _unregister(dev, handle) == 0
     assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
 
 
