@@ -7,6 +7,11 @@ Methods: raw (one socket stream of the same bytes into one buffer: the ceiling),
 (p2phub.kv.Agent, a request of 4 layers x K/V), nixl (nixl-cu12, UCX forced to tcp, prepped
 lists), mooncake (Transfer Engine, tcp, P2PHANDSHAKE, batches of 512). Methods whose
 package is missing are reported as skipped. Ratios are against raw, run by run.
+
+``--device cuda``: the pools are torch CUDA tensors on cuda:0 on both sides; p2phub moves them
+GPU -> GPU over TCP (staged through pinned host memory), next to the raw host socket stream
+of the same bytes (the ceiling) and ``torch`` (one contiguous D2H copy into pinned memory, a
+socket stream, one H2D copy, in sequence). NIXL and Mooncake are not run there.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 SCHEMA = "p2phub.bench.kv/1"
 METHODS = ("raw", "p2phub", "nixl", "mooncake")
+CUDA_METHODS = ("raw", "p2phub", "torch")
 
 
 def _size(text: str) -> int:
@@ -42,11 +48,14 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--runs", type=int, default=5, help="runs per method and size (default 5)")
     k.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
+    k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the KV pools live: cpu (host memory) or cuda (torch tensors on "
+                        "cuda:0, staged through pinned memory; methods raw, p2phub, torch)")
     k.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _available(method: str) -> str | None:
-    mod = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}.get(method)
+    mod = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine", "torch": "torch"}.get(method)
     if mod is None:
         return None
     try:
@@ -65,10 +74,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_pair(method: str, total: int, block: int, iters: int, timeout: float) -> dict:
+def run_pair(method: str, total: int, block: int, iters: int, timeout: float,
+             device: str = "cpu") -> dict:
     """One run of one method: {"gbps", "bytes_ok"} or {"error"}."""
     cmd = [sys.executable, "-m", "p2phub.kv.benchpeer", "--method", method, "--total", str(total),
-           "--block", str(block), "--iters", str(iters)]
+           "--block", str(block), "--iters", str(iters), "--device", device]
     env = _env()
     procs: list[subprocess.Popen] = []
 
@@ -132,10 +142,13 @@ def _tail(p: subprocess.Popen) -> str:
 def bench(args: argparse.Namespace, progress: Any = None) -> dict:
     total = _size(args.total)
     blocks = [_size(b) for b in args.blocks.split(",")]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    device = getattr(args, "device", "cpu")
+    known = CUDA_METHODS if device == "cuda" else METHODS
+    given = args.methods if args.methods != ",".join(METHODS) or device == "cpu" else ",".join(known)
+    methods = [m.strip() for m in given.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r} (one of {', '.join(METHODS)})")
+        if m not in known:
+            raise ValueError(f"unknown method {m!r} for --device {device} (one of {', '.join(known)})")
     if "raw" not in methods:
         methods.insert(0, "raw")
     for b in blocks:
@@ -151,7 +164,7 @@ def bench(args: argparse.Namespace, progress: Any = None) -> dict:
             for m in live:  # interleaved, so every method sees the same machine noise
                 if progress:
                     progress.update(task, description=f"{block >> 10} KiB run {r + 1}/{args.runs}: {m}")
-                runs[m].append(run_pair(m, total, block, args.iters, args.timeout))
+                runs[m].append(run_pair(m, total, block, args.iters, args.timeout, device))
                 if progress:
                     progress.advance(task)
         entry: dict[str, Any] = {"block": block, "pages": total // block, "methods": {}}
@@ -178,6 +191,7 @@ def bench(args: argparse.Namespace, progress: Any = None) -> dict:
         "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
         "total_bytes": total, "iters": args.iters, "runs": args.runs,
         "transport": "TCP over 127.0.0.1, two processes per method",
+        "device": device,
         "ratio": "method GB/s / raw GB/s of the same run, median over runs",
         "results": results,
     }
@@ -187,7 +201,8 @@ def _render(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"KV transfer, TCP loopback, {report['total_bytes'] >> 20} MiB per transfer, "
+    where = "GPU -> GPU (cuda:0, staged), " if report.get("device") == "cuda" else ""
+    t = Table(title=f"KV transfer, {where}TCP loopback, {report['total_bytes'] >> 20} MiB per transfer, "
                     f"{report['iters']} transfers x {report['runs']} runs (GB/s = 1e9 B/s)")
     for col in ("page", "method", "median GB/s", "min", "max", "x raw", "bytes"):
         t.add_column(col, justify="right")

@@ -375,3 +375,207 @@ long kv_discard(int fd, uint64_t n, int timeout_ms)
 	}
 	return 0;
 }
+
+/* ---- CUDA staging (see _kvhot.h): the driver is called through the addresses Python
+ * resolved; CUresult is an int, CUdeviceptr a 64-bit integer, CUstream and CUcontext
+ * pointers. */
+typedef int (*kv_ctx_set_fn)(void *ctx);
+typedef int (*kv_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);
+typedef int (*kv_htod_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*kv_sync_fn)(void *stream);
+
+static int kv_cuda_enter(const struct kv_cuda *cu, int *cuerr)
+{
+	int rc = ((kv_ctx_set_fn)(uintptr_t)cu->ctx_set_current)((void *)(uintptr_t)cu->ctx);
+
+	*cuerr = rc;
+	return rc ? -EIO : 0;
+}
+
+long kv_cuda_copy(const struct kv_cuda *cu, int to_device, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t stream, int *cuerr)
+{
+	void *s = (void *)(uintptr_t)stream;
+	char *p = stage;
+	uint64_t done = 0;
+	size_t i;
+
+	if (kv_cuda_enter(cu, cuerr))
+		return -EIO;
+	for (i = 0; i < nruns; i++) {
+		int rc;
+
+		if (to_device)
+			rc = ((kv_htod_fn)(uintptr_t)cu->htod_async)(runs[i].addr, p + done,
+								    (size_t)runs[i].len, s);
+		else
+			rc = ((kv_dtoh_fn)(uintptr_t)cu->dtoh_async)(p + done, runs[i].addr,
+								    (size_t)runs[i].len, s);
+		if (rc) {
+			*cuerr = rc;
+			return -EIO;
+		}
+		done += runs[i].len;
+	}
+	return (long)(done > LONG_MAX ? LONG_MAX : done);
+}
+
+long kv_cuda_sync(const struct kv_cuda *cu, uint64_t stream, int *cuerr)
+{
+	int rc;
+
+	if (kv_cuda_enter(cu, cuerr))
+		return -EIO;
+	rc = ((kv_sync_fn)(uintptr_t)cu->stream_sync)((void *)(uintptr_t)stream);
+	*cuerr = rc;
+	return rc ? -EIO : 0;
+}
+
+/* A cursor over device runs, cutting them into staging chunks. */
+struct kv_cursor {
+	const struct kv_iov *runs;
+	size_t nruns, i;
+	uint64_t off;
+};
+
+/* Queue the copies of the next n bytes of the runs to / from buf on stream s. */
+static int kv_cuda_chunk(const struct kv_cuda *cu, struct kv_cursor *k, int to_device, char *buf,
+			 uint64_t n, void *s)
+{
+	uint64_t done = 0;
+
+	while (done < n && k->i < k->nruns) {
+		uint64_t left = k->runs[k->i].len - k->off, take = n - done < left ? n - done : left;
+		uint64_t dev = k->runs[k->i].addr + k->off;
+		int rc;
+
+		if (to_device)
+			rc = ((kv_htod_fn)(uintptr_t)cu->htod_async)(dev, buf + done, (size_t)take, s);
+		else
+			rc = ((kv_dtoh_fn)(uintptr_t)cu->dtoh_async)(buf + done, dev, (size_t)take, s);
+		if (rc)
+			return rc;
+		done += take;
+		k->off += take;
+		if (k->off == k->runs[k->i].len) {
+			k->i++;
+			k->off = 0;
+		}
+	}
+	return 0;
+}
+
+static int kv_cuda_wait(const struct kv_cuda *cu, uint64_t stream)
+{
+	return ((kv_sync_fn)(uintptr_t)cu->stream_sync)((void *)(uintptr_t)stream);
+}
+
+long kv_cuda_send(const struct kv_cuda *cu, int fd, const void *hdr, size_t hdrlen,
+                  const struct kv_wire *wire, size_t nwire, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr, int *sent)
+{
+	struct kv_cursor k = { runs, nruns, 0, 0 };
+	uint64_t total = 0, nchunks, c;
+	char *buf = stage;
+	size_t i;
+	long rc;
+
+	*sent = 0;
+	for (i = 0; i < nruns; i++)
+		total += runs[i].len;
+	if (!chunk)
+		return -EINVAL;
+	nchunks = (total + chunk - 1) / chunk;
+	if (kv_cuda_enter(cu, cuerr))
+		return -EIO;
+	for (c = 0; c < nchunks && c < 2; c++) {
+		uint64_t n = total - c * chunk < chunk ? total - c * chunk : chunk;
+
+		*cuerr = kv_cuda_chunk(cu, &k, 0, buf + (c % 2) * chunk, n,
+				       (void *)(uintptr_t)streams[c % 2]);
+		if (*cuerr) {
+			kv_cuda_wait(cu, streams[0]);
+			kv_cuda_wait(cu, streams[1]);
+			return -EIO;
+		}
+	}
+	for (c = 0; c < nchunks || c == 0; c++) {
+		uint64_t n = nchunks ? (total - c * chunk < chunk ? total - c * chunk : chunk) : 0;
+		struct kv_iov piece = { (uint64_t)(uintptr_t)(buf + (c % 2) * chunk), n };
+
+		if (nchunks) {
+			*cuerr = kv_cuda_wait(cu, streams[c % 2]);
+			if (*cuerr) {
+				kv_cuda_wait(cu, streams[(c + 1) % 2]);
+				return -EIO;
+			}
+		}
+		rc = c == 0 ? kv_send(fd, hdr, hdrlen, wire, nwire, &piece, n ? 1 : 0, timeout_ms)
+			    : kv_send(fd, NULL, 0, NULL, 0, &piece, 1, timeout_ms);
+		if (rc < 0) {
+			kv_cuda_wait(cu, streams[(c + 1) % 2]);
+			return rc;
+		}
+		*sent = 1;
+		/* this half is free again: queue chunk c + 2 into it */
+		if (c + 2 < nchunks) {
+			uint64_t m = total - (c + 2) * chunk < chunk ? total - (c + 2) * chunk : chunk;
+
+			*cuerr = kv_cuda_chunk(cu, &k, 0, buf + (c % 2) * chunk, m,
+					       (void *)(uintptr_t)streams[c % 2]);
+			if (*cuerr) {
+				kv_cuda_wait(cu, streams[(c + 1) % 2]);
+				return -EIO;
+			}
+		}
+	}
+	return (long)(total > LONG_MAX ? LONG_MAX : total);
+}
+
+long kv_cuda_recv(const struct kv_cuda *cu, int fd, const struct kv_iov *runs, size_t nruns,
+                  uint64_t total, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr)
+{
+	struct kv_cursor k = { runs, nruns, 0, 0 };
+	int err = 0, used[2] = { 0, 0 };
+	uint64_t got = 0, c = 0;
+	char *buf = stage;
+	long rc;
+
+	if (!chunk)
+		return -EINVAL;
+	if (kv_cuda_enter(cu, cuerr))
+		err = *cuerr;
+	while (got < total) {
+		uint64_t n = total - got < chunk ? total - got : chunk;
+		int h = (int)(c % 2);
+
+		if (used[h] && !err) {	/* the copies out of this half are done before it refills */
+			err = kv_cuda_wait(cu, streams[h]);
+			used[h] = 0;
+		}
+		rc = kv_recv_exact(fd, buf + h * chunk, (size_t)n, timeout_ms);
+		if (rc < 0) {
+			if (!err) {
+				kv_cuda_wait(cu, streams[0]);
+				kv_cuda_wait(cu, streams[1]);
+			}
+			return rc;
+		}
+		if (!err) {
+			err = kv_cuda_chunk(cu, &k, 1, buf + h * chunk, n, (void *)(uintptr_t)streams[h]);
+			used[h] = 1;
+		}
+		got += n;
+		c++;
+	}
+	for (c = 0; c < 2; c++) {
+		int r = kv_cuda_wait(cu, streams[c]);
+
+		if (!err)
+			err = r;
+	}
+	*cuerr = err;
+	return err ? -EIO : (long)(total > LONG_MAX ? LONG_MAX : total);
+}

@@ -49,3 +49,47 @@ long kv_recv_iov(int fd, const struct kv_iov *iov, size_t niov, int timeout_ms);
 
 /* Read and drop n bytes (the payload of a rejected message). */
 long kv_discard(int fd, uint64_t n, int timeout_ms);
+
+/* CUDA staging: driver entry points that Python resolved once (from libcuda), as
+ * addresses, and the context made current in the calling thread before each copy.
+ *   ctx_set_current  CUresult cuCtxSetCurrent(CUcontext)
+ *   dtoh_async       CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t, CUstream)
+ *   htod_async       CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t, CUstream)
+ *   stream_sync      CUresult cuStreamSynchronize(CUstream) */
+struct kv_cuda {
+	uint64_t ctx_set_current;
+	uint64_t dtoh_async;
+	uint64_t htod_async;
+	uint64_t stream_sync;
+	uint64_t ctx;
+};
+
+/* Queue on `stream` one copy per run between the device ranges `runs` and the host
+ * staging buffer `stage`, packed in order: device -> stage (to_device 0) or stage ->
+ * device (to_device 1). Nothing waits for the copies (kv_cuda_sync does). Returns the
+ * bytes queued, or -EIO with *cuerr = the CUresult of the call that failed. */
+long kv_cuda_copy(const struct kv_cuda *cu, int to_device, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t stream, int *cuerr);
+
+/* Wait for everything queued on `stream`: 0, or -EIO with *cuerr set. */
+long kv_cuda_sync(const struct kv_cuda *cu, uint64_t stream, int *cuerr);
+
+/* Send one DATA message from device runs: hdr and the run table, then the payload, staged
+ * in chunks of `chunk` bytes through the two halves of `stage` (2 * chunk bytes), chunk c
+ * copied on streams[c % 2]: the copies of chunk c + 1 run while chunk c is sent. Returns
+ * the payload bytes; -EIO with *cuerr set and *sent = 0 when a copy failed before anything
+ * was sent, *sent = 1 when it failed mid-message (the stream is then out of step: drop the
+ * connection); other -errno as kv_send. */
+long kv_cuda_send(const struct kv_cuda *cu, int fd, const void *hdr, size_t hdrlen,
+                  const struct kv_wire *wire, size_t nwire, const struct kv_iov *runs,
+                  size_t nruns, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr, int *sent);
+
+/* Receive a payload of `total` bytes into device runs (checked by the caller), chunk by
+ * chunk through the two halves of `stage`, each chunk's copies queued on streams[c % 2]
+ * while the next chunk is read; both streams are synchronized before it returns. A failed
+ * copy does not stop the reading (the stream stays in step): -EIO with *cuerr set once the
+ * whole payload was read; socket errors as kv_recv_exact. */
+long kv_cuda_recv(const struct kv_cuda *cu, int fd, const struct kv_iov *runs, size_t nruns,
+                  uint64_t total, void *stage, uint64_t chunk, const uint64_t *streams,
+                  int timeout_ms, int *cuerr);

@@ -59,6 +59,7 @@ class RemoteAgent:
             self.incarnation = int(md["incarnation"])
             self.segments = [(int(a), int(n)) for a, n in md["segments"]]
             self.layout = KVLayout.from_dict(md["layout"]) if md.get("layout") else None
+            self.device = str(md.get("device", "cpu"))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, UsageError):
                 raise
@@ -114,6 +115,7 @@ class Agent:
         self._remotes: dict[str, RemoteAgent] = {}
         self._out: dict[str, tp.Connection] = {}
         self._in: dict[str, tp.Connection] = {}
+        self._failed: list[tp.Connection] = []   # dropped, their threads maybe still ending
         self._inbound_reqs: dict[tuple[str, int], tp.InboundRequest] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._notif_cv = threading.Condition(self._lock)
@@ -121,6 +123,8 @@ class Agent:
         self._closed = False
         self.pool: KVPool | None = None
         self.layout: KVLayout | None = None
+        self.cuda_device: int | None = None   # a CUDA pool's device: transfers are staged
+        self.stage_chunk = 4 << 20            # bytes per staging chunk (two per direction)
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -134,6 +138,9 @@ class Agent:
         """Register a host range for transfers; returns its segment index."""
         if addr <= 0 or length <= 0:
             raise UsageError(f"register_memory: address {addr:#x} / length {length} must be > 0")
+        if self.cuda_device is not None:
+            raise UsageError("this agent's KV pool is CUDA memory; its segments are device "
+                             "memory only (register host memory with another agent)")
         h = tp.hot()
         with self._lock:
             self._segments.append((addr, length))
@@ -147,13 +154,21 @@ class Agent:
         """Register every segment of `pool` (once); its layout is published with the metadata."""
         if self.pool is not None:
             raise UsageError(f"agent {self.name!r} already has a KV pool")
-        if pool.device != "cpu":
-            raise UsageError(f"the TCP transport moves host memory only; this pool is on "
+        if pool.device == "cuda" and pool.cuda_device is not None:
+            from . import cuda
+            drv = cuda.driver()   # UsageError where there is no CUDA
+            drv.primary_context(pool.cuda_device)
+        elif pool.device != "cpu":
+            raise UsageError(f"the TCP transport moves host or CUDA memory; this pool is on "
                              f"{pool.device} (use the RDMA transport, or a host staging pool)")
+        if pool.closed:
+            raise UsageError("the KV pool is closed")
         if self._segments:
             raise UsageError("register the KV pool before any other memory (segment ids 0..n-1)")
         for s in pool.segments:
             self.register_memory(s.addr, s.length)
+        if pool.device == "cuda":
+            self.cuda_device = pool.cuda_device
         self.pool = pool
         self.layout = pool.layout
 
@@ -167,6 +182,7 @@ class Agent:
         return json.dumps({
             "v": METADATA_VERSION, "name": self.name, "host": self.host, "port": self.port,
             "incarnation": self.incarnation, "segments": self._segments,
+            "device": "cpu" if self.cuda_device is None else "cuda",
             "layout": self.layout.to_dict() if self.layout else None,
         }).encode()
 
@@ -293,6 +309,7 @@ class Agent:
             table = self._out if conn.outbound else self._in
             if table.get(conn.peer) is conn:
                 del table[conn.peer]
+            self._failed = [c for c in self._failed if c.alive()] + [conn]
             waiting = [r for (p, _), r in self._inbound_reqs.items()
                        if p == conn.peer and not r.done.done()] if not conn.outbound else []
         for r in waiting:  # the peer is gone: nothing it owed us will arrive
@@ -466,7 +483,11 @@ class Agent:
             raise UsageError(f"op {op!r} must be 'WRITE' or 'READ'")
         if remote.peer != peer or local.peer is not None:
             raise UsageError("make_xfer: want a local list and a list prepared for this peer")
-        self.remote(peer)
+        ra = self.remote(peer)
+        if op == "READ" and (self.cuda_device is not None or ra.device != "cpu"):
+            side = f"agent {self.name!r}" if self.cuda_device is not None else f"peer {peer!r}"
+            raise UsageError(f"READ over TCP moves host pools only; {side} has a CUDA pool: "
+                             "let the peer WRITE instead")
         h = tp.hot()
         li, ri = _int32(local_idx), _int32(remote_idx)
         if len(li) != len(ri):
@@ -538,9 +559,10 @@ class Agent:
             pass
         self._listener.close()
         with self._lock:
-            conns = list(self._out.values()) + list(self._in.values())
+            conns = list(self._out.values()) + list(self._in.values()) + self._failed
             self._out.clear()
             self._in.clear()
+            self._failed = []
         for c in conns:
             c.close()
 

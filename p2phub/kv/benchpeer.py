@@ -6,6 +6,10 @@ of TOTAL bytes into one buffer, the ceiling. The initiator times `iters` transfe
 warm-up and prints {"seconds", "bytes"}; the target checks every byte of the last transfer
 after the method's own completion signal and prints {"bytes_ok"}.
 
+With ``--device cuda`` p2phub moves between two CUDA pools (torch tensors on cuda:0) and the
+``torch`` method is the plain baseline: one device-to-host copy into pinned memory, a socket
+stream, one host-to-device copy.
+
 Protocol with the parent, JSON lines: the target prints {"md", "addr"}; the parent starts
 the initiator with that line on stdin; the initiator prints {"md"}, which the parent hands
 to the target's stdin; the initiator prints its result, then the target its result.
@@ -107,7 +111,9 @@ def _kv_layout(total: int, block: int):
                     dtype="uint8")
 
 
-def p2phub(role: str, total: int, block: int, iters: int) -> None:
+def p2phub(role: str, total: int, block: int, iters: int, device: str = "cpu") -> None:
+    if device == "cuda":
+        return p2phub_cuda(role, total, block, iters)
     from .agent import Agent
     from .pool import KVPool
     lay = _kv_layout(total, block)
@@ -146,6 +152,92 @@ def p2phub(role: str, total: int, block: int, iters: int) -> None:
         agent.send_request(name, i, ids, p).wait(120)
     _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
     agent.close()
+
+
+def p2phub_cuda(role: str, total: int, block: int, iters: int) -> None:
+    """p2phub.kv.Agent between two CUDA pools (torch tensors on cuda:0, one per layer),
+    staged through pinned host memory; the target checks every page on the GPU."""
+    import torch
+    from .agent import Agent
+    from .pool import KVPool
+    lay = _kv_layout(total, block)
+    bpl, seg = lay.blocks_per_layer, lay.segment_bytes
+    src = pattern(total)
+    p = perm(bpl)
+    if role == "target":
+        ts = [torch.zeros(seg, dtype=torch.uint8, device="cuda:0") for _ in range(lay.num_layers)]
+    else:
+        ts = [torch.frombuffer(bytearray(src[i * seg:(i + 1) * seg]), dtype=torch.uint8).cuda()
+              for i in range(lay.num_layers)]
+    torch.cuda.synchronize()
+    agent = Agent(role, KVPool.cuda(lay, ts), stall_timeout=30)
+    if role == "target":
+        _say({"md": base64.b64encode(agent.metadata()).decode(), "addr": 0})
+        _hear()
+        r = agent.expect("initiator", iters)
+        r.done.wait(120)
+        pi = torch.tensor(p, device="cuda:0")
+        ok = all(torch.equal(ts[ly].view(2, bpl, block).index_select(1, pi),
+                             torch.frombuffer(bytearray(src[ly * seg:(ly + 1) * seg]),
+                                              dtype=torch.uint8).cuda().view(2, bpl, block))
+                 for ly in range(lay.num_layers))
+        _say({"bytes_ok": ok})
+        agent.close()
+        return
+    peer = _hear()
+    name = agent.add_remote(base64.b64decode(peer["md"]))
+    _say({"md": ""})
+    ids = list(range(bpl))
+    t0 = 0.0
+    for i in range(iters + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        agent.send_request(name, i, ids, p).wait(120)
+    _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
+    agent.close()
+
+
+# ---------------------------------------------------------------------------- torch staging
+def torch_staged(role: str, total: int, block: int, iters: int) -> None:
+    """The plain way to move GPU bytes over TCP: one contiguous device-to-host copy into a
+    pinned tensor, a socket stream of it, one host-to-device copy, each step waiting for the
+    one before (no page scatter: a generous baseline)."""
+    import torch
+    stage = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    view = memoryview(stage.numpy()).cast("B")
+    if role == "target":
+        dev = torch.zeros(total, dtype=torch.uint8, device="cuda:0")
+        ls = socket.create_server(("127.0.0.1", 0))
+        _say({"md": "", "addr": 0, "port": ls.getsockname()[1]})
+        _hear()
+        s, _ = ls.accept()
+        for _ in range(iters + 1):
+            got = 0
+            while got < total:
+                n = s.recv_into(view[got:], total - got)
+                if not n:
+                    raise SystemExit("initiator closed")
+                got += n
+            dev.copy_(stage, non_blocking=True)
+            torch.cuda.synchronize()
+            s.sendall(b"k")
+        ok = torch.equal(dev.cpu(), torch.frombuffer(bytearray(pattern(total)), dtype=torch.uint8))
+        _say({"bytes_ok": ok})
+        return
+    peer = _hear()
+    dev = torch.frombuffer(bytearray(pattern(total)), dtype=torch.uint8).cuda()
+    s = socket.create_connection(("127.0.0.1", peer["port"]))
+    _say({"md": ""})
+    t0 = 0.0
+    for i in range(iters + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        stage.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        s.sendall(view)
+        if s.recv(1) != b"k":
+            raise SystemExit("target closed")
+    _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
 
 
 # ---------------------------------------------------------------------------- nixl
@@ -238,7 +330,7 @@ def mooncake(role: str, total: int, block: int, iters: int) -> None:
     os._exit(0)
 
 
-METHODS = {"raw": raw, "p2phub": p2phub, "nixl": nixl, "mooncake": mooncake}
+METHODS = {"raw": raw, "p2phub": p2phub, "nixl": nixl, "mooncake": mooncake, "torch": torch_staged}
 
 
 def main() -> None:
@@ -248,8 +340,12 @@ def main() -> None:
     ap.add_argument("--total", type=int, required=True)
     ap.add_argument("--block", type=int, required=True)
     ap.add_argument("--iters", type=int, required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = ap.parse_args()
-    METHODS[a.method](a.role, a.total, a.block, a.iters)
+    if a.method == "p2phub":
+        p2phub(a.role, a.total, a.block, a.iters, a.device)
+    else:
+        METHODS[a.method](a.role, a.total, a.block, a.iters)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     pool = KVPool.host(layout)                 # plain host memory (TCP, no /dev/p2phub)
     pool = KVPool.registered(hub, layout)      # hub.alloc_host per segment (RDMA, lab)
     pool = KVPool.from_tensors(hub, layout, tensors)  # GPU tensors via hub.register
+    pool = KVPool.cuda(layout, tensors)        # GPU tensors, no p2phub.ko (TCP, staged)
 
 Segments follow the layout's arrangement: one per layer or one for the whole cache.
 """
@@ -56,6 +57,53 @@ def _addr_of(m: mmap.mmap) -> int:
     return addr
 
 
+def _cuda_ordinal(t: Any) -> int | None:
+    dev = getattr(t, "device", None)
+    idx = getattr(dev, "index", None)
+    return int(idx) if idx is not None else None
+
+
+def _cuda_buffer(t: Any, i: int) -> tuple[int, int, int | None]:
+    """(address, bytes, device ordinal or None) of one CUDA tensor, checked contiguous."""
+    if hasattr(t, "data_ptr") and hasattr(t, "is_cuda"):   # torch
+        if not t.is_cuda:
+            raise UsageError(f"KV pool: tensor {i} is on {t.device}, not a CUDA device")
+        if not t.is_contiguous():
+            raise UsageError(f"KV pool: tensor {i} is not contiguous (shape {tuple(t.shape)}, "
+                             f"strides {tuple(t.stride())}); pass .contiguous() storage")
+        return int(t.data_ptr()), int(t.numel() * t.element_size()), _cuda_ordinal(t)
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict):
+        raise UsageError(f"KV pool: object {i} ({type(t).__name__}) is neither a torch CUDA "
+                         "tensor nor has __cuda_array_interface__")
+    try:
+        addr = int(cai["data"][0])
+        shape = tuple(int(d) for d in cai["shape"])
+        item = int(str(cai["typestr"])[2:])
+        strides = cai.get("strides")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise UsageError(f"KV pool: object {i} has a malformed __cuda_array_interface__: {exc!r}") from None
+    n = item
+    for d in shape:
+        n *= d
+    if strides is not None:
+        want, expect = [], item
+        for d in reversed(shape):
+            want.append(expect)
+            expect *= d
+        if tuple(int(x) for x in strides) != tuple(reversed(want)) and n:
+            raise UsageError(f"KV pool: object {i} is not contiguous (shape {shape}, strides "
+                             f"{tuple(strides)})")
+    if addr == 0 and n:
+        raise UsageError(f"KV pool: object {i} has a NULL device pointer")
+    return addr, n, None
+
+
+def _pointer_device(addr: int, i: int) -> int:
+    from .cuda import driver
+    return driver().pointer_device(addr)
+
+
 class KVPool:
     """The segments of one KV layout. ``device`` is "cpu" (host memory) or a GPU backend name."""
 
@@ -70,6 +118,7 @@ class KVPool:
         self.layout = layout
         self.segments = segments
         self.device = device
+        self.cuda_device: int | None = None   # the CUDA device ordinal of a "cuda" pool
         self._closers: list[Any] = []
         self._closed = False
 
@@ -121,8 +170,8 @@ class KVPool:
     def from_tensors(cls, hub: Any, layout: KVLayout, tensors: Sequence[Any]) -> "KVPool":
         """GPU tensors (one per segment), each registered with ``hub.register`` (CUDA backend).
 
-        The pool holds no CPU view; the TCP transport refuses it (it would need a staging
-        copy), the RDMA transport uses the registrations' MRs."""
+        The pool holds no CPU view; the RDMA transport uses the registrations' MRs, the TCP
+        transport stages its pages through pinned host memory (see `cuda`)."""
         if len(tensors) != layout.num_segments:
             raise UsageError(f"KV pool: {len(tensors)} tensors for {layout.num_segments} segments")
         segs: list[Segment] = []
@@ -140,7 +189,36 @@ class KVPool:
                 c()
             raise
         pool = cls(layout, segs, device="cuda")
+        pool.cuda_device = _cuda_ordinal(tensors[0]) if tensors else None
         pool._closers = closers
+        return pool
+
+    @classmethod
+    def cuda(cls, layout: KVLayout, tensors: Sequence[Any], device: int | None = None) -> "KVPool":
+        """GPU memory the TCP transport moves through pinned host staging, without
+        p2phub.ko: one tensor per segment, torch CUDA tensors or any object with
+        ``__cuda_array_interface__`` (CuPy, Numba), contiguous, all on one device, each at
+        least the layout's segment size. The pool keeps the tensors alive; it registers
+        nothing. ``device``: the CUDA ordinal where the objects do not say it (found from the
+        pointer with the driver otherwise)."""
+        if len(tensors) != layout.num_segments:
+            raise UsageError(f"KV pool: {len(tensors)} tensors for {layout.num_segments} segments")
+        segs: list[Segment] = []
+        ordinals: set[int] = set()
+        for i, t in enumerate(tensors):
+            addr, nbytes, ordinal = _cuda_buffer(t, i)
+            if ordinal is None:
+                ordinal = device if device is not None else _pointer_device(addr, i)
+            ordinals.add(ordinal)
+            segs.append(Segment(addr, nbytes, None, keep=[t]))
+        if device is not None:
+            ordinals.add(int(device))
+        if len(ordinals) > 1:
+            raise UsageError(f"KV pool: the tensors are on different CUDA devices "
+                             f"({', '.join(f'cuda:{d}' for d in sorted(ordinals))}); a pool is "
+                             "one device's memory")
+        pool = cls(layout, segs, device="cuda")
+        pool.cuda_device = ordinals.pop() if ordinals else 0
         return pool
 
     # ------------------------------------------------------------------ access

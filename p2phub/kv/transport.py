@@ -219,6 +219,9 @@ class Connection:
         self._last_rx = time.monotonic()
         self._skip: set[int] = set()                        # inbound: refused transfers
         self.error: BaseException | None = None
+        self.cuda = agent.cuda_device                      # None: host pool, no staging
+        self._tx_stage: Any = None
+        self._rx_stage: Any = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"kv-rx-{peer}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -271,6 +274,9 @@ class Connection:
                 msgs = xfer.messages
                 with self._lock:
                     self._pending[xfer.id] = (xfer, float("inf"))
+                if self.cuda is not None:
+                    self._send_staged(xfer, msgs)
+                    continue
                 for i, m in enumerate(msgs):
                     flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
                     if m.type == DATA:
@@ -290,7 +296,11 @@ class Connection:
             except Exception as exc:  # a bug or a bad message: fail this transfer only
                 with self._lock:
                     self._pending.pop(xfer.id, None)
-                xfer._finish(KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
+                xfer._finish(exc if isinstance(exc, KVError)
+                             else KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
+        if self._tx_stage is not None:
+            self._tx_stage.close()
+            self._tx_stage = None
         # Drain what is still queued: it will never be sent on this connection.
         while True:
             try:
@@ -299,6 +309,57 @@ class Connection:
                 break
             if x is not None:
                 x._finish(self._closed_error())
+
+    def _stage(self, direction: str) -> Any:
+        from . import cuda
+        assert self.cuda is not None
+        return cuda.Staging(cuda.driver(), self.cuda,
+                            f"kv {direction} {self.peer!r} (cuda:{self.cuda})",
+                            self.agent.stage_chunk)
+
+    def _send_staged(self, xfer: Xfer, msgs: list[Message]) -> None:
+        """Send `xfer` from a CUDA pool, each DATA message staged chunk by chunk in C
+        (kv_cuda_send). A CUDA error before a message's first byte fails this transfer only
+        (the receiver is told with FAIL); one in the middle of a message leaves the byte
+        stream out of step, so it drops this connection (its other transfers fail with it;
+        the next one reconnects)."""
+        if self._tx_stage is None:
+            self._tx_stage = self._stage("send to")
+        st = self._tx_stage
+        h = hot()
+        for i, m in enumerate(msgs):
+            flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
+            if m.type == READ:
+                raise KVError("READ over TCP moves host pools only")
+            if m.type != DATA:
+                self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
+                continue
+            hdr = HDR.pack(MAGIC, DATA, flags, xfer.id, m.req, m.layer, m.nruns, m.nbytes)
+            with self._lock:
+                if self.closed:
+                    raise self._closed_error()
+                rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), m.wire, m.nruns, m.iov,
+                                        m.nruns, st.stage, st.chunk, st.streams, self.timeout_ms,
+                                        st.cuerr, st.sent)
+            if rc == -errno.EIO:
+                exc = st.error(f"device-to-host copy of request {m.req} layer {m.layer}")
+                if st.sent[0]:
+                    with self._lock:   # this transfer fails with the CUDA error, not the drop
+                        self._pending.pop(xfer.id, None)
+                    self._fail_connection(KVPeerError(self.peer, "reset", f"{exc} in the middle "
+                                                      "of a message; connection dropped"))
+                    raise exc
+                if i:
+                    self._send_raw(FAIL, 0, xfer.id, 0, 0, body=str(exc).encode()[:MAX_CTRL])
+                raise exc
+            if rc < 0:
+                if rc == -errno.ETIMEDOUT:
+                    raise KVPeerError(self.peer, "stalled",
+                                      f"no send progress for {self.agent.stall_timeout} s")
+                raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
+        with self._lock:
+            if xfer.id in self._pending:
+                self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
 
     # ------------------------------------------------------------------ receiving
     def _recv(self, n: int) -> bytes:
@@ -348,6 +409,8 @@ class Connection:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
                 if type_ == DATA and flags & F_READ_RESP:
                     self._on_read_resp(xid, n, nbytes)
+                elif type_ == DATA and self.cuda is not None:
+                    self._on_data_staged(flags, xid, req, layer, n, nbytes)
                 elif type_ == DATA:
                     self._on_data(flags, xid, req, layer, n, nbytes)
                 elif type_ == READ:
@@ -379,6 +442,10 @@ class Connection:
             self._fail_connection(exc)
         except Exception as exc:  # never let the thread die silently
             self._fail_connection(KVPeerError(self.peer, "reset", f"receiver error: {exc!r}"))
+        finally:
+            if self._rx_stage is not None:
+                self._rx_stage.close()
+                self._rx_stage = None
 
     def _track(self, xid: int, req: int) -> None:
         with self._lock:
@@ -422,12 +489,74 @@ class Connection:
         if flags & F_LAST:
             self._finish_inbound(xid)
 
+    def _reject(self, flags: int, xid: int, req: int, layer: int, nbytes: int, why: str) -> None:
+        self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+        exc = KVRejected(self.peer, f"request {req} layer {layer}: {why}")
+        self._fail_inbound(xid, exc)
+        self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
+        if not flags & F_LAST:
+            self._skip.add(xid)
+
+    def _on_data_staged(self, flags: int, xid: int, req: int, layer: int, nruns: int,
+                        nbytes: int) -> None:
+        """DATA into a CUDA pool: check the runs, read the payload into a free staging
+        buffer, queue its host-to-device copies; the completion thread lands the layer."""
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
+        h = hot()
+        wire = self._recv(nruns * WIRE_RUN)
+        if xid in self._skip:
+            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            if flags & F_LAST:
+                self._skip.discard(xid)
+            return
+        self._track(xid, req)
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        if rc < 0:
+            seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, bad[0] * WIRE_RUN)
+            return self._reject(flags, xid, req, layer, nbytes,
+                                f"run {bad[0]} (segment {seg}, offset {off}, {ln} bytes) is "
+                                f"outside the {nsegs} registered segment(s)")
+        if total[0] != nbytes:
+            return self._reject(flags, xid, req, layer, nbytes,
+                                f"runs add up to other than the {nbytes} payload bytes")
+        if self._rx_stage is None:
+            self._rx_stage = self._stage("receive from")
+        st = self._rx_stage
+        rc = h.lib.kv_cuda_recv(st.c, self.fd, iov, nruns, nbytes, st.stage, st.chunk,
+                                st.streams, self.timeout_ms, st.cuerr)
+        if rc == -errno.EIO:   # the payload was read: the stream is in step
+            exc = st.error(f"host-to-device copy of request {req} layer {layer}")
+            self._fail_inbound(xid, exc)
+            self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
+        self._check_rx(rc)
+        inb = self.agent._inbound(self.peer, req)
+        inb._landed(layer, wire)   # only now: its bytes are on the GPU
+        if flags & F_REQ_END:
+            inb._complete()
+        if flags & F_LAST:
+            self._finish_inbound(xid)
+
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         """Serve a READ: check the runs against our segments, send their bytes back."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
         h = hot()
         wire = self._recv(nruns * WIRE_RUN)
+        if self.cuda is not None:
+            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: agent "
+                            f"{self.agent.name!r} has a CUDA pool; READ over TCP moves host "
+                            "pools only".encode())
+            if not flags & F_LAST:
+                self._skip.add(xid)
+            return
         segs, nsegs = self.agent._seg_table()
         iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
         bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
@@ -504,6 +633,11 @@ class Connection:
                 self.agent._inbound(self.peer, r)._fail(exc)
         self._queue.put(None)
         self.agent._connection_failed(self, exc)
+
+    def alive(self) -> bool:
+        """Whether one of its threads still runs (a dropped connection's end their work:
+        Agent.close waits for them, so staging buffers are freed when it returns)."""
+        return any(t is not None and t.is_alive() for t in (self._reader, self._sender))
 
     def close(self) -> None:
         self._fail_connection(KVPeerError(self.peer, "closed", "closed locally"))
