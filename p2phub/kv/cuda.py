@@ -140,8 +140,8 @@ def driver() -> CudaDriver:
 
 
 def set_driver(d: CudaDriver | None) -> CudaDriver | None:
-    """Replace the process's driver (tests run the staging path over a host stand-in);
-    returns the previous one."""
+    """Replace the process's driver (any object with CudaDriver's calls, e.g. one that
+    copies host memory); returns the previous one."""
     global _driver
     with _driver_lock:
         old, _driver = _driver, d
