@@ -46,7 +46,9 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--iters", type=int, default=32,
                    help="timed transfers per run (default 32: fewer time too little to settle)")
     k.add_argument("--runs", type=int, default=5, help="runs per method and size (default 5)")
-    k.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    k.add_argument("--methods", default=None,
+                   help=f"subset of {','.join(METHODS)} (with --device cuda: of {','.join(CUDA_METHODS)}); "
+                        "default all")
     k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
     k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the KV pools live: cpu (host memory) or cuda (torch tensors on "
@@ -144,8 +146,7 @@ def bench(args: argparse.Namespace, progress: Any = None) -> dict:
     blocks = [_size(b) for b in args.blocks.split(",")]
     device = getattr(args, "device", "cpu")
     known = CUDA_METHODS if device == "cuda" else METHODS
-    given = args.methods if args.methods != ",".join(METHODS) or device == "cpu" else ",".join(known)
-    methods = [m.strip() for m in given.split(",") if m.strip()]
+    methods = [m.strip() for m in (args.methods or ",".join(known)).split(",") if m.strip()]
     for m in methods:
         if m not in known:
             raise ValueError(f"unknown method {m!r} for --device {device} (one of {', '.join(known)})")

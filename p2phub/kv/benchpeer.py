@@ -111,6 +111,21 @@ def _kv_layout(total: int, block: int):
                     dtype="uint8")
 
 
+def _initiate(agent, peer: dict, bpl: int, p: list[int], iters: int, total: int) -> None:
+    """The initiator's side of a p2phub method: every page of each layer to its place in the
+    permutation `p`, one request per transfer, timed after one warm-up."""
+    name = agent.add_remote(base64.b64decode(peer["md"]))
+    _say({"md": ""})
+    ids = list(range(bpl))
+    t0 = 0.0
+    for i in range(iters + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        agent.send_request(name, i, ids, p).wait(120)
+    _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
+    agent.close()
+
+
 def p2phub(role: str, total: int, block: int, iters: int, device: str = "cpu") -> None:
     if device == "cuda":
         return p2phub_cuda(role, total, block, iters)
@@ -142,16 +157,7 @@ def p2phub(role: str, total: int, block: int, iters: int, device: str = "cpu") -
         for kv in range(2):
             for b in range(bpl):
                 pool.block(ly, kv, b)[:] = page_src(ly, kv, b)
-    name = agent.add_remote(base64.b64decode(peer["md"]))
-    _say({"md": ""})
-    ids = list(range(bpl))
-    t0 = 0.0
-    for i in range(iters + 1):
-        if i == 1:
-            t0 = time.perf_counter()
-        agent.send_request(name, i, ids, p).wait(120)
-    _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
-    agent.close()
+    _initiate(agent, peer, bpl, p, iters, total)
 
 
 def p2phub_cuda(role: str, total: int, block: int, iters: int) -> None:
@@ -185,16 +191,7 @@ def p2phub_cuda(role: str, total: int, block: int, iters: int) -> None:
         agent.close()
         return
     peer = _hear()
-    name = agent.add_remote(base64.b64decode(peer["md"]))
-    _say({"md": ""})
-    ids = list(range(bpl))
-    t0 = 0.0
-    for i in range(iters + 1):
-        if i == 1:
-            t0 = time.perf_counter()
-        agent.send_request(name, i, ids, p).wait(120)
-    _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
-    agent.close()
+    _initiate(agent, peer, bpl, p, iters, total)
 
 
 # ---------------------------------------------------------------------------- torch staging

@@ -99,11 +99,6 @@ def _cuda_buffer(t: Any, i: int) -> tuple[int, int, int | None]:
     return addr, n, None
 
 
-def _pointer_device(addr: int, i: int) -> int:
-    from .cuda import driver
-    return driver().pointer_device(addr)
-
-
 class KVPool:
     """The segments of one KV layout. ``device`` is "cpu" (host memory) or a GPU backend name."""
 
@@ -208,7 +203,8 @@ class KVPool:
         for i, t in enumerate(tensors):
             addr, nbytes, ordinal = _cuda_buffer(t, i)
             if ordinal is None:
-                ordinal = device if device is not None else _pointer_device(addr, i)
+                from .cuda import driver   # the driver knows where a bare pointer lives
+                ordinal = device if device is not None else driver().pointer_device(addr)
             ordinals.add(ordinal)
             segs.append(Segment(addr, nbytes, None, keep=[t]))
         if device is not None:

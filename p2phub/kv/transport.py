@@ -451,37 +451,21 @@ class Connection:
         with self._lock:
             self._active.setdefault(xid, set()).add(req)
 
-    def _on_data(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
+    def _data_runs(self, flags: int, xid: int, req: int, nruns: int, nbytes: int) -> bytes | None:
+        """A DATA message's run table; None when the message belongs to a refused transfer
+        (its payload is then dropped here)."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
-        h = hot()
         wire = self._recv(nruns * WIRE_RUN)
         if xid in self._skip:  # the rest of a refused transfer: drop it
-            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+            self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
             if flags & F_LAST:
                 self._skip.discard(xid)
-            return
+            return None
         self._track(xid, req)
-        segs, nsegs = self.agent._seg_table()
-        bad = h.ffi.new("size_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_recv_runs(self.fd, segs, nsegs, wp, nruns, nbytes,
-                                self.timeout_ms, bad)
-        if rc == -errno.EINVAL:
-            if bad[0] < nruns:
-                seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, bad[0] * WIRE_RUN)
-                why = (f"run {bad[0]} (segment {seg}, offset {off}, {ln} bytes) is outside the "
-                       f"{nsegs} registered segment(s)")
-            else:
-                why = f"runs add up to other than the {nbytes} payload bytes"
-            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
-            exc = KVRejected(self.peer, f"request {req} layer {layer}: {why}")
-            self._fail_inbound(xid, exc)
-            self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
-            if not flags & F_LAST:
-                self._skip.add(xid)
-            return
-        self._check_rx(rc)
+        return wire
+
+    def _land(self, flags: int, xid: int, req: int, layer: int, wire: bytes) -> None:
         inb = self.agent._inbound(self.peer, req)
         inb._landed(layer, wire)
         if flags & F_REQ_END:
@@ -489,38 +473,55 @@ class Connection:
         if flags & F_LAST:
             self._finish_inbound(xid)
 
-    def _reject(self, flags: int, xid: int, req: int, layer: int, nbytes: int, why: str) -> None:
-        self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
-        exc = KVRejected(self.peer, f"request {req} layer {layer}: {why}")
+    def _refuse(self, flags: int, xid: int, req: int, layer: int, exc: BaseException) -> None:
+        """Fail the transfer here, tell the sender (ERR), drop the rest of its messages."""
         self._fail_inbound(xid, exc)
         self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
         if not flags & F_LAST:
             self._skip.add(xid)
 
+    def _reject(self, flags: int, xid: int, req: int, layer: int, nbytes: int, why: str) -> None:
+        """Refuse a message whose payload is still unread: drop it, then refuse."""
+        self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+        self._refuse(flags, xid, req, layer, KVRejected(self.peer, f"request {req} layer {layer}: {why}"))
+
+    def _bad_run(self, wire: bytes, i: int, nsegs: int) -> str:
+        seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, i * WIRE_RUN)
+        return (f"run {i} (segment {seg}, offset {off}, {ln} bytes) is outside the "
+                f"{nsegs} registered segment(s)")
+
+    def _on_data(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
+        wire = self._data_runs(flags, xid, req, nruns, nbytes)
+        if wire is None:
+            return
+        h = hot()
+        segs, nsegs = self.agent._seg_table()
+        bad = h.ffi.new("size_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_recv_runs(self.fd, segs, nsegs, wp, nruns, nbytes,
+                                self.timeout_ms, bad)
+        if rc == -errno.EINVAL:
+            why = (self._bad_run(wire, bad[0], nsegs) if bad[0] < nruns
+                   else f"runs add up to other than the {nbytes} payload bytes")
+            return self._reject(flags, xid, req, layer, nbytes, why)
+        self._check_rx(rc)
+        self._land(flags, xid, req, layer, wire)
+
     def _on_data_staged(self, flags: int, xid: int, req: int, layer: int, nruns: int,
                         nbytes: int) -> None:
         """DATA into a CUDA pool: check the runs, read the payload into a free staging
         buffer, queue its host-to-device copies; the completion thread lands the layer."""
-        if nruns > MAX_RUNS:
-            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
-        h = hot()
-        wire = self._recv(nruns * WIRE_RUN)
-        if xid in self._skip:
-            self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
-            if flags & F_LAST:
-                self._skip.discard(xid)
+        wire = self._data_runs(flags, xid, req, nruns, nbytes)
+        if wire is None:
             return
-        self._track(xid, req)
+        h = hot()
         segs, nsegs = self.agent._seg_table()
         iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
         bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
         wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
         rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
         if rc < 0:
-            seg, _f, off, ln = struct.unpack_from("<IIQQ", wire, bad[0] * WIRE_RUN)
-            return self._reject(flags, xid, req, layer, nbytes,
-                                f"run {bad[0]} (segment {seg}, offset {off}, {ln} bytes) is "
-                                f"outside the {nsegs} registered segment(s)")
+            return self._reject(flags, xid, req, layer, nbytes, self._bad_run(wire, bad[0], nsegs))
         if total[0] != nbytes:
             return self._reject(flags, xid, req, layer, nbytes,
                                 f"runs add up to other than the {nbytes} payload bytes")
@@ -530,19 +531,10 @@ class Connection:
         rc = h.lib.kv_cuda_recv(st.c, self.fd, iov, nruns, nbytes, st.stage, st.chunk,
                                 st.streams, self.timeout_ms, st.cuerr)
         if rc == -errno.EIO:   # the payload was read: the stream is in step
-            exc = st.error(f"host-to-device copy of request {req} layer {layer}")
-            self._fail_inbound(xid, exc)
-            self._send_ctrl(ERR, xid, req, layer, str(exc).encode())
-            if not flags & F_LAST:
-                self._skip.add(xid)
-            return
+            return self._refuse(flags, xid, req, layer,
+                                st.error(f"host-to-device copy of request {req} layer {layer}"))
         self._check_rx(rc)
-        inb = self.agent._inbound(self.peer, req)
-        inb._landed(layer, wire)   # only now: its bytes are on the GPU
-        if flags & F_REQ_END:
-            inb._complete()
-        if flags & F_LAST:
-            self._finish_inbound(xid)
+        self._land(flags, xid, req, layer, wire)   # only now: its bytes are on the GPU
 
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         """Serve a READ: check the runs against our segments, send their bytes back."""
