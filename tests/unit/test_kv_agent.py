@@ -354,3 +354,9 @@ def test_sender_waits_for_the_writer_of_its_pages() -> None:
         t.join(5)
         x.wait(5)
         assert bytes(pb.block(2, 1, 0)) == b"\x77" * 4096
+
+
+def test_declaring_blocks_needs_a_pool() -> None:
+    with Agent("lone", stall_timeout=5.0) as a:
+        with pytest.raises(UsageError, match="has no KV pool to declare blocks on"):
+            a.expect("peer", 1, blocks=[0, 1])
