@@ -77,21 +77,61 @@ class nixl_xfer_handle:  # noqa: N801
         self.xfer = None
 
 
+def _memory_object(d: Any) -> Optional[tuple[int, int, int]]:
+    """(addr, len, dev) of a tensor or array object's own memory, or None if `d` is not one.
+
+    Torch tensors, objects with ``__cuda_array_interface__`` (VRAM) and objects with
+    ``__array_interface__`` are memory: their bytes are registered or moved, their values
+    are never read as descriptors. Only an N x 3 integer numpy array given as ``descs`` is
+    a descriptor table (NIXL's meaning)."""
+    if hasattr(d, "data_ptr") and hasattr(d, "element_size") and hasattr(d, "numel"):
+        if getattr(d, "is_cuda", False):
+            raise UsageError("VRAM tensors: the TCP transport moves host memory only")
+        if hasattr(d, "is_contiguous") and not d.is_contiguous():
+            raise UsageError("a non-contiguous tensor cannot be registered or moved as one range")
+        return int(d.data_ptr()), int(d.numel() * d.element_size()), 0
+    if hasattr(d, "__cuda_array_interface__"):
+        raise UsageError("VRAM arrays: the TCP transport moves host memory only")
+    ai = getattr(d, "__array_interface__", None)
+    if isinstance(ai, dict):
+        import math
+        shape = tuple(ai.get("shape", ()))
+        itemsize = int(ai["typestr"][2:])
+        n = math.prod(shape) * itemsize
+        strides = ai.get("strides")
+        if strides is not None:
+            want, expect = itemsize, []
+            for dim in reversed(shape):
+                expect.insert(0, want)
+                want *= dim
+            if tuple(strides) != tuple(expect) and n:
+                raise UsageError("a non-contiguous array cannot be registered or moved as one range")
+        return int(ai["data"][0]), n, 0
+    return None
+
+
+def _is_desc_array(descs: Any) -> bool:
+    """An N x 3 (or N x 4) numpy array of integers: NIXL's descriptor table."""
+    ai = getattr(descs, "__array_interface__", None)
+    return (type(descs).__module__ == "numpy" and isinstance(ai, dict)
+            and len(ai.get("shape", ())) == 2 and ai["typestr"][1] in "iu")
+
+
 def _rows(descs: Any) -> list[tuple[int, int, int]]:
     if isinstance(descs, _DList):
         return list(descs.rows)
-    if hasattr(descs, "shape") and hasattr(descs, "tolist"):  # an Nx3 numpy array
-        if len(descs.shape) != 2 or descs.shape[1] not in (3, 4):
+    if _is_desc_array(descs):
+        if descs.shape[1] not in (3, 4):
             raise UsageError(f"descriptor array must be Nx3, not {tuple(descs.shape)}")
         return [(int(r[0]), int(r[1]), int(r[2])) for r in descs.tolist()]
-    if hasattr(descs, "data_ptr"):  # a (CPU) tensor
-        descs = [descs]
+    whole = _memory_object(descs)
+    if whole is not None:            # one tensor / array: its own memory
+        return [whole]
     out = []
     for d in descs:
-        if hasattr(d, "data_ptr"):
-            if getattr(d, "is_cuda", False):
-                raise UsageError("VRAM tensors: the TCP transport moves host memory only")
-            out.append((int(d.data_ptr()), int(d.numel() * d.element_size()), 0))
+        mem = _memory_object(d)
+        if mem is not None:
+            out.append(mem)
         elif isinstance(d, tuple) and len(d) in (3, 4):
             out.append((int(d[0]), int(d[1]), int(d[2])))
         else:
