@@ -10,7 +10,7 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from p2phub.kv.nixl_compat import nixl_agent, nixl_agent_config  # noqa: E402
+from p2phub.nixl import nixl_agent, nixl_agent_config  # noqa: E402
 
 
 def _torch():
