@@ -1,0 +1,80 @@
+"""vLLM NixlConnector's NIXL call sequence (vllm_nixl_replay.py), prefill and decode in two
+processes on loopback: against p2phub.nixl, and against real NIXL (nixl-cu12, UCX over TCP on
+lo) as the control. The control is skipped only where nixl cannot be imported; its process may
+crash at exit in UCX's teardown, so its checks (the JSON it prints) are judged, not its exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vllm_nixl_replay as replay  # noqa: E402
+
+
+def _impls() -> list:
+    out = [pytest.param("p2phub")]
+    try:
+        import nixl_cu12._api  # noqa: F401
+        out.append(pytest.param("nixl"))
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        out.append(pytest.param("nixl", marks=pytest.mark.skip(
+            reason=f"nixl cannot be imported (pip install --no-deps nixl-cu12 numpy): {exc}")))
+    return out
+
+
+def _run(impl: str, tmp_path: Path, mem: str = "DRAM") -> tuple[dict, dict]:
+    pytest.importorskip("numpy")
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(HERE / "vllm_nixl_replay.py"), "--impl", impl, "--dir", str(tmp_path),
+           "--mem", mem]
+    pre = subprocess.Popen(cmd + ["--role", "prefill"], stdout=subprocess.PIPE, text=True, env=env)
+    dec = subprocess.Popen(cmd + ["--role", "decode"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        dout, _ = dec.communicate(timeout=180)
+        pout, _ = pre.communicate(timeout=180)
+    finally:
+        for p in (pre, dec):
+            if p.poll() is None:
+                p.kill()
+    lines = [ln for ln in dout.splitlines() if ln.startswith("{")], [ln for ln in pout.splitlines() if ln.startswith("{")]
+    assert lines[0] and lines[1], (dout, pout, dec.returncode, pre.returncode)
+    if impl == "p2phub":
+        assert dec.returncode == 0 and pre.returncode == 0
+    return json.loads(lines[0][-1]), json.loads(lines[1][-1])
+
+
+def check(dec: dict, pre: dict) -> None:
+    reads = {r: v for r, v in replay.READS.items() if v[0]}
+    assert dec["states"] == {r: "DONE" for r in reads}
+    assert dec["pending"] == []
+    assert dec["name_type"] == "bytes"                      # add_remote_agent returns bytes
+    assert dec["bad"] == [] and dec["stray"] == []          # every byte, nothing elsewhere
+    nreg = 2 * replay.LAYERS
+    touched = sum(len(local) for local, _ in replay.READS.values()) + len(replay.PUSH[1])
+    assert dec["checked_bytes"] == touched * nreg * replay.BLOCK_BYTES
+    assert sorted(t["req"] for t in dec["telemetry"]) == sorted(reads)
+    for t in dec["telemetry"]:
+        n = len(replay.READS[t["req"]][0]) * nreg
+        assert t["descs"] == n and t["bytes"] == n * replay.BLOCK_BYTES
+        assert 0 < t["post_us"] <= t["xfer_us"]
+    assert dec["push_notif"] is True
+    assert pre["done_sending"] == sorted(replay.READS)      # full prefix hit included
+    assert dec["heartbeats"] >= 1 and pre["heartbeats"][0] == ",".join(sorted(replay.READS))
+    assert all(set(hb.split(",")) <= set(replay.READS) for hb in pre["heartbeats"])
+    assert pre["push_state"] == "DONE"
+    assert pre["push_descs"] == len(replay.PUSH[1]) * nreg
+    assert pre["push_bytes"] == pre["push_descs"] * replay.BLOCK_BYTES
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_vllm_nixl_connector_sequence_dram(impl: str, tmp_path: Path) -> None:
+    dec, pre = _run(impl, tmp_path)
+    check(dec, pre)
