@@ -29,9 +29,9 @@ def _impls() -> list:
     return out
 
 
-def _run(impl: str, tmp_path: Path, mem: str = "DRAM") -> tuple[dict, dict]:
+def _run(impl: str, tmp_path: Path, mem: str = "DRAM", ucx_tls: str = "tcp") -> tuple[dict, dict]:
     pytest.importorskip("numpy")
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
+    env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(HERE / "vllm_nixl_replay.py"), "--impl", impl, "--dir", str(tmp_path),
            "--mem", mem]
