@@ -299,7 +299,8 @@ class nixlAgent:  # noqa: N801
         env = _env_bool("NIXL_TELEMETRY_ENABLE")
         self.telemetry = env if env is not None else bool(config.captureTelemetry)
         port = int(config.listenPort) if config.useListenThread else 0
-        self.kv = NixlKVAgent(name, port=port, stall_timeout=float(config.stallTimeout))
+        host = os.environ.get("P2PHUB_NIXL_HOST", "127.0.0.1")
+        self.kv = NixlKVAgent(name, host=host, port=port, stall_timeout=float(config.stallTimeout))
         self._ids = itertools.count(1)
         self.xfers: dict[int, Any] = {}
         self.dlists: dict[int, Any] = {}

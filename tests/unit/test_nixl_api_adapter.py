@@ -286,3 +286,18 @@ def test_dead_peer_is_named(two) -> None:
         a.send_notif("B", b"anyone?")
     with pytest.raises(nixlNotFoundError):
         a.send_notif("C", b"who?")
+
+
+def test_alias_makes_import_nixl_resolve_here() -> None:
+    import subprocess
+    import sys
+    code = ("import p2phub.nixl; p2phub.nixl.alias()\n"
+            "from nixl._api import nixl_agent as NixlWrapper, nixl_agent_config\n"
+            "from nixl._bindings import nixlXferTelemetry, nixlNotFoundError\n"
+            "import nixl._utils, nixl.logging\n"
+            "a = NixlWrapper('x', nixl_agent_config(num_threads=4, capture_telemetry=True))\n"
+            "assert type(a).__module__ == 'p2phub.nixl._api', type(a).__module__\n"
+            "assert nixlNotFoundError.__module__ == 'p2phub.nixl.errors'\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "ok", r.stderr
