@@ -22,22 +22,19 @@ import sys
 import threading
 import time
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import UsageError
 from ..kv import transport as tp
 from ..kv.agent import DescList
 from ..kv.errors import KVError, KVPeerError, KVRejected
 from . import _bindings as nixlBind
-from ._kvagent import exchange
+from ._kvagent import _Lookup, exchange
 from .errors import (
     nixlBackendError, nixlError, nixlInvalidParamError, nixlNoTelemetryError,
     nixlNotFoundError, nixlNotPostedError, nixlNotSupportedError, nixlRemoteDisconnectError,
     nixlRepostActiveError,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +460,7 @@ class nixl_agent:  # noqa: N801
         except _NotContiguous:
             logger.error("Please use a list of contiguous Tensors")
             return None
-        if len(set(mems)) != 1 or len({r[2] for r in rows}) != 1 and mems[0] == "VRAM":
+        if len(set(mems)) != 1 or (mems[0] == "VRAM" and len({r[2] for r in rows}) != 1):
             logger.error("Tensors of one descriptor list must be on one device")
             return None
         if width == 4:
@@ -591,8 +588,9 @@ class nixl_agent:  # noqa: N801
         return out
 
     def _registered(self, rows: list[tuple[int, int, int]], what: str) -> None:
+        look = _Lookup(self._regs)
         for i, (a, n, _d) in enumerate(rows):
-            if n <= 0 or not any(ra <= a and a + n <= ra + rn for ra, rn in self._regs):
+            if look.find(a, n) is None:
                 raise nixlNotFoundError(f"{what}: descriptor {i} ({a:#x}+{n}) is not inside "
                                         f"memory registered with agent {self.name!r}")
 
@@ -627,9 +625,18 @@ class nixl_agent:  # noqa: N801
                                         "(no etcd); give ip_addr and port of the peer's agent")
         return ip_addr
 
+    def _exchange(self, what: str, host: str, port: int, md: dict, timeout: float) -> Optional[dict]:
+        """NIXL sends and fetches metadata from its listener thread and reports no failure to
+        the caller (the peer's check_remote_metadata stays False); so here: logged."""
+        try:
+            return exchange(self.kv, host, port, md, timeout)
+        except nixlError as exc:
+            logger.error("%s: %s", what, exc)
+            return None
+
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         host = self._peer_addr(ip_addr, "send_local_metadata")
-        exchange(self.kv, host, port, self.kv.metadata_dict(), self.kv.stall_timeout)
+        self._exchange("send_local_metadata", host, port, self.kv.metadata_dict(), self.kv.stall_timeout)
 
     def send_partial_agent_metadata(self, descs: nixlBind.nixlRegDList, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",  # noqa: B006
@@ -637,24 +644,27 @@ class nixl_agent:  # noqa: N801
         import json
         host = self._peer_addr(ip_addr, "send_partial_agent_metadata")
         md = json.loads(self.get_partial_agent_metadata(descs, inc_conn_info, backends))
-        exchange(self.kv, host, port, md, self.kv.stall_timeout)
+        self._exchange("send_partial_agent_metadata", host, port, md, self.kv.stall_timeout)
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "",
                               port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
         """Get the metadata of the agent at ip_addr:port (this agent's own goes to it too:
         the exchange is one handshake)."""
         host = self._peer_addr(ip_addr, "fetch_remote_metadata")
-        md = exchange(self.kv, host, port, self.kv.metadata_dict(), self.kv.stall_timeout)
+        md = self._exchange("fetch_remote_metadata", host, port, self.kv.metadata_dict(),
+                            self.kv.stall_timeout)
+        if md is None:
+            return
         got = self.kv.add_remote(md)
         if got != _name(remote_agent):
-            raise nixlNotFoundError(f"fetch_remote_metadata: the agent at {host}:{port} is "
-                                    f"{got!r}, not {_name(remote_agent)!r}")
+            logger.error("fetch_remote_metadata: the agent at %s:%s is %r, not %r",
+                         host, port, got, _name(remote_agent))
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         """Make the agent at ip_addr:port forget this one."""
         host = self._peer_addr(ip_addr, "invalidate_local_metadata")
-        exchange(self.kv, host, port, self.kv.metadata_dict([], {"invalidate": True}),
-                 self.kv.stall_timeout)
+        self._exchange("invalidate_local_metadata", host, port,
+                       self.kv.metadata_dict([], {"invalidate": True}), 1.0)
 
     def check_remote_metadata(self, agent: Union[str, bytes], descs: Any = None) -> bool:
         name = _name(agent)
@@ -710,13 +720,17 @@ class nixl_agent:  # noqa: N801
         self.agent.dlists[h] = p
         return nixl_prepped_dlist_handle(self.agent, h)
 
-    def _dlist(self, handle: Any, what: str) -> _Prepped:
-        if not isinstance(handle, nixl_prepped_dlist_handle):
-            raise nixlInvalidParamError(f"{what}: want a handle from prep_xfer_dlist, not {handle!r}")
-        p = self.agent.dlists.get(handle._handle)
-        if p is None:
+    def _held(self, handle: Any, cls: type, table: dict, what: str) -> Any:
+        """What a live handle of type `cls` stands for in `table`."""
+        if not isinstance(handle, cls):
+            raise nixlInvalidParamError(f"{what}: want a {cls.__name__}, not {handle!r}")
+        obj = table.get(handle._handle)
+        if obj is None:
             raise nixlInvalidParamError(f"{what}: {handle!r} was released")
-        return p
+        return obj
+
+    def _dlist(self, handle: Any, what: str) -> _Prepped:
+        return self._held(handle, nixl_prepped_dlist_handle, self.agent.dlists, what)
 
     def _make(self, op: str, lp: _Prepped, li: list[int], rp: _Prepped, ri: list[int],
               notif: bytes) -> nixl_xfer_handle:
@@ -787,12 +801,7 @@ class nixl_agent:  # noqa: N801
         return self._make(op, lp, idx, rp, idx, _b(notif_msg))
 
     def _req(self, handle: Any, what: str) -> _Req:
-        if not isinstance(handle, nixl_xfer_handle):
-            raise nixlInvalidParamError(f"{what}: want a transfer handle, not {handle!r}")
-        req = self.agent.xfers.get(handle._handle)
-        if req is None:
-            raise nixlInvalidParamError(f"{what}: {handle!r} was released")
-        return req
+        return self._held(handle, nixl_xfer_handle, self.agent.xfers, what)
 
     def _loop(self, req: _Req) -> None:
         for a, b, n in req.pairs:

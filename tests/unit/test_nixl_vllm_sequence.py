@@ -16,17 +16,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_nixl_replay as replay  # noqa: E402
-
-
-def _impls() -> list:
-    out = [pytest.param("p2phub")]
-    try:
-        import nixl_cu12._api  # noqa: F401
-        out.append(pytest.param("nixl"))
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
-        out.append(pytest.param("nixl", marks=pytest.mark.skip(
-            reason=f"nixl cannot be imported (pip install --no-deps nixl-cu12 numpy): {exc}")))
-    return out
+from test_kv_nixl import _impls  # noqa: E402,F401 - the impl parameters: p2phub, nixl where it imports
 
 
 def _run(impl: str, tmp_path: Path, mem: str = "DRAM", ucx_tls: str = "tcp") -> tuple[dict, dict]:

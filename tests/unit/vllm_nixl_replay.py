@@ -36,6 +36,8 @@ import time
 import uuid
 from pathlib import Path
 
+from nixl_script import put_file, wait_file  # noqa: E402 - same folder: the file side channel
+
 LAYERS, BLOCKS, BLOCK_BYTES, TP = 4, 32, 16384, 1
 # request -> (decode's local block ids, prefill's block ids); [] local = full prefix hit
 READS = {
@@ -105,21 +107,6 @@ class Caches:
             torch.cuda.synchronize()
             return np.stack([t.cpu().numpy() for t in self.regions()])
         return np.stack(list(self.regions()))
-
-
-def wait_file(p: Path, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while not p.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{p} did not appear")
-        time.sleep(0.01)
-    return json.loads(p.read_text())
-
-
-def put_file(p: Path, d: dict) -> None:
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(d))
-    tmp.rename(p)
 
 
 def desc_ids(np, block_ids: list[int], regions: int):
