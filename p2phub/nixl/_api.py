@@ -30,6 +30,7 @@ from ..kv.agent import DescList
 from ..kv.errors import KVError, KVPeerError, KVRejected
 from . import _bindings as nixlBind
 from ._kvagent import _Lookup, exchange
+from .logging import get_logger  # noqa: F401 - nixl._api has it
 from .errors import (
     nixlBackendError, nixlError, nixlInvalidParamError, nixlNoTelemetryError,
     nixlNotFoundError, nixlNotPostedError, nixlNotSupportedError, nixlRemoteDisconnectError,
@@ -711,6 +712,13 @@ class nixl_agent:  # noqa: N801
                         backends: list[str] = []) -> nixl_prepped_dlist_handle:  # noqa: B006
         """Prepare a list once: agent_name "" / "NIXL_INIT_AGENT" (local side), a peer's name,
         or this agent's own name (the remote side of a transfer within this agent)."""
+        if _is_desc_table(xfer_list) and xfer_list.shape[1] == 5:
+            # NIXL 1.5's compressed form: (address, len, dev, stride, count) per row, `count`
+            # blocks of `len` bytes `stride` apart; the list holds every block, in row order
+            if mem_type is None:
+                raise ValueError("Please specify a mem type for strided descriptors")
+            rows = [(a + k * st, n, dv) for a, n, dv, st, cnt in xfer_list.tolist() for k in range(cnt)]
+            xfer_list = nixlBind.nixlXferDList(self.nixl_mems[mem_type], rows)
         descs = self.get_xfer_descs(xfer_list, mem_type)
         if descs is None:
             raise TypeError("prep_xfer_dlist: want descriptors get_xfer_descs takes")

@@ -301,3 +301,19 @@ def test_alias_makes_import_nixl_resolve_here() -> None:
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_strided_nx5_prep_is_every_block(two) -> None:
+    a, _ = two
+    src, dst = _buf(8 * 512, seed=9), _buf(8 * 512)
+    a.register_memory([(src.ctypes.data, src.nbytes, 0, ""), (dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    # 4 blocks of 256 bytes, 512 apart, starting at each buffer (NIXL 1.5's Nx5 form)
+    lh = a.prep_xfer_dlist("", np.array([[src.ctypes.data, 256, 0, 512, 4]], dtype=np.uint64), "DRAM")
+    rh = a.prep_xfer_dlist("A", np.array([[dst.ctypes.data + 256, 256, 0, 512, 4]], dtype=np.uint64), "DRAM")
+    with pytest.raises(ValueError, match="mem type"):
+        a.prep_xfer_dlist("", np.array([[src.ctypes.data, 256, 0, 512, 4]], dtype=np.uint64))
+    h = a.make_prepped_xfer("WRITE", lh, [0, 3], rh, [3, 0])
+    assert a.transfer(h) == "DONE"
+    assert (dst[3 * 512 + 256:4 * 512] == src[0:256]).all()
+    assert (dst[256:512] == src[3 * 512:3 * 512 + 256]).all()
+    assert int(dst.astype(bool).sum()) == int(src[0:256].astype(bool).sum() + src[1536:1792].astype(bool).sum())
