@@ -884,7 +884,12 @@ class nixl_agent:  # noqa: N801
         release_xfer_handle: the state the transfer had when it was released."""
         if isinstance(handle, nixl_xfer_handle) and handle._released:
             return handle._last
-        return self._state(self._req(handle, "check_xfer_state"))
+        st = self._state(self._req(handle, "check_xfer_state"))
+        if st == "PROC":
+            # NIXL's status check runs without the GIL; a caller polling in a loop must let
+            # the transport's threads run between polls, as it does there
+            time.sleep(0)
+        return st
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         """startTime (µs, monotonic clock), postDuration and xferDuration (µs), totalBytes,
