@@ -6,8 +6,6 @@ crash at exit in UCX's teardown, so its checks (the JSON it prints) are judged, 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,28 +14,16 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_nixl_replay as replay  # noqa: E402
-from test_kv_nixl import _impls  # noqa: E402,F401 - the impl parameters: p2phub, nixl where it imports
+from test_kv_nixl import _impls, run_roles  # noqa: E402,F401 - p2phub, and nixl where it imports
 
 
 def _run(impl: str, tmp_path: Path, mem: str = "DRAM", ucx_tls: str = "tcp") -> tuple[dict, dict]:
-    pytest.importorskip("numpy")
-    env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(HERE / "vllm_nixl_replay.py"), "--impl", impl, "--dir", str(tmp_path),
-           "--mem", mem]
-    pre = subprocess.Popen(cmd + ["--role", "prefill"], stdout=subprocess.PIPE, text=True, env=env)
-    dec = subprocess.Popen(cmd + ["--role", "decode"], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        dout, _ = dec.communicate(timeout=180)
-        pout, _ = pre.communicate(timeout=180)
-    finally:
-        for p in (pre, dec):
-            if p.poll() is None:
-                p.kill()
+    (prc, pout), (drc, dout) = run_roles("vllm_nixl_replay.py", impl, tmp_path, ("prefill", "decode"),
+                                         ("--mem", mem), ucx_tls, timeout=180)
     lines = [ln for ln in dout.splitlines() if ln.startswith("{")], [ln for ln in pout.splitlines() if ln.startswith("{")]
-    assert lines[0] and lines[1], (dout, pout, dec.returncode, pre.returncode)
+    assert lines[0] and lines[1], (dout, pout, drc, prc)
     if impl == "p2phub":
-        assert dec.returncode == 0 and pre.returncode == 0
+        assert drc == 0 and prc == 0
     return json.loads(lines[0][-1]), json.loads(lines[1][-1])
 
 
