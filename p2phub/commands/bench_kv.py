@@ -5,7 +5,10 @@ moves --total bytes per transfer (--iters timed transfers after one warm-up), ev
 to a scattered place on the target; the target checks every byte of the last transfer.
 Methods: raw (one socket stream of the same bytes into one buffer: the ceiling), p2phub
 (p2phub.kv.Agent, a request of 4 layers x K/V), nixl (nixl-cu12, UCX forced to tcp, prepped
-lists), mooncake (Transfer Engine, tcp, P2PHANDSHAKE, batches of 512). Methods whose
+lists), mooncake (Transfer Engine, tcp, P2PHANDSHAKE, batches of 512), p2phub-nixl (the nixl
+method's calls unchanged on p2phub.nixl, NIXL's API over p2phub) and p2phub-xfer (p2phub's own
+API in the same shape: prep_local / prep_remote / make_xfer / post; the adapter's cost is
+p2phub-nixl against it). Methods whose
 package is missing are reported as skipped. Ratios are against raw, run by run.
 
 ``--device cuda``: the pools are torch CUDA tensors on cuda:0 on both sides; p2phub moves them
@@ -29,7 +32,7 @@ import time
 from typing import Any
 
 SCHEMA = "p2phub.bench.kv/1"
-METHODS = ("raw", "p2phub", "nixl", "mooncake")
+METHODS = ("raw", "p2phub", "nixl", "mooncake", "p2phub-xfer", "p2phub-nixl")
 CUDA_METHODS = ("raw", "p2phub", "torch")
 
 
@@ -57,7 +60,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _available(method: str) -> str | None:
-    mod = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine", "torch": "torch"}.get(method)
+    mod = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine", "torch": "torch",
+           "p2phub-nixl": "numpy"}.get(method)
     if mod is None:
         return None
     try:

@@ -237,10 +237,57 @@ def torch_staged(role: str, total: int, block: int, iters: int) -> None:
     _say({"seconds": time.perf_counter() - t0, "bytes": iters * total})
 
 
+# ---------------------------------------------------------------------------- p2phub, NIXL-like calls
+def p2phub_xfer(role: str, total: int, block: int, iters: int) -> None:
+    """p2phub's own API the way the NIXL methods use theirs: one registered buffer, lists
+    prepared once (prep_local / prep_remote), one transfer by index (make_xfer), posted and
+    awaited `iters` times. The same wire work as p2phub-nixl, without the adapter."""
+    from .agent import Agent
+    n = total // block
+    p = perm(n)
+    agent = Agent(role, stall_timeout=30)
+    m, addr = _buf(total)
+    if role == "initiator":
+        m[:] = pattern(total)
+    agent.register_memory(addr, total)
+    if role == "target":
+        _say({"md": base64.b64encode(agent.metadata()).decode(), "addr": addr})
+        _hear()
+        agent.wait_notif("initiator", b"final", 120)
+        _say({"bytes_ok": _check_scattered(memoryview(m), pattern(total), block, p)})
+        agent.close()
+        return
+    peer = _hear()
+    name = agent.add_remote(base64.b64decode(peer["md"]))
+    _say({"md": ""})
+    lh = agent.prep_local([(addr + i * block, block) for i in range(n)])
+    rh = agent.prep_remote(name, [(peer["addr"] + j * block, block) for j in p])
+    idx = list(range(n))
+    x = agent.make_xfer(name, lh, idx, rh, idx)
+    t0 = 0.0
+    for i in range(iters + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        agent.post(x)
+        x.wait(120)
+    secs = time.perf_counter() - t0
+    agent.send_notif(name, b"final")
+    _say({"seconds": secs, "bytes": iters * total})
+    agent.close()
+
+
 # ---------------------------------------------------------------------------- nixl
-def nixl(role: str, total: int, block: int, iters: int) -> None:
+def p2phub_nixl(role: str, total: int, block: int, iters: int) -> None:
+    """The nixl method's calls, unchanged, on p2phub.nixl (NIXL's API over p2phub)."""
+    nixl(role, total, block, iters, impl="p2phub")
+
+
+def nixl(role: str, total: int, block: int, iters: int, impl: str = "nixl") -> None:
     import numpy as np
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    if impl == "nixl":
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    else:
+        from ..nixl._api import nixl_agent, nixl_agent_config
     n = total // block
     p = perm(n)
     agent = nixl_agent(role, nixl_agent_config(backends=["UCX"]))
@@ -327,7 +374,8 @@ def mooncake(role: str, total: int, block: int, iters: int) -> None:
     os._exit(0)
 
 
-METHODS = {"raw": raw, "p2phub": p2phub, "nixl": nixl, "mooncake": mooncake, "torch": torch_staged}
+METHODS = {"raw": raw, "p2phub": p2phub, "nixl": nixl, "mooncake": mooncake, "torch": torch_staged,
+           "p2phub-xfer": p2phub_xfer, "p2phub-nixl": p2phub_nixl}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ def load(impl: str):
     if impl == "nixl":
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     else:
-        from p2phub.kv.nixl_compat import nixl_agent, nixl_agent_config
+        from p2phub.nixl._api import nixl_agent, nixl_agent_config
     return nixl_agent, nixl_agent_config
 
 

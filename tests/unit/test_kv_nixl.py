@@ -25,22 +25,30 @@ def _impls() -> list:
     return out
 
 
-@pytest.mark.parametrize("impl", _impls())
-def test_nixl_script_two_processes(impl: str, tmp_path: Path) -> None:
+def run_roles(script: str, impl: str, tmp_path: Path, roles: tuple[str, str],
+              extra: tuple[str, ...] = (), ucx_tls: str = "tcp",
+              timeout: float = 240) -> list[tuple[int, str]]:
+    """Run `script` once per role, both at once (UCX kept to TCP on lo for nixl); returns
+    (exit status, stdout) per role."""
     pytest.importorskip("numpy")
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
+    env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(HERE / "nixl_script.py"), "--impl", impl, "--dir", str(tmp_path)]
-    tgt = subprocess.Popen(cmd + ["--role", "target"], stdout=subprocess.PIPE, text=True, env=env)
-    ini = subprocess.Popen(cmd + ["--role", "initiator"], stdout=subprocess.PIPE, text=True, env=env)
+    cmd = [sys.executable, str(HERE / script), "--impl", impl, "--dir", str(tmp_path), *extra]
+    procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True, env=env)
+             for r in roles]
     try:
-        iout, _ = ini.communicate(timeout=240)
-        tout, _ = tgt.communicate(timeout=240)
+        outs = [p.communicate(timeout=timeout)[0] for p in reversed(procs)][::-1]
     finally:
-        for p in (tgt, ini):
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert ini.returncode == 0 and tgt.returncode == 0, (iout, tout)
+    return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_nixl_script_two_processes(impl: str, tmp_path: Path) -> None:
+    (trc, tout), (irc, iout) = run_roles("nixl_script.py", impl, tmp_path, ("target", "initiator"))
+    assert irc == 0 and trc == 0, (iout, tout)
     i, t = json.loads(iout.strip().splitlines()[-1]), json.loads(tout.strip().splitlines()[-1])
     assert i["states"] == ["DONE", "DONE", "DONE", "DONE"]
     assert i["read_ok"] is True

@@ -1,0 +1,162 @@
+"""The KV agent under the NIXL adapter: p2phub.kv.Agent, plus NIXL's metadata exchange
+(partial metadata merged into what is known of a peer, invalidation by a peer), spoken
+over the KV agent's own HELLO handshake so nothing else listens."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import socket
+import time
+from typing import Any, Sequence
+
+from ..errors import UsageError
+from ..kv import transport as tp
+from ..kv.agent import Agent, DescList
+from ..kv.errors import KVError
+from .errors import nixlInvalidParamError, nixlRemoteDisconnectError
+
+__all__ = ["NixlKVAgent", "exchange"]
+
+_EMPTY = [0, 0]     # a segment slot a partial metadata leaves out (matches no address)
+
+
+class NixlKVAgent(Agent):
+    """p2phub.kv.Agent whose ``add_remote`` also takes NIXL's partial and invalidating
+    metadata (marked ``"nixl": {"partial": true}`` / ``{"invalidate": true}``)."""
+
+    def add_remote(self, md: bytes | str | dict) -> str:
+        if isinstance(md, (bytes, str)):
+            try:
+                md = json.loads(md)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UsageError(f"KV metadata is not JSON: {exc}") from None
+        if not isinstance(md, dict):
+            raise UsageError("KV metadata must be a JSON object")
+        flags = md.get("nixl") or {}
+        name = str(md.get("name", ""))
+        if flags.get("invalidate"):
+            self.remove_remote(name)
+            return name
+        if flags.get("partial"):
+            with self._lock:
+                old = self._remotes.get(name)
+            if old is not None and old.incarnation == int(md.get("incarnation", -1)):
+                segs = [list(s) for s in old.segments]
+                for i, s in enumerate(md.get("segments", [])):
+                    if list(s) != _EMPTY:
+                        segs.extend([_EMPTY] * (i + 1 - len(segs)))
+                        segs[i] = list(s)
+                md = dict(md, segments=segs)
+        return super().add_remote(md)
+
+    def prep_local(self, descs: Sequence[tuple[int, int]]) -> DescList:
+        """As Agent.prep_local, with a sorted lookup (vLLM prepares num_blocks x regions
+        descriptors at once)."""
+        h = tp.hot()
+        look = _Lookup(list(self._segments))
+        c = h.ffi.new("struct kv_iov[]", max(1, len(descs)))
+        for i, (a, n) in enumerate(descs):
+            if look.find(a, n) is None:
+                raise UsageError(f"local descriptor {i} ({a:#x}+{n}) is in no registered segment")
+            c[i].addr, c[i].len = a, n
+        return DescList(self, None, c, len(descs), list(descs))
+
+    def prep_remote(self, peer: str, descs: Sequence[tuple[int, int]]) -> DescList:
+        """As Agent.prep_remote, with a sorted lookup."""
+        h = tp.hot()
+        ra = self.remote(peer)
+        look = _Lookup(ra.segments)
+        c = h.ffi.new("struct kv_wire[]", max(1, len(descs)))
+        for i, (a, n) in enumerate(descs):
+            hit = look.find(a, n)
+            if hit is None:
+                raise UsageError(f"remote range {a:#x}+{n} is in no segment {peer!r} registered")
+            c[i].seg, c[i].off, c[i].len = hit, a - ra.segments[hit][0], n
+        return DescList(self, peer, c, len(descs), list(descs))
+
+    def deregister_range(self, addr: int, length: int) -> None:
+        """Take the registered segment (addr, length) out of service: its slot stays (segment
+        ids are positional on the wire) but matches no address, so inbound runs into it are
+        refused and the metadata shows an empty slot."""
+        h = tp.hot()
+        with self._lock:
+            try:
+                i = self._segments.index((addr, length))
+            except ValueError:
+                raise UsageError(f"{addr:#x}+{length} is not a registered segment") from None
+            self._segments[i] = (0, 0)
+            c = h.ffi.new("struct kv_iov[]", len(self._segments))
+            for k, (a, n) in enumerate(self._segments):
+                c[k].addr, c[k].len = a, n
+            self._segc = c
+
+    def metadata_dict(self, keep: list[tuple[int, int]] | None = None,
+                      flags: dict | None = None) -> dict:
+        """This agent's metadata; with `keep`, only the segments holding one of those
+        (address, length) ranges (the others left as empty slots: segment ids stay put)."""
+        md = json.loads(self.metadata())
+        if keep is not None:
+            md["segments"] = [
+                [a, n] if any(a <= ka and ka + kn <= a + n for ka, kn in keep) else list(_EMPTY)
+                for a, n in md["segments"]]
+        if flags:
+            md["nixl"] = flags
+        return md
+
+
+class _Lookup:
+    """Which of a list of (addr, len) segments holds a range: bisect over the starts, walking
+    back only as far as an earlier segment can still reach (segments may overlap)."""
+
+    def __init__(self, segs: Sequence[tuple[int, int]]) -> None:
+        order = sorted((a, a + n, i) for i, (a, n) in enumerate(segs) if n > 0)
+        self.starts = [o[0] for o in order]
+        self.order = order
+        self.reach = []
+        m = 0
+        for _a, e, _i in order:
+            m = max(m, e)
+            self.reach.append(m)
+
+    def find(self, addr: int, length: int) -> int | None:
+        if length <= 0:
+            return None
+        k = bisect.bisect_right(self.starts, addr) - 1
+        end = addr + length
+        while k >= 0 and self.reach[k] >= end:
+            a, e, i = self.order[k]
+            if a <= addr and end <= e:
+                return i
+            k -= 1
+        return None
+
+
+def exchange(agent: NixlKVAgent, host: str, port: int, md: dict, timeout: float) -> dict:
+    """Send `md` to the agent listening at host:port (it loads it as a peer's metadata) and
+    return the metadata it answers with. Retries a refused connection until `timeout`
+    (the peer may still be starting)."""
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise nixlInvalidParamError(f"port {port!r} must be 1..65535")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise nixlRemoteDisconnectError(
+                    f"no NIXL agent at {host}:{port}: {exc.strerror or exc}") from None
+            time.sleep(0.05)
+    with s:
+        body = json.dumps({"name": agent.name, "incarnation": agent.incarnation,
+                           "want": "metadata", "metadata": json.dumps(md)}).encode()
+        try:
+            s.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
+            reply = tp.recv_hello(s, timeout)
+        except (OSError, KVError) as exc:
+            raise nixlRemoteDisconnectError(f"metadata exchange with {host}:{port}: {exc}") from None
+    got: Any = reply.get("metadata")
+    if not got:
+        raise nixlRemoteDisconnectError(f"{host}:{port} answered the metadata exchange without metadata")
+    return json.loads(got)
