@@ -126,6 +126,7 @@ def test_gpu_work_waits_for_a_load_and_strict_ordering_refuses_a_conflict(hub, t
             stream.launch("reader", lambda: seen.append(bytes(view[:8])))
         fence.wait(30)
         stream.sync()
+        g.access.fence.wait(5)                                   # the reader's access is over
         assert g.access.deps and seen[-1] == data[:8]
         view.close()
         # strict ordering: a save of bytes a GPU kernel is still writing is refused by name
