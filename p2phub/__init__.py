@@ -22,6 +22,8 @@ _EXPORTS = {
     "RevokedError": "errors", "ModuleNotLoadedError": "errors",
     "Udmabuf": "hostmem", "VgemBuffer": "hostmem",
     "ModuleInfo": "device", "get_info": "device",
+    "StagedModeError": "errors", "StagedRegistration": "staged", "OrderingError": "ordering",
+    "Memory": "memory", "MemPath": "memory", "PathKind": "memory",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -29,10 +31,13 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .device import ModuleInfo, get_info
     from .errors import (ModuleNotLoadedError, P2PHubError, P2PHubOSError, RevokedError,
-                         UsageError)
+                         StagedModeError, UsageError)
     from .hostmem import Udmabuf, VgemBuffer
     from .hub import Hub, Provider, RegInfo, Registration, RegistrationUser, RegState
+    from .memory import Memory, MemPath, PathKind
+    from .ordering import OrderingError
     from .pci import PciAddress
+    from .staged import StagedRegistration
 
 
 def __getattr__(name: str) -> Any:

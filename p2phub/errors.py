@@ -36,3 +36,8 @@ class ModuleNotLoadedError(P2PHubError):
 
 class RevokedError(P2PHubError):
     """The memory behind a registration was freed or moved by its owner."""
+
+
+class StagedModeError(P2PHubError):
+    """Asked for something only peer-to-peer mode has (DMA pages, a dma-buf export, an MR of
+    GPU memory, an NVMe transfer straight into memory); the message says why it is staged."""

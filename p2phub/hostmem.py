@@ -18,7 +18,7 @@ from pathlib import Path
 from ._resource import Resource
 from .errors import P2PHubOSError, UsageError
 
-__all__ = ["Udmabuf", "VgemBuffer", "vgem_card"]
+__all__ = ["Udmabuf", "VgemBuffer", "PinnedHost", "vgem_card"]
 
 
 def _iowr(typ: int, nr: int, size: int) -> int:
@@ -157,3 +157,61 @@ class VgemBuffer(_HostBuffer):
             os.close(dev)
         self.fd = prime.fd
         self.size = int(dumb.size)
+
+
+# --------------------------------------------------------------------- pinned host memory
+
+
+_libc = None
+
+
+def _mlock(addr: int, size: int) -> int:
+    """mlock(2) of [addr, addr + size): 0, or the errno (RLIMIT_MEMLOCK, no privilege)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return 0 if _libc.mlock(addr, size) == 0 else ctypes.get_errno()
+
+
+class PinnedHost(Resource):
+    """`size` bytes of host memory in a memfd, mapped once and locked in RAM (mlock), where no
+    dma-buf exporter is needed or available: staged memory, CPU VA MRs. ``ptr`` is the first
+    byte of the locked mapping, ``view`` a memoryview of it, ``mmap()`` maps the same pages
+    again. ``locked`` is False (with ``lock_error``) where RLIMIT_MEMLOCK refused the lock:
+    the memory still works, the kernel may page it out."""
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % mmap.PAGESIZE:
+            raise UsageError(f"size={size!r} must be a positive multiple of {mmap.PAGESIZE}")
+        self.size = size
+        self.memfd = os.memfd_create("p2phub-host", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.memfd, size)
+            self._map = self.mmap()
+        except OSError as exc:
+            os.close(self.memfd)
+            self.memfd = -1
+            raise P2PHubOSError(exc.errno or errno.EIO, f"host memory of {size} bytes") from None
+        self.view = memoryview(self._map)
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        err = _mlock(self.ptr, size)
+        self.locked = err == 0
+        self.lock_error = "" if self.locked else \
+            f"mlock: {errno.errorcode.get(err, err)} ({os.strerror(err)}; see ulimit -l)"
+
+    def mmap(self) -> mmap.mmap:
+        """The same pages, mapped shared through the memfd (the caller closes it)."""
+        if self.memfd < 0:
+            raise UsageError("the host memory is closed")
+        return mmap.mmap(self.memfd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _close(self) -> None:
+        self.view.release()
+        self._map.close()   # unmapping drops the lock
+        os.close(self.memfd)
+        self.memfd = -1
+
+    def __repr__(self) -> str:
+        return f"<PinnedHost {self.size} bytes{' locked' if self.locked else ''}>"

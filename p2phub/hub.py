@@ -29,23 +29,28 @@ import ctypes
 import enum
 import errno
 import fcntl
+import logging
+import mmap
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Protocol
 
-from . import sources, uapi
+from . import capabilities, hostmem, sources, staged, uapi
 from ._resource import Resource
+from .backend import GpuRange
 from .device import Device, ModuleInfo, ioctl_error
 from .errors import P2PHubOSError, RevokedError, UsageError
+from .memory import DRAIN_TIMEOUT_S, Device as BindTarget, Memory, MemoryShare, MemPath
 from .pci import PciAddress
+from .policy import PathPolicy
 
 __all__ = ["Hub", "Registration", "RegInfo", "PciAddress", "Provider", "RegState",
            "RegistrationUser", "DRAIN_TIMEOUT_S"]
 
-DRAIN_TIMEOUT_S = 30.0  # how long close() waits for a registration's users by default
+log = logging.getLogger(__name__)
+_said: set[tuple[str, str]] = set()   # (mode, reason) lines logged by this process
 
 
 class Provider(enum.IntEnum):
@@ -116,10 +121,11 @@ class RegistrationUser(Protocol):
     def quiesce_registration(self, reg: "Registration", timeout: float) -> bool | None: ...
 
 
-class _Pin:
+class _Pin(MemoryShare):
     """One kernel registration (a handle in p2phub.ko), shared by every Registration of it."""
 
     def __init__(self, hub: "Hub", a: uapi.Register, src: sources.Source) -> None:
+        super().__init__()
         self.hub = hub
         self.handle = int(a.out_handle)
         self.length = int(a.length)
@@ -132,11 +138,6 @@ class _Pin:
         self.refs = 0
         self.dmabuf_fd = -1
         self.revoked = False
-        self.released = False
-        # made on first use: most registrations never get either
-        self.dependents: "weakref.WeakSet[Any] | None" = None  # MRs: closed first
-        self.users: "weakref.WeakKeyDictionary[Any, Registration] | None" = None
-        self.ordering: Any = None  # p2phub.ordering.Ordering, made on first use
         self._info_arg: bytes | None = None  # REG_INFO's input, outputs zero
 
     @property
@@ -176,21 +177,6 @@ class _Pin:
             return False
         return True
 
-    def drain(self, timeout: float | None, force: bool = False) -> None:
-        """Ask every user to quiesce its I/O on this pin; raise if one cannot in time.
-        With `force`, a user that can abandon what it has in flight (the ordering's fences)
-        is told to."""
-        if not self.users:
-            return
-        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if timeout is None else timeout)
-        for user, view in list(self.users.items()):
-            if user.quiesce_registration(view, max(0.0, deadline - time.monotonic())) is False:
-                if force and hasattr(user, "abandon_registration"):
-                    user.abandon_registration(view)
-                    continue
-                raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
-                                    f"{user!r} still has I/O outstanding on it; nothing was released")
-
     def release(self, *, kernel: bool, force: bool, timeout: float | None,
                 drained: bool = False) -> None:
         """The one way out: drain users, close dependents, UNREGISTER, close an owned source.
@@ -202,13 +188,7 @@ class _Pin:
             return
         if not drained:
             self.drain(timeout, force)
-        live = [d for d in self.dependents if not d.closed] if self.dependents else []
-        if live and not force:
-            raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
-                                f"{len(live)} RDMA memory region(s) or other dependents still use "
-                                "it; close them or call close(force=True)")
-        for d in live:
-            d.close()  # an MR must not outlive the pin it maps
+        self.close_dependents(force)
         if self.dmabuf_fd >= 0:
             os.close(self.dmabuf_fd)
             self.dmabuf_fd = -1
@@ -232,17 +212,21 @@ class _Pin:
             self.dmabuf_fd = -1
 
 
-class Registration(Resource):
+class Registration(Memory):
     """Memory pinned by p2phub.ko: per-device DMA page lists and a dma-buf export.
 
     Each ``hub.register()`` returns its own Registration; two of the same memory share
-    one pin (same ``handle``), released when the last of them closes.
+    one pin (same ``handle``), released when the last of them closes. The memory
+    contract (p2phub.memory.Memory) in full; a staged registration (p2phub.staged)
+    keeps the same contract with ``mode == "staged"``.
     """
 
-    path = "p2p"  # a staged registration (p2phub.staged) says "staged"
+    mode = "p2p"
 
     def __init__(self, pin: _Pin) -> None:
         self._pin = pin
+        self._share = pin
+        self._owner = pin.hub
         pin.refs += 1
 
     # ----------------------------------------------------------- what it is
@@ -261,6 +245,37 @@ class Registration(Resource):
     @property
     def hub(self) -> "Hub":
         return self._pin.hub
+
+    @property
+    def gpu(self) -> GpuRange | None:
+        src = self._pin.source
+        return src if isinstance(src, GpuRange) else None
+
+    @property
+    def pin_provider(self) -> str:
+        return self._pin.provider.name.lower()
+
+    @property
+    def device_file(self) -> Device:
+        return self._pin.hub.device
+
+    def mmap(self) -> mmap.mmap:
+        """A CPU mapping of host memory: the source's own (a udmabuf's memfd), else a
+        mapping of p2phub's dma-buf export (vgem and other dma-bufs with struct pages).
+        The caller closes it."""
+        self._check_open()
+        if self.gpu is not None:
+            raise UsageError(f"{self}: GPU memory has no CPU mapping here")
+        src = self._pin.source
+        if isinstance(src, hostmem.Udmabuf):
+            return src.mmap()
+        try:
+            return mmap.mmap(self.dmabuf_fd, self.length, mmap.MAP_SHARED,
+                             mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise P2PHubOSError(exc.errno or errno.EIO, f"mmap the dma-buf export of {self}",
+                                "this memory has no CPU mapping p2phub can give (no struct "
+                                "pages behind it)") from None
 
     @property
     def shared(self) -> int:
@@ -330,63 +345,6 @@ class Registration(Resource):
             self._pin.dmabuf_fd = self.export()
         return self._pin.dmabuf_fd
 
-    def mr(self, pd: Any, access: int | None = None) -> Any:  # -> p2phub.rdma.MemoryRegion
-        """Sugar for ``pd.reg_mr(self, access)`` (see p2phub.rdma.ProtectionDomain.reg_mr)."""
-        reg_mr = getattr(pd, "reg_mr", None)
-        if reg_mr is None:
-            raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
-        return reg_mr(self, access)
-
-    # ----------------------------------------------------------- ordering
-
-    @property
-    def ordering(self) -> Any:  # -> p2phub.ordering.Ordering
-        """The live accesses of this memory and their order (see p2phub.ordering).
-
-        Shared by every Registration of the same pin; a user of the pin like any other, so
-        close() waits for (or, forced, fails) the accesses still in flight."""
-        pin = self._pin
-        if pin.ordering is None:
-            from .ordering import for_registration
-            self._check_open()
-            pin.ordering = for_registration(self, strict=pin.hub.strict_ordering)
-            self.add_user(pin.ordering)
-        return pin.ordering
-
-    def gpu_access(self, offset: int, length: int, kind: Any, stream: Any) -> Any:
-        """Declare GPU work on [offset, offset + length) on `stream` (p2phub.ordering.GpuAccess)."""
-        return self.ordering.gpu_access(offset, length, kind, stream)
-
-    # ----------------------------------------------------------- what depends on it
-
-    def add_dependent(self, obj: Any) -> None:
-        """`obj` (with close() and closed) maps this memory: closed before the pin goes
-        (close(force=True)), else close() refuses with EBUSY while it is open."""
-        self._check_open()
-        if self._pin.dependents is None:
-            self._pin.dependents = weakref.WeakSet()
-        self._pin.dependents.add(obj)
-
-    def add_user(self, user: RegistrationUser) -> None:
-        """`user` may have device I/O on this memory: it is asked to quiesce before release."""
-        self._check_open()
-        if self._pin.users is None:
-            self._pin.users = weakref.WeakKeyDictionary()
-        self._pin.users[user] = self
-
-    def remove_user(self, user: RegistrationUser) -> None:
-        if self._pin.users is not None:
-            self._pin.users.pop(user, None)
-
-    @property
-    def users(self) -> list[Any]:
-        return list(self._pin.users.keys()) if self._pin.users else []
-
-    @property
-    def live_mrs(self) -> int:
-        """Open dependents (RDMA memory regions) of this registration's pin."""
-        return sum(1 for d in self._pin.dependents or () if not d.closed)
-
     # ----------------------------------------------------------- lifetime
 
     def close(self, force: bool = False, timeout: float | None = None) -> None:
@@ -439,13 +397,16 @@ class Hub(Resource):
     def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
         """mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
         ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
-        see p2phub.staged."""
-        from . import staged
-        self.mode, self._mode_reason = staged.choose_mode(path, mode)
-        self._auto = mode == "auto"
+        a staged hub logs that line once per process. See p2phub.staged."""
+        self.mode, self.mode_reason = staged.choose_mode(path, mode)
         self.device = Device(path) if self.mode == "p2p" else \
-            staged.NoDevice(path, lambda: self.mode_reason)  # type: ignore[assignment]
-        self._staged: "weakref.WeakSet[Any]" = weakref.WeakSet()  # p2phub.staged registrations
+            staged.NoDevice(path, self.mode_reason)  # type: ignore[assignment]
+        self._staging = staged.Staging()   # the staged engine: lanes, staged registrations
+        self.policy = PathPolicy()         # chooses each (memory, device) pair's path
+        if self.mode == "staged" and (self.mode, self.mode_reason) not in _said:
+            _said.add((self.mode, self.mode_reason))
+            (log.info if mode == "staged" else log.warning)(
+                "p2phub hub in staged mode: %s", self.mode_reason)
         self._mark_owner()
         self._pins: set[_Pin] = set()
         self._cache: dict[Hashable, _Pin] = {}
@@ -454,24 +415,32 @@ class Hub(Resource):
         self._lock = threading.Lock()  # the cache and the pins' reference counts
         self.strict_ordering = False  # new registrations raise OrderingError on conflicts
 
-    @property
-    def mode_reason(self) -> str:
-        """One line: why the hub is in its mode, naming the doctor's check ids."""
-        if self._mode_reason is None:
-            from . import staged
-            self._mode_reason = staged.doctor_reason(self.device.path)
-        return self._mode_reason
+    # ----------------------------------------------------------- the memory contract's owner
+
+    def _ordering_for(self, mem: Memory) -> Any:
+        from .ordering import for_registration
+        return for_registration(mem, strict=self.strict_ordering)
+
+    def _choose_path(self, mem: Memory, device: BindTarget) -> MemPath:
+        path = self.policy.choose(mem, device)
+        log.debug("path: %s", path)
+        return path
+
+    def paths(self) -> list[MemPath]:
+        """Every (memory, device) binding of this Hub's open memory, with the path it took
+        (P2P through a switch or a host bridge, DMA to host memory, an MR kind, staged) and
+        why."""
+        out = [path for pin in list(self._pins) for path in pin.paths.values()]
+        return out + [path for reg in self._staging.registrations() for path in reg.paths()]
 
     def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
              dest_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
         """Read storage (file, block device, NVMe namespace) into a registration; a fence."""
-        from . import staged
         return staged.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
 
     def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
              source_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
         """Write a registration to storage (file, block device, NVMe namespace); a fence."""
-        from . import staged
         return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------- registering
@@ -541,32 +510,44 @@ class Hub(Resource):
                  device: "str | PciAddress | None" = None) -> Registration:
         """Register anything p2phub can pin, with one call (see p2phub.sources).
 
-        With `device`, the memory is attached, pinned and mapped for that PCI device now;
-        otherwise on the first dma_pages(). Memory registered already (and not revoked)
-        returns a new handle on the live pin. In staged mode, or for a pair the doctor rules
-        out, a p2phub.staged registration (``reg.path == "staged"``).
+        With `device`, the memory is attached, pinned and mapped for that PCI device now
+        and bound to it (``reg.path(device)``); otherwise on the first dma_pages(). Memory
+        registered already (and not revoked) returns a new handle on the live pin. In staged
+        mode, a p2phub.staged registration (``reg.mode == "staged"``).
         """
-        from . import staged
         if self.mode == "staged":
             return staged.register(self, obj, offset, length, device)  # type: ignore[return-value]
-        why = staged.pair_reason_for(self, obj, device) if self._auto and device is not None else None
-        if why:
-            return staged.register(self, obj, offset, length, device, reason=why)  # type: ignore[return-value]
         self._check_open()
         key = sources.cache_key(obj, offset, length)
         hit = self._cached(key)
-        if hit is not None:
-            return hit
-        return self._register(sources.resolve(obj, offset, length, self.caps, key=key), device,
-                              cached=False)
+        if hit is None:
+            hit = self._register(sources.resolve(obj, offset, length, self.caps, key=key), device,
+                                 cached=False)
+        if device is not None:
+            hit.bind(device)
+        return hit
 
-    def alloc_host(self, size: int, device: "str | PciAddress | None" = None) -> Registration:
-        """Allocate `size` bytes of host memory as a dma-buf and register it.
+    def alloc_host(self, size: int, device: "str | PciAddress | None" = None) -> Memory:
+        """Allocate `size` bytes of host memory and register it; ``reg.mmap()`` is its CPU view.
 
-        The CPU view is ``reg.source.mmap()``; the same pages serve NVMe and RDMA.
+        In P2P mode a dma-buf (udmabuf, else vgem) pinned by p2phub.ko: the same pages serve
+        NVMe and RDMA. In staged mode (or with no host dma-buf exporter in auto mode), an
+        anonymous memfd mapping locked in RAM (p2phub.hostmem.PinnedHost), staged.
         """
         self._check_open()
-        return self._register(sources.host(size), device)
+        reg: Memory
+        if self.mode == "staged":
+            reg = staged.register_host(self, hostmem.PinnedHost(size))
+        else:
+            try:
+                src = sources.host(size)
+            except sources.NoHostExporterError as exc:
+                reg = staged.register_host(self, hostmem.PinnedHost(size), reason=str(exc))
+            else:
+                reg = self._register(src, device)
+        if device is not None:
+            reg.bind(device)
+        return reg
 
     def register_dmabuf(self, fd: int, offset: int = 0, length: int | None = None,
                         device: "str | PciAddress | None" = None) -> Registration:
@@ -635,10 +616,7 @@ class Hub(Resource):
         self._closed = True
 
     def _close_all(self, timeout: float | None) -> None:
-        from . import staged
-        staged.close_stagers(self)
-        for reg in list(self._staged):
-            reg.close(force=True)
+        self._staging.close()
         if self.device.closed:
             return
         pins = list(self._pins)
@@ -666,7 +644,10 @@ class Hub(Resource):
         return self._closed or self.device.closed
 
     def __repr__(self) -> str:
-        return f"<Hub {self.device.path} {len(self._pins)} registrations>"
+        if self.mode == "staged":
+            return (f"<Hub staged ({self.mode_reason}) "
+                    f"{len(self._staging.registrations())} registrations>")
+        return f"<Hub p2p {self.device.path} {len(self._pins)} registrations>"
 
 
 def _close_all(objs: Iterable[Any]) -> None:

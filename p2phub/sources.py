@@ -35,6 +35,10 @@ U64 = 1 << 64
 S32_MAX = (1 << 31) - 1
 
 
+class NoHostExporterError(P2PHubError):
+    """Neither udmabuf nor vgem can make host memory into a dma-buf here."""
+
+
 @dataclass
 class Source:
     """Memory ready for P2PHUB_REGISTER."""
@@ -189,7 +193,7 @@ def host(size: int) -> Source:
         try:
             buf = hostmem.VgemBuffer(size)
         except (P2PHubOSError, UsageError, OSError) as exc:
-            raise P2PHubError(f"no host dma-buf exporter: /dev/udmabuf is missing and vgem "
+            raise NoHostExporterError(f"no host dma-buf exporter: /dev/udmabuf is missing and vgem "
                               f"failed ({exc}); load udmabuf or vgem") from None
     src = dmabuf(buf.fd, 0, size, keep=buf)
     src.owned = True

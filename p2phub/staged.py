@@ -1,11 +1,11 @@
 """Staged mode: the same Hub API where peer-to-peer DMA cannot run.
 
-Where p2phub.ko is absent (a signed-only kernel, a cloud VM, no root), where the
-doctor rules a GPU<->device pair out, or where the caller asks for it,
-``Hub()`` opens in staged mode: ``hub.mode == "staged"`` and
-``hub.mode_reason`` says why in one line that names the doctor's check ids.
-``hub.register(tensor)`` then returns a ``StagedRegistration`` (``reg.path ==
-"staged"``) and ``hub.load(source, reg)`` / ``hub.save(reg, dest)`` move the
+Where p2phub.ko is absent (a signed-only kernel, a cloud VM, no root) or where
+the caller asks for it, ``Hub()`` opens in staged mode: ``hub.mode == "staged"``
+and ``hub.mode_reason`` says why in one line that names the doctor's check ids
+(from p2phub.capabilities; logged once). ``hub.register(tensor)`` then returns a
+``StagedRegistration`` (``reg.mode == "staged"``), which keeps the whole memory
+contract (p2phub.memory: users, ordering, ``gpu_access``, paths), and ``hub.load(source, reg)`` / ``hub.save(reg, dest)`` move the
 bytes between storage and GPU memory through pinned host bounce buffers:
 
     storage --(kernel I/O: O_DIRECT preads, several in flight)--> pinned chunk
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
 import os
 import stat
+import sys
 import threading
 import time
 import weakref
@@ -37,14 +39,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from .backend import GpuRange, check_range, describe, find_backend
-from .errors import ModuleNotLoadedError, P2PHubError, P2PHubOSError, UsageError
+from . import capabilities
+from .backend import GpuRange, check_range, describe, find_backend, get_backend
+from .errors import ModuleNotLoadedError, P2PHubOSError, StagedModeError, UsageError
+from .hostmem import PinnedHost
+from .memory import Memory, MemoryInfo, MemoryShare
+from .ordering.tracker import AccessKind
 
 if TYPE_CHECKING:
     from .hub import Hub
 
-__all__ = ["StagedRegistration", "StagedModeError", "Fence", "Stager", "choose_mode",
-           "HostOps", "load", "save"]
+__all__ = ["StagedRegistration", "StagedModeError", "Fence", "Stager", "Staging", "choose_mode",
+           "HostOps", "load", "save", "register", "register_host", "configure"]
 
 MODE_P2P = "p2p"
 MODE_STAGED = "staged"
@@ -53,12 +59,6 @@ MODES = ("auto", MODE_P2P, MODE_STAGED)
 ALIGN = 4096
 DEFAULT_CHUNK = 16 << 20
 DEFAULT_LANES = 8
-# The doctor checks that decide whether /dev/p2phub can exist here.
-KMOD_CHECKS = ("kmod.loaded", "kmod.devnode", "kmod.loadable", "kmod.abi")
-
-
-class StagedModeError(P2PHubError):
-    """Asked for something only peer-to-peer mode has (DMA pages, a dma-buf export, an MR)."""
 
 
 class NoDeviceError(StagedModeError, ModuleNotLoadedError):
@@ -69,66 +69,24 @@ class NoDeviceError(StagedModeError, ModuleNotLoadedError):
 # ------------------------------------------------------------------ mode
 
 
-def choose_mode(path: str, mode: str) -> tuple[str, str | None]:
-    """(mode, reason) for Hub(path, mode). reason None means: work it out lazily with
-    the doctor (see doctor_reason)."""
+def choose_mode(path: str, mode: str) -> tuple[str, str]:
+    """(mode, reason) for Hub(path, mode): the reason names the doctor check behind it."""
     if mode not in MODES:
         raise UsageError(f"mode={mode!r}: want one of {', '.join(MODES)}")
     if mode == MODE_STAGED:
         return MODE_STAGED, "asked for: Hub(mode='staged')"
     if mode == MODE_P2P:
         return MODE_P2P, "asked for: Hub(mode='p2p')"
-    if os.path.exists(path):
-        if os.access(path, os.R_OK | os.W_OK):
-            return MODE_P2P, f"{path} is open (kmod.devnode PASS)"
-        return MODE_STAGED, (f"kmod.devnode: {path} is not readable and writable by this user "
-                             "(add a udev rule or join its group)")
-    return MODE_STAGED, None
-
-
-def doctor_reason(path: str) -> str:
-    """One line: why /dev/p2phub is not usable here, by the doctor's check ids."""
-    try:
-        from .doctor.core import diagnose
-        from .doctor.model import FAIL, WARN
-        from .doctor.sysroot import SysRoot
-        rep = diagnose(SysRoot("/"))
-        parts = [f"{c.id}: {c.summary}" for c in rep.checks
-                 if c.id in KMOD_CHECKS and c.status in (FAIL, WARN)]
-    except Exception as exc:  # noqa: BLE001 - the reason must not stop the Hub from opening
-        parts = [f"kmod.loaded: {path} is missing (the doctor could not run: "
-                 f"{type(exc).__name__}: {exc})"]
-    if not parts:
-        parts = [f"kmod.devnode: {path} is missing"]
-    return "; ".join(parts)
-
-
-def pair_reason(hub: "Hub", gpu_pci: str, device: str) -> str | None:
-    """Why the doctor rules GPU `gpu_pci` <-> `device` out for P2P, or None when it does not."""
-    cache = hub.__dict__.setdefault("_pair_verdicts", {})
-    if "report" not in cache:
-        try:
-            from .doctor.core import diagnose
-            from .doctor.sysroot import SysRoot
-            cache["report"] = diagnose(SysRoot("/"))
-        except Exception:  # noqa: BLE001 - no verdict means: try P2P
-            cache["report"] = None
-    rep = cache["report"]
-    if rep is None or not gpu_pci:
-        return None
-    want = {gpu_pci.lower(), str(device).lower()}
-    for p in rep.pairs:
-        ids = {str(p.provider).lower(), str(p.client).lower()}
-        if ids == want and p.verdict == "BLOCKED":
-            check = "pairs.gpu_nvme" if p.kind == "gpu-nvme" else "pairs.gpu_nic"
-            return f"{check}: {p.provider} <-> {p.client} BLOCKED ({'; '.join(p.reasons or p.because)})"
-    return None
+    why = capabilities.staged_reason(capabilities.kmod_facts(path))
+    if why is None:
+        return MODE_P2P, f"{path} is open (kmod.devnode PASS)"
+    return MODE_STAGED, why
 
 
 class NoDevice:
     """Stands in for the /dev/p2phub Device in staged mode: every ioctl is refused clearly."""
 
-    def __init__(self, path: str, reason: Callable[[], str]) -> None:
+    def __init__(self, path: str, reason: str) -> None:
         self.path = path
         self._reason = reason
         self.closed = False
@@ -137,7 +95,7 @@ class NoDevice:
     def _error(self, what: str) -> StagedModeError:
         cls = StagedModeError if os.path.exists(self.path) else NoDeviceError
         return cls(f"{what}: the hub is in staged mode, there is no {self.path} "
-                   f"({self._reason()})")
+                   f"({self._reason})")
 
     def ioctl(self, request: int, arg: object, what: str) -> None:
         raise self._error(what)
@@ -527,38 +485,61 @@ def _pwrite_full(fd: int, view: memoryview, length: int, offset: int) -> None:
 # ------------------------------------------------------------------ registrations
 
 
-class StagedRegistration:
+class StagedRegistration(Memory):
     """GPU (or host) memory registered in staged mode: loads and saves bounce through
-    pinned host memory; no device can DMA into it directly."""
+    pinned host memory; no device can DMA into it directly (its path to a PCI device is
+    PathKind.STAGED; host memory still gets a CPU VA MR). The memory contract in full."""
 
-    path = MODE_STAGED
+    mode = MODE_STAGED
 
     def __init__(self, hub: "Hub", rng: GpuRange, ops: Any, what: str,
-                 reason: str | None = None) -> None:
-        self._hub = hub
-        self.source = rng
+                 reason: str | None = None, owned: Any = None) -> None:
+        self._owner = hub
+        self._share = MemoryShare()
+        self._range = rng
+        self._owned = owned         # a PinnedHost of hub.alloc_host(), closed with it
         self.ops = ops
         self.length = rng.length
         self.page_size = ALIGN
         self.what = what
         self._reason = reason
-        self.handle = -1
-        self._closed = False
-        self._dmabuf_fd = -1
-        self._owns_source = False
-        self._mrs: "weakref.WeakSet" = weakref.WeakSet()
-        self._ordering = None     # what Hub.close() looks at on every registration
         self._busy = 0
         self._lock = threading.Lock()
+        self._mark_owner()
+
+    @property
+    def source(self) -> Any:
+        """What was registered: the GPU range, or the host memory (PinnedHost or the GpuRange
+        of a caller's buffer)."""
+        return self._owned if self._owned is not None else self._range
+
+    @property
+    def gpu(self) -> GpuRange | None:
+        return None if self._range.backend == "host" else self._range
 
     @property
     def ptr(self) -> int:
-        return self.source.ptr
+        return self._range.ptr
+
+    @property
+    def device_ordinal(self) -> int:
+        return max(self._range.device, 0)
 
     @property
     def reason(self) -> str:
-        """Why this registration is staged: the pair's doctor verdict, or the hub's reason."""
-        return self._reason or self._hub.mode_reason
+        """Why this registration is staged: the hub's reason, or what made it staged."""
+        return self._reason or self._owner.mode_reason
+
+    def info(self) -> MemoryInfo:
+        self._check_open()
+        return MemoryInfo(self.length, self.mode)
+
+    def mmap(self) -> mmap.mmap:
+        self._check_open()
+        if self._owned is None:
+            raise UsageError(f"{self}: a CPU mapping exists only of hub.alloc_host() memory "
+                             "(a caller's buffer is its own CPU view)")
+        return self._owned.mmap()
 
     def _refuse(self, what: str) -> StagedModeError:
         return StagedModeError(f"{self}: {what} needs peer-to-peer mode; this registration is "
@@ -574,39 +555,38 @@ class StagedRegistration:
     def dmabuf_fd(self) -> int:
         raise self._refuse("a dma-buf export")
 
-    def mr(self, pd: object, access: int | None = None):
-        raise self._refuse("an RDMA memory region of GPU memory")
-
-    @property
-    def live_mrs(self) -> int:
-        return 0
-
     def _hold(self, n: int) -> None:
         with self._lock:
             if self._closed:
                 raise UsageError(f"{self} is closed")
             self._busy += n
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, timeout: float | None = None) -> None:
+        """Release it: its users (the ordering's accesses) are asked to quiesce first, its
+        dependents (MRs) must be closed (closed here with force=True); EBUSY while a load or
+        save still uses it (unless forced)."""
         if self._closed:
             return
+        share = self._share
+        if self.foreign:
+            self._closed = True
+            return
+        share.drain(timeout, force)
+        share.close_dependents(force)
         with self._lock:
             if self._busy and not force:
                 raise P2PHubOSError(errno.EBUSY, f"close {self}",
                                     f"{self._busy} load/save transfer(s) still use it")
             self._closed = True
-        self.source.close()
-        self._hub._staged.discard(self)
+        share.released = True
+        self._range.close()
+        if self._owned is not None:
+            self._owned.close()
+        self._owner._staging.forget(self)
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> "StagedRegistration":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<StagedRegistration {self.what} {self.length} bytes>"
@@ -617,6 +597,7 @@ class StagedRegistration:
 def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
              device: Any = None, reason: str | None = None) -> StagedRegistration:
     """A staged registration of GPU memory (any installed backend) or a host buffer."""
+    hub._check_open()
     if isinstance(obj, bool) or obj is None or isinstance(obj, int):
         raise UsageError(f"cannot register {obj!r} in staged mode: give GPU memory (a tensor, "
                          "(ptr, nbytes), __cuda_array_interface__, DLPack) or a host buffer")
@@ -634,8 +615,65 @@ def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
         rng = GpuRange("host", -1, ptr + offset, length, ptr, total, keepalive=[obj])
         ops = HostOps()
     reg = StagedRegistration(hub, rng, ops, f"{describe(obj)} {rng.ptr:#x}+{rng.length:#x}", reason)
-    hub._staged.add(reg)
+    hub._staging.add(reg)
+    if device is not None:
+        reg.bind(device)
     return reg
+
+
+def register_host(hub: "Hub", mem: PinnedHost, reason: str | None = None) -> StagedRegistration:
+    """A staged registration of host memory made for it (hub.alloc_host); it owns `mem`."""
+    rng = GpuRange("host", -1, mem.ptr, mem.size, mem.ptr, mem.size)
+    lock = "" if mem.locked else f", not locked: {mem.lock_error}"
+    reg = StagedRegistration(hub, rng, HostOps(), f"host memory {mem.ptr:#x}+{mem.size:#x}{lock}",
+                             reason, owned=mem)
+    hub._staging.add(reg)
+    return reg
+
+
+class Staging:
+    """A Hub's staged engine: its lanes (one Stager per copy engine and device, reused by
+    every load and save) and its open staged registrations."""
+
+    def __init__(self) -> None:
+        self.opts: dict[str, int] = {}
+        self._stagers: dict[tuple[str, int], Stager] = {}
+        self._regs: "weakref.WeakSet[StagedRegistration]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def configure(self, chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
+        Stager(HostOps(), 0, chunk, lanes)   # validates
+        self.close_stagers()
+        self.opts = {"chunk": chunk, "lanes": lanes}
+
+    def stager(self, ops: Any, device: int) -> Stager:
+        key = (ops.name, device)
+        with self._lock:
+            st = self._stagers.get(key)
+            if st is None:
+                st = self._stagers[key] = Stager(ops, device, **self.opts)
+            return st
+
+    def add(self, reg: StagedRegistration) -> None:
+        self._regs.add(reg)
+
+    def forget(self, reg: StagedRegistration) -> None:
+        self._regs.discard(reg)
+
+    def registrations(self) -> list[StagedRegistration]:
+        return [r for r in list(self._regs) if not r.closed]
+
+    def close_stagers(self) -> None:
+        with self._lock:
+            stagers, self._stagers = list(self._stagers.values()), {}
+        for st in stagers:
+            st.close()
+
+    def close(self) -> None:
+        """The Hub closes: every lane and every staged registration (forced)."""
+        self.close_stagers()
+        for reg in list(self._regs):
+            reg.close(force=True)
 
 
 # ------------------------------------------------------------------ load / save
@@ -644,31 +682,39 @@ def register(hub: "Hub", obj: Any, offset: int = 0, length: int | None = None,
 def configure(hub: "Hub", chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
     """Set the hub's staging lanes: `lanes` I/Os in flight of `chunk` bytes each (2 x lanes x
     chunk bytes of pinned host memory, allocated on the first transfer)."""
-    Stager(HostOps(), 0, chunk, lanes)   # validates
-    for st in hub.__dict__.pop("_stagers", {}).values():
-        st.close()
-    hub.__dict__["_staged_opts"] = {"chunk": chunk, "lanes": lanes}
+    hub._staging.configure(chunk, lanes)
 
 
-def _stager(hub: "Hub", reg: StagedRegistration | Any) -> Stager:
-    ops = reg.ops if isinstance(reg, StagedRegistration) else _ops_of(reg)
-    dev = max(reg.source.device, 0)
-    key = (getattr(ops, "name", type(ops).__name__), dev)
-    stagers = hub.__dict__.setdefault("_stagers", {})
-    if key not in stagers:
-        opts = hub.__dict__.get("_staged_opts", {})
-        stagers[key] = Stager(ops, dev, **opts)
-    return stagers[key]
+def _stager(hub: "Hub", reg: Memory) -> Stager:
+    if isinstance(reg, StagedRegistration):
+        return hub._staging.stager(reg.ops, reg.device_ordinal)
+    gpu = _gpu_of(reg)
+    be = get_backend(gpu.backend)
+    if be is None:
+        raise UsageError(f"{reg}: the {gpu.backend} backend that made it is not installed here")
+    return hub._staging.stager(be, max(gpu.device, 0))
 
 
-def _ops_of(reg: Any) -> Any:
-    """The copy engine for a peer-to-peer Registration (its source is a GpuRange)."""
-    src = reg.source
-    if not isinstance(src, GpuRange):
+def _gpu_of(reg: Memory) -> GpuRange:
+    """The GPU range of a peer-to-peer registration (load/save copy through its backend)."""
+    gpu = reg.gpu
+    if gpu is None:
         raise UsageError(f"{reg}: load/save needs GPU memory registered with hub.register(); "
-                         "host registrations are reached through reg.source.mmap()")
-    import importlib
-    return importlib.import_module(f"p2phub_{src.backend}").backend()
+                         "host registrations are reached through reg.mmap()")
+    return gpu
+
+
+def _mem_ptr(reg: Memory) -> int:
+    return reg.ptr if isinstance(reg, StagedRegistration) else _gpu_of(reg).ptr
+
+
+def _check_memory(reg: Any, role: str) -> Memory:
+    if not isinstance(reg, Memory):
+        raise UsageError(f"{role} must be memory registered with this hub (hub.register or "
+                         f"hub.alloc_host), not {describe(reg)}")
+    if reg.closed:
+        raise UsageError(f"{reg} is closed")
+    return reg
 
 
 def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
@@ -702,7 +748,9 @@ def _size_of(fd: int) -> int:
 
 
 def _is_namespace(obj: Any) -> bool:
-    return type(obj).__name__ == "Namespace" and hasattr(obj, "submit") and hasattr(obj, "lba_size")
+    """A p2phub NVMe Namespace (only possible once p2phub.nvme has been imported)."""
+    mod = sys.modules.get("p2phub.nvme.namespace")
+    return mod is not None and isinstance(obj, mod.Namespace)
 
 
 def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -710,7 +758,7 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
          progress: Callable[[int], None] | None = None) -> Fence:
     """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open
     file, an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest`."""
-    reg = dest
+    reg = _check_memory(dest, "the destination")
     if _is_namespace(source):
         return _namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     if isinstance(reg, StagedRegistration):
@@ -724,8 +772,8 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
             raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
                              f"{total} bytes")
         check_range(dest_offset, nbytes, reg.length, str(reg))
-        mem = reg.source.ptr + dest_offset
-        return _launch(hub, "load", reg, fd, owned, is_direct, offset, mem, nbytes,
+        mem = _mem_ptr(reg) + dest_offset
+        return _launch(hub, "load", reg, fd, owned, is_direct, offset, dest_offset, mem, nbytes,
                        f"load {name}[{offset}:+{nbytes}] -> {reg.what}", progress)
     except BaseException:
         if owned:
@@ -738,7 +786,7 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
          progress: Callable[[int], None] | None = None) -> Fence:
     """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
     `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace)."""
-    reg = source
+    reg = _check_memory(source, "the source")
     if _is_namespace(dest):
         return _namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
@@ -750,23 +798,31 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     fd, is_direct, owned, name = _open(dest, write=True, direct=use_direct)
     try:
         fence_what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
-        return _launch(hub, "save", reg, fd, owned, is_direct, offset,
-                       reg.source.ptr + source_offset, nbytes, fence_what, progress, sync=sync)
+        return _launch(hub, "save", reg, fd, owned, is_direct, offset, source_offset,
+                       _mem_ptr(reg) + source_offset, nbytes, fence_what, progress, sync=sync)
     except BaseException:
         if owned:
             os.close(fd)
         raise
 
 
-def _launch(hub: "Hub", direction: str, reg: Any, fd: int, owned: bool, direct: bool,
-            offset: int, mem: int, nbytes: int, what: str,
+def _launch(hub: "Hub", direction: str, reg: Memory, fd: int, owned: bool, direct: bool,
+            offset: int, reg_offset: int, mem: int, nbytes: int, what: str,
             progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
     stager = _stager(hub, reg)
     fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
     fence.stats["sync"] = sync
+    # the transfer is an ordered access of the memory: a load fills it (producer), a save
+    # reads it (consumer); it waits here for the earlier accesses it conflicts with
+    kind = AccessKind.NVME_READ if direction == "load" else AccessKind.NVME_WRITE
+    access = reg.ordering.acquire(reg_offset, nbytes, kind, what)
     staged_reg = isinstance(reg, StagedRegistration)
-    if staged_reg:
-        reg._hold(1)
+    try:
+        if staged_reg:
+            reg._hold(1)
+    except BaseException as exc:
+        access.cancel(exc)
+        raise
 
     def done() -> None:
         if staged_reg:
@@ -775,14 +831,20 @@ def _launch(hub: "Hub", direction: str, reg: Any, fd: int, owned: bool, direct: 
         if owned:
             os.close(fd)
 
-    stager.start(fence, direction, fd, direct, offset, mem, nbytes, progress, done)
+    try:
+        stager.start(fence, direction, fd, direct, offset, mem, nbytes, progress, done)
+    except BaseException as exc:
+        done()
+        access.cancel(exc)
+        raise
+    access.bind(fence)
     return fence
 
 
 def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: int | None,
                   reg_offset: int) -> Fence:
     if isinstance(reg, StagedRegistration):
-        raise reg._refuse(f"an NVMe {op} straight into GPU memory")
+        raise reg._refuse(f"an NVMe {op} straight into memory")
     from .nvme.controller import Op
     lba_bytes = ns.lba_size
     if offset % lba_bytes:
@@ -791,23 +853,3 @@ def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: i
         nbytes = reg.length - reg_offset
     futs = ns.submit([Op(op, reg, offset // lba_bytes, nbytes, reg_offset)])
     return FutureFence(f"nvme {op} nsid {ns.nsid} [{offset}:+{nbytes}]", nbytes, futs)
-
-
-def close_stagers(hub: "Hub") -> None:
-    for st in hub.__dict__.pop("_stagers", {}).values():
-        st.close()
-
-
-def pair_reason_for(hub: "Hub", obj: Any, device: Any) -> str | None:
-    """pair_reason() for the GPU that holds `obj` (None when no backend claims it)."""
-    be = find_backend(obj)
-    if be is None or isinstance(obj, int):
-        return None
-    try:
-        rng = be.resolve(obj, export_dmabuf=False)
-    except P2PHubError:
-        return None   # register() reports the problem with the memory itself
-    try:
-        return pair_reason(hub, rng.pci_bus_id, str(device))
-    finally:
-        rng.close()

@@ -52,6 +52,7 @@ class PairVerdict:
     fixes: list[str] = field(default_factory=list)
     active: dict[str, Any] = field(default_factory=dict)
     acs_unknown: list[str] = field(default_factory=list)   # ports of the path whose ACS could not be read
+    p2p: dict[str, Any] = field(default_factory=dict)       # the path p2phub takes (p2phub.policy)
 
     def as_dict(self) -> dict[str, Any]:
         return {"provider": self.provider, "client": self.client, "kind": self.kind, "class": self.cls,
@@ -61,4 +62,5 @@ class PairVerdict:
                            "host_bridge": self.host_bridge},
                 "iommu": self.iommu, "min_link_gbps": self.gbps, "numa_aligned": self.numa_aligned,
                 "gates": self.gates, "verdict": self.verdict, "because": self.because,
-                "reasons": self.reasons, "fixes": self.fixes, "active": self.active}
+                "reasons": self.reasons, "fixes": self.fixes, "active": self.active,
+                "p2p_path": self.p2p}

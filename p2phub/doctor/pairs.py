@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..capabilities import route_of_class
+from ..policy import p2p_path
 from .checks import Context
 from .checks.gpu import nvidia_params, nvidia_version
 from .checks.kernel import needs_p2pdma_core
@@ -70,6 +72,17 @@ def _peer_gate(ctx: Context, peer: Any, kind: str) -> tuple[bool | None, str | N
     return True, None, None
 
 
+def _pin_of(ctx: Context, gpu: Any) -> str:
+    """How p2phub pins this GPU's memory, in the words of p2phub.policy."""
+    be = gpu.info.get("backend")
+    if be:
+        return f"the {be} backend's dma-buf exporter"
+    if gpu.info.get("flavour") == "amd":
+        return "amdgpu's dma-buf exporter"
+    _ver, is_open = nvidia_version(ctx)
+    return "the NVIDIA P2P API" if is_open is False else "the NVIDIA P2P API or the open driver's dma-buf"
+
+
 def compute_pairs(ctx: Context) -> list[PairVerdict]:
     top = ctx.top
     out: list[PairVerdict] = []
@@ -88,7 +101,19 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
             fixes: list[str] = []
             gates: dict[str, Any] = {}
             blocked = unknown = degraded = False
-            if pr.map_type == MAP_NOT_SUPPORTED:
+            # the path p2phub takes for this pair (p2phub.policy), and whether it consults the
+            # kernel's host-bridge allow list at all
+            consults = needs_p2pdma_core(gpu)
+            # ACS redirect sends even a pair below one switch up through the root complex
+            route = route_of_class("PHB" if pr.acs_blockers else pr.cls)
+            kind_, why_ = p2p_path(route, consults, _pin_of(ctx, gpu))
+            p2p = {"path": kind_.value, "why": why_, "consults_allow_list": consults}
+            if pr.map_type == MAP_NOT_SUPPORTED and not consults:
+                degraded = True
+                because += ["pcie.acs"] if pr.acs_blockers else []
+                because.append("pcie.host_bridge")
+                reasons.append(f"the kernel's P2PDMA would refuse this route, but {why_}")
+            elif pr.map_type == MAP_NOT_SUPPORTED:
                 blocked = True
                 because += ["pcie.acs"] if pr.acs_blockers else []
                 because.append("pcie.host_bridge")
@@ -143,7 +168,8 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
             out.append(PairVerdict(gpu.id, peer.id, kind, pr.cls, pr.distance, pr.lca, pr.path, pr.map_type,
                                    pr.acs_blockers, hb, iommu, gbps, numa_aligned, gates, verdict,
                                    list(dict.fromkeys(because)), [r for r in reasons if r],
-                                   list(dict.fromkeys(fixes)), acs_unknown=list(pr.acs_unknown)))
+                                   list(dict.fromkeys(fixes)), acs_unknown=list(pr.acs_unknown),
+                                   p2p=p2p))
     return out
 
 

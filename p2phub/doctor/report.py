@@ -109,6 +109,9 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
         legend = "  ".join(f"{d.id}: {d.name} ({d.bdf})" for d in t.devices if d.id in peers)
         console.print(f"[dim]{legend}[/]")
         for pv in rep.pairs:
+            if pv.p2p:
+                console.print(f"  {pv.provider}<->{pv.client} path: {pv.p2p['path']} "
+                              f"({escape(pv.p2p['why'])})")
             if pv.verdict != OK or verbose:
                 why = "; ".join(pv.reasons) or "-"
                 console.print(f"  [{VSTYLE[pv.verdict]}]{pv.provider}<->{pv.client}[/] {pv.cls} dist {pv.distance} "

@@ -149,7 +149,7 @@ class KVPool:
                 size = -(-layout.segment_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
                 reg = hub.alloc_host(size, device)
                 closers.append(reg.close)
-                m = reg.source.mmap()
+                m = reg.mmap()
                 view = memoryview(m)
                 closers[-1:-1] = [view.release, m.close]
                 segs.append(Segment(_addr_of(m), size, view, registration=reg))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import uapi
 from ..errors import P2PHubError, RevokedError, UsageError
+from ..memory import Memory
 from . import prp, spec
 from .errors import RegistrationRevokedError
 from .kdev import DmaMemory
@@ -70,7 +71,7 @@ class DmaBuffer:
 class RegMapping:
     """One registration held by one controller: its page list, slot, generation and in-flight count."""
 
-    def __init__(self, reg: Any, pages: prp.PageList, slot: int, generation: int) -> None:
+    def __init__(self, reg: Memory, pages: prp.PageList, slot: int, generation: int) -> None:
         self.reg = reg
         self.handle = int(reg.handle)
         self.pages = pages
@@ -91,9 +92,9 @@ class RegMapping:
                 self.cond.notify_all()
 
 
-def _same_memory(a: Any, b: Any) -> bool:
+def _same_memory(a: Memory, b: Memory) -> bool:
     """Two Registrations of the same pin (the Hub's cache hands out several) are the same memory."""
-    return a is b or (getattr(a, "_pin", None) is not None and getattr(a, "_pin", None) is getattr(b, "_pin", None))
+    return a.same_memory(b)
 
 
 class Mappings:
@@ -111,15 +112,17 @@ class Mappings:
         self._by_handle: dict[int, RegMapping] = {}
         self._by_slot: dict[int, RegMapping] = {}
 
-    def get(self, reg: Any) -> RegMapping:
-        """The mapping of `reg` for this controller, made (MAP_REG) on first use."""
-        m = self._by_handle.get(int(reg.handle))
+    def get(self, reg: Memory) -> RegMapping:
+        """The mapping of `reg` for this controller, made (MAP_REG) on first use: the memory
+        is bound to the controller (``reg.bind(bdf)``), which refuses staged memory."""
+        m = self._by_handle.get(reg.handle)
         if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
             return m
-        if getattr(reg, "closed", False):
+        if reg.closed:
             raise UsageError(f"{reg!r} is closed")
-        hub = getattr(reg, "hub", None)  # Registration.hub: the pin's
-        if hub is None or getattr(hub, "device", None) is not self.device:
+        binding = reg.bind(self.bdf)
+        binding.require_direct(f"an NVMe transfer by {self.bdf}")
+        if binding.device_file is not self.device:
             raise UsageError(
                 f"{reg!r} was registered through another /dev/p2phub file than the one {self.bdf} was "
                 "opened from; open the controller with hub.nvme(bdf) (or nvme.open(bdf, hub=hub)) "
@@ -147,9 +150,8 @@ class Mappings:
             m = RegMapping(reg, pages, info.slot, info.generation)
             self._by_handle[m.handle] = m
             self._by_slot[m.slot] = m
-            add_user = getattr(reg, "add_user", None)
-            if add_user is not None and self.owner is not None:
-                add_user(self.owner)
+            if self.owner is not None:
+                reg.add_user(self.owner)
             return m
 
     def by_slot(self, slot: int) -> RegMapping | None:
@@ -207,9 +209,8 @@ class Mappings:
             del self._by_slot[m.slot]
         if not self.kfile.closed:
             self.kfile.unmap_reg(m.handle)
-        remove_user = getattr(m.reg, "remove_user", None)
-        if remove_user is not None and self.owner is not None:
-            remove_user(self.owner)
+        if self.owner is not None:
+            m.reg.remove_user(self.owner)
 
     def drop_idle_revoked(self) -> list[RegMapping]:
         """Unmap every revoked mapping with nothing in flight (after a fence)."""

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from .. import uapi
 from ..errors import P2PHubError, UsageError
+from ..memory import Memory
 from ..pci import normalize
 from . import bind as _bind
 from . import prp, spec
@@ -396,7 +397,7 @@ class Controller:
             if buf.closed:
                 raise UsageError(f"DMA buffer {buf.name} is closed")
             return buf.page_list(), None
-        if not hasattr(buf, "handle") or not hasattr(buf, "length"):
+        if not isinstance(buf, Memory):
             raise UsageError(f"{type(buf).__name__} is not a registration or DMA buffer")
         m = self.mappings.get(buf)
         self.mappings.check_live(m)

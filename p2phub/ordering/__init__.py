@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..memory import Memory
 from .core import AccessFence, GpuAccess, Ordering, as_fence, bind
 from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
 from .fence import Fence, HostFence, SourceFence, WordPool, completed, progress
@@ -33,13 +34,12 @@ def stream_ops_for(backend: str) -> Any:
     return _find(backend)
 
 
-def for_registration(reg: Any, strict: bool = False) -> Ordering:
-    """The Ordering of a Registration (GPU memory knows its device, for RDMA flushes)."""
+def for_registration(reg: Memory, strict: bool = False) -> Ordering:
+    """The Ordering of a registration (GPU memory knows its device, for RDMA flushes)."""
     o = Ordering(str(reg), reg.length, strict=strict)
-    src = getattr(reg, "source", None)
-    backend = getattr(src, "backend", None)
-    if isinstance(backend, str):
-        ops = stream_ops_for(backend)
+    gpu = reg.gpu
+    if gpu is not None:
+        ops = stream_ops_for(gpu.backend)
         if ops is not None:
-            o.gpu_device = (ops, int(getattr(src, "device", 0)))
+            o.gpu_device = (ops, max(gpu.device, 0))
     return o

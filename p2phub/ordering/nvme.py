@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from ..memory import Memory
 from .core import Ordering
 from .errors import OrderingError
 from .tracker import Access, AccessKind
@@ -22,8 +23,9 @@ Declared = list[tuple[int, Ordering, Access]]  # (index of the op, ordering, acc
 
 
 def _ordering_of(buf: Any) -> Ordering | None:
-    # Registrations carry an ordering; p2phub's own DMA buffers do not need one.
-    if buf is None or not hasattr(buf, "ordering") or getattr(buf, "closed", False):
+    # Registrations (p2phub.memory.Memory) carry an ordering; p2phub's own DMA buffers and
+    # page lists do not need one.
+    if not isinstance(buf, Memory) or buf.closed:
         return None
     return buf.ordering
 

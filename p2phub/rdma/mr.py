@@ -6,26 +6,24 @@ Paths, best first:
   HOST_VA   a VA MR on a CPU mapping of host-backed memory: the source's own (a udmabuf's
             memfd), else p2phub's mmap of the registration's export (vgem and any other
             dma-buf with struct pages);
-and otherwise an error that names why and the doctor check that explains it.
+and otherwise an error that names why and the doctor check that explains it. The path is
+chosen by the Hub's policy (p2phub.policy) when the memory is first bound to the NIC
+(``reg.bind(nic_target(name))``), and listed by ``hub.paths()``.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import mmap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._resource import Resource
-from ..backend import GpuRange
-from ..errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
+from ..errors import P2PHubOSError, RevokedError, UsageError
+from ..memory import Memory, NicTarget, PathKind
 from . import verbs
 from .probe import dmabuf_mr_support
 from .verbs import Access
-
-if TYPE_CHECKING:
-    from ..hub import Registration
 
 DOCTOR_CHECK = "nic.dmabuf_mr"
 
@@ -48,7 +46,7 @@ class ProtectionDomain(Resource):
         self.pd = PD(self.ctx)
         self._verbs_pd: verbs.VerbsPd | None = None
 
-    def reg_mr(self, reg: "Registration", access: Access | None = None) -> "MemoryRegion":
+    def reg_mr(self, reg: Memory, access: Access | None = None) -> "MemoryRegion":
         """An RDMA memory region of registration `reg`, by the best path the NIC supports.
 
         `access` grants the NIC rights on the memory: local write only by default, so the
@@ -81,7 +79,7 @@ class ProtectionDomain(Resource):
 class MemoryRegion(Resource):
     """An MR over a whole registration. ``addr`` is the address peers use in RDMA requests."""
 
-    def __init__(self, reg: "Registration", pd: ProtectionDomain, path: MrPath, addr: int,
+    def __init__(self, reg: Memory, pd: ProtectionDomain, path: MrPath, addr: int,
                  lkey: int, rkey: int, reason: str, keep: list[Any], release) -> None:
         self.registration = reg
         self.pd = pd
@@ -131,50 +129,51 @@ def mr_access(access: Access | int | None) -> int:
     return int(access)
 
 
-def register_mr(reg: "Registration", pd: ProtectionDomain,
+def nic_target(device: str) -> NicTarget:
+    """The facts an MR path on RDMA device `device` depends on (probed once per device)."""
+    ok, evidence = dmabuf_mr_support(device)
+    return NicTarget(device, ok, evidence, _peermem_loaded())
+
+
+def register_mr(reg: Memory, pd: ProtectionDomain,
                 access: Access | int | None = None) -> MemoryRegion:
     if not isinstance(pd, ProtectionDomain):
         raise UsageError(f"pd must be a p2phub.rdma.ProtectionDomain, not {type(pd).__name__}")
+    if not isinstance(reg, Memory):
+        raise UsageError(f"an MR needs memory registered with a Hub, not {type(reg).__name__}")
     access = mr_access(access)
     if reg.info().revoked:
         raise RevokedError(f"{reg}: revoked; cannot make an MR of it")
 
-    ok, evidence = dmabuf_mr_support(pd.device)
-    gpu = reg.source if isinstance(reg.source, GpuRange) else None
-    reasons = [f"dma-buf MR: {evidence}"]
+    path = reg.bind(nic_target(pd.device)).path   # the Hub's policy: raises naming why
+    reason = path.reason
 
-    if ok:
+    if path.kind is PathKind.DMABUF_MR:
         vpd = pd.verbs_pd()
         fd = reg.dmabuf_fd
+        gpu = reg.gpu
         iova = gpu.ptr if gpu is not None else 0
         cmr = vpd.reg_dmabuf_mr(0, reg.length, iova, fd, access)
-        return MemoryRegion(reg, pd, MrPath.DMABUF, iova, cmr.lkey, cmr.rkey, reasons[0], [],
+        return MemoryRegion(reg, pd, MrPath.DMABUF, iova, cmr.lkey, cmr.rkey, reason, [],
                             lambda: verbs.VerbsPd.dereg_mr(cmr))
 
     from pyverbs.mr import MR
 
-    if gpu is not None:
-        if gpu.backend == "cuda" and _peermem_loaded():
-            mr = MR(pd.pd, reg.length, access, address=gpu.ptr)
-            return MemoryRegion(reg, pd, MrPath.PEERMEM, gpu.ptr, mr.lkey, mr.rkey,
-                                reasons[0] + "; nvidia_peermem is loaded", [mr], mr.close)
-        reasons.append("peer-memory MR: nvidia_peermem is not loaded")
-        raise P2PHubError(f"{reg}: no RDMA path to this GPU memory on {pd.device}: "
-                          f"{'; '.join(reasons)} (see `p2phub doctor --explain {DOCTOR_CHECK}`)")
+    if path.kind is PathKind.PEERMEM_MR:
+        gpu = reg.gpu
+        assert gpu is not None
+        mr = MR(pd.pd, reg.length, access, address=gpu.ptr)
+        return MemoryRegion(reg, pd, MrPath.PEERMEM, gpu.ptr, mr.lkey, mr.rkey, reason, [mr],
+                            mr.close)
 
-    # Host-backed memory: map it for the CPU and register that mapping. A source with a
-    # mapping of its own (a udmabuf's memfd) keeps it; otherwise map p2phub's export of the
-    # registration, whose pages pin_user_pages() accepts (a vgem dma-buf's own mapping is
-    # PFN-mapped, which the NIC cannot pin).
+    # Host-backed memory: map it for the CPU and register that mapping (reg.mmap(): a
+    # udmabuf's own memfd, p2phub's export of other dma-bufs, staged host memory's memfd);
+    # pin_user_pages() accepts those pages (a vgem dma-buf's own mapping is PFN-mapped).
     try:
-        if hasattr(reg.source, "mmap"):
-            m = reg.source.mmap()  # type: ignore[union-attr]
-        else:
-            m = mmap.mmap(reg.dmabuf_fd, reg.length, mmap.MAP_SHARED,
-                          mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        raise P2PHubOSError(exc.errno or errno.EIO, f"mmap the dma-buf export of {reg}",
-                            f"{reasons[0]}; and this memory has no CPU mapping p2phub can give "
+        m = reg.mmap()
+    except P2PHubOSError as exc:
+        raise P2PHubOSError(exc.errno or errno.EIO, f"mmap {reg}",
+                            f"{reason}; and this memory has no CPU mapping p2phub can give "
                             "(no struct pages behind it), so no VA MR either "
                             f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
     import ctypes
@@ -188,12 +187,11 @@ def register_mr(reg: "Registration", pd: ProtectionDomain,
         m.close()
         err = exc.error_code or errno.EIO
         raise P2PHubOSError(err, f"VA MR on the CPU mapping of {reg}",
-                            f"{reasons[0]}; and the NIC cannot pin this CPU mapping "
+                            f"{reason}; and the NIC cannot pin this CPU mapping "
                             f"(see `p2phub doctor --explain {DOCTOR_CHECK}`)") from None
 
     def release() -> None:
         mr.close()
         m.close()
 
-    return MemoryRegion(reg, pd, MrPath.HOST_VA, addr, mr.lkey, mr.rkey,
-                        reasons[0] + "; host-backed memory, CPU-mapped", [mr, m], release)
+    return MemoryRegion(reg, pd, MrPath.HOST_VA, addr, mr.lkey, mr.rkey, reason, [mr, m], release)

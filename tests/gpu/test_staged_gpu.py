@@ -35,7 +35,7 @@ def test_file_to_tensor_to_file(torch, src_file, tmp_path) -> None:
         staged.configure(hub, chunk=4 * MiB, lanes=4)   # many pieces per lane
         assert hub.mode == "staged" and "Hub(mode='staged')" in hub.mode_reason
         with hub.register(t) as reg:
-            assert reg.path == "staged"
+            assert reg.mode == "staged"
             fence = hub.load(path, reg)
             fence.wait(60)
             assert fence.done() and fence.exception() is None

@@ -22,8 +22,11 @@ from typing import Any
 
 from p2phub import uapi
 from p2phub.errors import P2PHubOSError, RevokedError
+from p2phub.memory import Memory, MemoryInfo, MemoryShare, MemPath
 from p2phub.nvme import spec
 from p2phub.nvme.kdev import DmaMemory, RegMapInfo
+from p2phub.ordering import for_registration
+from p2phub.policy import PathPolicy
 
 PAGE = 4096
 
@@ -47,28 +50,67 @@ class FakeNamespace:
             self.data = bytearray(self.blocks << self.lbads)
 
 
-class FakeRegistration:
-    """What the engine needs of a p2phub Registration, over host memory."""
+class FakeRegistration(Memory):
+    """The memory contract over host memory, as p2phub.ko would pin it: a handle valid in the
+    fake controller's /dev/p2phub (``device_file``)."""
 
     _handles = itertools.count(1)
+    mode = "p2p"
+    source = None
+    gpu = None
 
     def __init__(self, hub: "FakeHub", size: int) -> None:
-        self.hub = hub
-        self.handle = next(self._handles)
+        self._owner = hub
+        self._share = MemoryShare()
+        self._handle = next(self._handles)
         self.length = size
-        self.closed = False
+        self.what = f"fake registration {self._handle}"
         self.mem = bytearray(size)
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    @property
+    def device_file(self) -> Any:
+        return self._owner.device
+
+    def info(self) -> MemoryInfo:
+        return MemoryInfo(self.length, self.mode)
+
+    @property
+    def ordering(self) -> None:  # type: ignore[override]
+        """The engine's tests run without the ordering layer (test_ordering.py and the lab's
+        test_ordering.py cover NVMe requests ordered): requests here may overlap freely."""
+        return None
+
+    def close(self, force: bool = False, timeout: float | None = None) -> None:
+        self._closed = True
 
     def __repr__(self) -> str:
         return f"<FakeRegistration {self.handle} {self.length} bytes>"
 
 
 class FakeHub:
+    """The owner of fake registrations: the real path policy and ordering layer."""
+
+    strict_ordering = False
+
     def __init__(self, device: object) -> None:
         self.device = device
+        self.policy = PathPolicy()
 
     def register(self, size: int) -> FakeRegistration:
         return FakeRegistration(self, size)
+
+    def _ordering_for(self, mem: Memory) -> Any:
+        return for_registration(mem, strict=self.strict_ordering)
+
+    def _choose_path(self, mem: Memory, device: Any) -> MemPath:
+        return self.policy.choose(mem, device)
+
+    def _check_owner(self) -> None:
+        pass
 
 
 class FakeControllerFile:

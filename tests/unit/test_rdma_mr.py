@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from p2phub.errors import UsageError
+from p2phub.hub import Hub
+from p2phub.memory import Memory, MemoryInfo, MemoryShare
 from p2phub.rdma import Access, MrPath, ProtectionDomain
 from p2phub.rdma import mr as mr_mod
 
@@ -37,15 +39,39 @@ class FakeVaMr:
         pass
 
 
-class FakeSource:
+class HostMemory(Memory):
+    """The memory contract over plain host memory that claims a dma-buf (fd 7), as memory
+    pinned by p2phub.ko would; its paths come from a real Hub's policy."""
+
+    mode = "p2p"
+    source = None
+    gpu = None
+
+    def __init__(self, hub: Hub) -> None:
+        self._owner = hub
+        self._share = MemoryShare()
+        self.length = SIZE
+        self.what = "test memory"
+        self.dmabuf_fd = 7
+
+    def info(self) -> MemoryInfo:
+        return MemoryInfo(SIZE, self.mode)
+
     def mmap(self) -> mmap.mmap:
         return mmap.mmap(-1, SIZE)
 
+    def close(self, force: bool = False, timeout: float | None = None) -> None:
+        self._closed = True
 
-def fake_reg() -> SimpleNamespace:
-    return SimpleNamespace(closed=False, length=SIZE, dmabuf_fd=7, source=FakeSource(),
-                           info=lambda: SimpleNamespace(revoked=False),
-                           add_dependent=lambda dep: None)
+
+@pytest.fixture()
+def hub():
+    with Hub(mode="staged") as h:
+        yield h
+
+
+def fake_reg(hub: Hub) -> HostMemory:
+    return HostMemory(hub)
 
 
 def fake_pd(dmabuf: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[ProtectionDomain, list[int]]:
@@ -66,9 +92,9 @@ def fake_pd(dmabuf: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[ProtectionDo
 
 
 @pytest.mark.parametrize("dmabuf", [True, False], ids=["dmabuf-mr", "va-mr"])
-def test_default_mr_grants_no_remote_access(dmabuf: bool, monkeypatch) -> None:
+def test_default_mr_grants_no_remote_access(dmabuf: bool, hub, monkeypatch) -> None:
     pd, seen = fake_pd(dmabuf, monkeypatch)
-    mr = pd.reg_mr(fake_reg())  # type: ignore[arg-type]
+    mr = pd.reg_mr(fake_reg(hub))  # type: ignore[arg-type]
     assert mr.path is (MrPath.DMABUF if dmabuf else MrPath.HOST_VA)
     assert seen == [Access.LOCAL_WRITE]
     assert not seen[0] & (Access.REMOTE_WRITE | Access.REMOTE_READ)
@@ -83,16 +109,16 @@ def test_default_mr_grants_no_remote_access(dmabuf: bool, monkeypatch) -> None:
     (Access(0), 0),
 ])
 def test_asked_access_is_passed_through(dmabuf: bool, asked: Access, granted: int,
-                                        monkeypatch) -> None:
+                                        hub, monkeypatch) -> None:
     pd, seen = fake_pd(dmabuf, monkeypatch)
-    mr = pd.reg_mr(fake_reg(), asked)  # type: ignore[arg-type]
+    mr = pd.reg_mr(fake_reg(hub), asked)  # type: ignore[arg-type]
     assert seen == [granted]
     mr.close()
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 20])
-def test_unknown_access_bits_are_refused(bad: int, monkeypatch) -> None:
+def test_unknown_access_bits_are_refused(bad: int, hub, monkeypatch) -> None:
     pd, seen = fake_pd(True, monkeypatch)
     with pytest.raises(UsageError, match="IBV_ACCESS"):
-        pd.reg_mr(fake_reg(), bad)  # type: ignore[arg-type]
+        pd.reg_mr(fake_reg(hub), bad)  # type: ignore[arg-type]
     assert seen == []

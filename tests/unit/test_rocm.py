@@ -428,7 +428,7 @@ def test_staged_load_and_save_into_rocm_memory(fake, rocm_torch, tmp_path) -> No
     with Hub(mode="staged") as hub:
         staged.configure(hub, chunk=256 << 10, lanes=3)
         with hub.register(t) as reg:
-            assert reg.path == "staged" and reg.source.backend == "rocm"
+            assert reg.mode == "staged" and reg.source.backend == "rocm"
             hub.load(src, reg).wait(30)
             assert ctypes.string_at(base, len(data)) == data
             out = tmp_path / "out.bin"

@@ -79,11 +79,14 @@ def test_staged_hub_refuses_p2p_only_calls(hub) -> None:
         hub.info()
 
 
-def test_doctor_reason_survives_a_broken_doctor(monkeypatch) -> None:
-    import p2phub.doctor.core as core
-    monkeypatch.setattr(core, "diagnose", lambda *a, **k: 1 / 0)
-    why = staged.doctor_reason("/dev/p2phub")
-    assert why.startswith("kmod.loaded: /dev/p2phub is missing") and "ZeroDivisionError" in why
+def test_the_staged_reason_comes_from_capability_facts_not_the_doctor(tmp_path) -> None:
+    import subprocess
+    import sys
+    code = ("import sys; from p2phub.hub import Hub; h = Hub(path=%r); "
+            "print(h.mode, any(m.startswith('p2phub.doctor') for m in sys.modules))"
+            % str(tmp_path / "absent"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["staged", "False"]
 
 
 # ---------------------------------------------------------------- registrations
@@ -92,12 +95,13 @@ def test_doctor_reason_survives_a_broken_doctor(monkeypatch) -> None:
 def test_host_buffer_registration(hub) -> None:
     buf = bytearray(8192)
     with hub.register(buf, offset=4096) as reg:
-        assert isinstance(reg, StagedRegistration) and reg.path == "staged"
+        assert isinstance(reg, StagedRegistration) and reg.mode == "staged"
         assert reg.length == 4096 and reg.reason == hub.mode_reason
-        for call in (lambda: reg.dma_pages("0000:00:04.0"), reg.export, lambda: reg.dmabuf_fd,
-                     lambda: reg.mr(object())):
+        for call in (lambda: reg.dma_pages("0000:00:04.0"), reg.export, lambda: reg.dmabuf_fd):
             with pytest.raises(StagedModeError, match="peer-to-peer mode"):
                 call()
+        with pytest.raises(UsageError, match="ProtectionDomain"):
+            reg.mr(object())
     assert reg.closed
 
 
@@ -322,7 +326,7 @@ def _fake_gpu_reg(hub: Hub, ops: StreamOps, buf: bytearray) -> StagedRegistratio
     ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     rng = GpuRange("fakegpu", 0, ptr, len(buf), ptr, len(buf), keepalive=[buf])
     reg = StagedRegistration(hub, rng, ops, "fake GPU buffer")
-    hub._staged.add(reg)
+    hub._staging.add(reg)
     return reg
 
 
@@ -361,20 +365,12 @@ def test_configure_validates(hub) -> None:
         staged.configure(hub, lanes=0)
 
 
-def test_pair_reason_names_the_pair_check(hub) -> None:
-    from types import SimpleNamespace as NS
-    rep = NS(pairs=[NS(provider="0000:41:00.0", client="0000:42:00.0", kind="gpu-nvme",
-                       verdict="BLOCKED", reasons=["pcie.acs: ACS redirects P2P"], because=[]),
-                    NS(provider="0000:41:00.0", client="0000:43:00.0", kind="gpu-nic",
-                       verdict="OK", reasons=[], because=[])])
-    hub.__dict__["_pair_verdicts"] = {"report": rep}
-    why = staged.pair_reason(hub, "0000:41:00.0", "0000:42:00.0")
-    assert why.startswith("pairs.gpu_nvme: 0000:41:00.0 <-> 0000:42:00.0 BLOCKED")
-    assert "pcie.acs" in why
-    assert staged.pair_reason(hub, "0000:41:00.0", "0000:43:00.0") is None
-    assert staged.pair_reason(hub, "", "0000:42:00.0") is None
+def test_a_registration_staged_for_its_own_reason_says_it_on_every_path(hub) -> None:
+    why = "pairs.gpu_nvme: asked for"
     reg = staged.register(hub, bytearray(4096), reason=why)
-    assert reg.reason == why and reg.path == "staged"
+    assert reg.reason == why and reg.mode == "staged"
+    path = reg.path("0000:42:00.0")
+    assert path.kind.value == "staged" and why in path.reason
     reg.close()
 
 

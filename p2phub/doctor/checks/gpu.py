@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import probes
 from ..model import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 @check("gpu.bar", "GPU BAR (P2P aperture) size")
 def _bar(ctx: Context) -> CheckResult:

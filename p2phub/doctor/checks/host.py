@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..model import INFO, PASS, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 @check("host.arch", "Architecture")
 def _arch(ctx: Context) -> CheckResult:

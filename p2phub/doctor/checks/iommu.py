@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..model import INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check, endpoints
+from .base import Context, R, check, endpoints
 
 @check("iommu.present", "IOMMU present")
 def _iommu_present(ctx: Context) -> CheckResult:

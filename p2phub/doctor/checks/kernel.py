@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from ..model import FAIL, INFO, PASS, UNKNOWN, WARN, CheckResult
-from . import KALLSYMS_NEEDLES, Context, R, check, cmdline_tokens
+from .base import KALLSYMS_NEEDLES, Context, R, check, cmdline_tokens
 
 def _version_tuple(rel: str) -> tuple[int, int]:
     m = re.match(r"^(\d+)\.(\d+)", rel or "")

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import probes
 from ..model import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 def _kmod_info(ctx: Context) -> dict[str, Any]:
     if "_kmod" not in ctx.__dict__:

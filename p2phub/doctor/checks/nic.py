@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import probes
 from ..model import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 @check("nic.devices", "RDMA devices")
 def _nics(ctx: Context) -> CheckResult:

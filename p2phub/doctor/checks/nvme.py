@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...blockuse import BlockDev, usage_reasons
 from ..model import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 @check("nvme.controllers", "NVMe controllers")
 def _nvme(ctx: Context) -> CheckResult:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..model import BLOCKED, DEGRADED, FAIL, OK, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from . import Context, R, check
+from .base import Context, R, check
 
 
 @check("topology.peers", "GPUs and P2P peers present", phase="pairs")

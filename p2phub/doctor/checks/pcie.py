@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..model import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
+from ..model import BLOCKED, FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
 from ..pcie import ACS_TB, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, acs_bits_str
-from . import Context, R, check, endpoints
+from .base import Context, R, check, endpoints
 
 @check("pcie.ats", "ATS on GPUs and peers", phase="pairs")
 def _ats(ctx: Context) -> CheckResult:
@@ -114,8 +114,8 @@ def _acs(ctx: Context) -> CheckResult:
     for pv in ctx.pairs:
         for b in pv.acs_blockers:
             ports.setdefault(b, []).append(f"{pv.provider}<->{pv.client}")
-        if pv.map_type == MAP_NOT_SUPPORTED and pv.acs_blockers:
-            blocked_by_acs = True
+        if pv.map_type == MAP_NOT_SUPPORTED and pv.acs_blockers and pv.verdict == BLOCKED:
+            blocked_by_acs = True   # only where p2phub's path consults the kernel's allow list
     for pv in ctx.pairs:
         if pv.map_type == MAP_UNKNOWN and "host.privilege" in pv.because:
             unknown.update(b for b in pv.path)
@@ -159,12 +159,21 @@ def _hb(ctx: Context) -> CheckResult:
         return R(SKIP, "no GPU<->peer pairs", hosts=hbs)
     if not needing:
         return R(PASS, "no pair needs the host bridge", hosts=hbs)
-    bad = [pv for pv in needing if pv.host_bridge.get("allowed") is False]
+    refused = [pv for pv in needing if pv.host_bridge.get("allowed") is False]
+    # the allow list blocks only the pairs whose path consults it (the kernel's P2PDMA core)
+    bad = [pv for pv in refused if pv.p2p.get("consults_allow_list", True)]
+    slow = [pv for pv in refused if pv not in bad]
     rule = needing[0].host_bridge.get("rule")
     ev = ctx.ev(*(f"/sys/bus/pci/devices/{b[3:7]}:{b[8:10]}:00.0/device" for b in hbs))
+    fix = ("clear ACS redirect so the pair stays below a switch, or use a platform whose host bridge allows P2P "
+           "(the kernel's allow list, or AMD Zen)")
     if bad:
         return R(FAIL, f"{len(bad)} pair(s) need the host bridge and it is not allowed: {bad[0].host_bridge.get('rule')}",
-                 "clear ACS redirect so the pair stays below a switch, or use a platform whose host bridge allows P2P "
-                 "(the kernel's allow list, or AMD Zen)", ev, [f"{p.provider}<->{p.client}" for p in bad], hosts=hbs)
+                 fix, ev, [f"{p.provider}<->{p.client}" for p in bad], hosts=hbs)
+    if slow:
+        return R(WARN, f"{len(slow)} pair(s) route through a host bridge outside the kernel's P2PDMA allow list "
+                 f"({slow[0].host_bridge.get('rule')}); p2phub's path for them does not consult it "
+                 f"({slow[0].p2p.get('path')}: slower than below a switch)",
+                 fix, ev, [f"{p.provider}<->{p.client}" for p in slow], hosts=hbs)
     return R(PASS if rule else INFO, f"{len(needing)} pair(s) route through the host bridge: {rule}", evidence=ev,
              hosts=hbs)
