@@ -36,3 +36,13 @@ class ModuleNotLoadedError(P2PHubError):
 
 class RevokedError(P2PHubError):
     """The memory behind a registration was freed or moved by its owner."""
+
+
+class MissingDependencyError(P2PHubError, ImportError):
+    """An optional package (or the hardware) a call needs is not here; the message names it
+    and how to get it: ``needs torch: pip install torch``."""
+
+    def __init__(self, what: str, install: str) -> None:
+        super().__init__(f"needs {what}: {install}")
+        self.what = what
+        self.install = install

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
 import itertools
 import json
 import os
@@ -34,6 +35,7 @@ import socket
 import threading
 from typing import Any, Iterable, Sequence
 
+from .. import metrics
 from ..errors import UsageError
 from . import transport as tp
 from ..ordering import AccessKind
@@ -132,6 +134,7 @@ class Agent:
         self._accept_thread.start()
         if pool is not None:
             self.register_pool(pool)
+        metrics.track_agent(self)
 
     # ------------------------------------------------------------------ memory
     def register_memory(self, addr: int, length: int) -> int:
@@ -539,12 +542,12 @@ class Agent:
                 raise
         import time
         xfer.posted = time.monotonic()
+        xfer.on_done = functools.partial(_done, self.name)
         try:
             conn = self.connect(xfer.peer)
         except KVPeerError as exc:
             xfer._finish(exc)
             return xfer.state
-        xfer.on_done = _clear_posted
         conn.submit(xfer)
         return xfer.state
 
@@ -576,7 +579,8 @@ class Agent:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
 
 
-def _clear_posted(x: tp.Xfer) -> None:
+def _done(agent: str, x: tp.Xfer) -> None:
+    metrics.kv_sent(agent, x)
     x.posted = 0.0
 
 

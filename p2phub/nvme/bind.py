@@ -223,6 +223,8 @@ def unbind(bdf: str, *, driver: str = "nvme", timeout_s: float = 30.0) -> None:
     """
     bdf = normalize(bdf)
     dev = PCI_DEVICES / bdf
+    if not dev.exists():
+        raise UsageError(f"no PCI device {bdf}")
     if current_driver(bdf) == DRIVER:
         _write(dev / "driver" / "unbind", bdf, "unbind")
     _write(dev / "driver_override", "\n", "unbind")
