@@ -12,7 +12,7 @@ test, and ``start_http_server`` raises MissingDependencyError naming the package
 Series (counters end in ``_total`` on the wire):
 
     p2phub_kv_bytes_total{agent,direction}           bytes sent (acknowledged) / received (landed)
-    p2phub_kv_transfers_total{agent,direction}       transfers sent / requests received
+    p2phub_kv_transfers_total{agent,direction}       transfers sent (acknowledged) / received
     p2phub_kv_errors_total{agent,direction}          failed transfers / refused data
     p2phub_kv_transfer_seconds{agent}                post -> acknowledgement, histogram
     p2phub_kv_registered_segments{agent}             live memory registrations of the agent
@@ -132,17 +132,20 @@ def kv_sent(agent: str, xfer: Any) -> None:
         KV_SECONDS.labels(agent).observe(time.monotonic() - xfer.posted)
 
 
-def kv_landed(agent: str, wire: bytes, request_end: bool) -> None:
+def kv_landed(agent: str, wire: bytes) -> None:
     """DATA landed in an agent's memory: `wire` is its runs (their lengths add up to the bytes)."""
-    if not ENABLED:
-        return
-    KV_BYTES.labels(agent, "received").inc(sum(r[3] for r in _RUN.iter_unpack(wire)))
-    if request_end:
+    if ENABLED:
+        KV_BYTES.labels(agent, "received").inc(sum(r[3] for r in _RUN.iter_unpack(wire)))
+
+
+def kv_received(agent: str) -> None:
+    """A transfer into an agent ended well (its receiver acknowledged it)."""
+    if ENABLED:
         KV_TRANSFERS.labels(agent, "received").inc()
 
 
 def kv_refused(agent: str) -> None:
-    """DATA a receiving agent refused (bad runs, unknown request)."""
+    """Data a receiving agent refused (bad runs, unknown request) or a transfer it failed."""
     if ENABLED:
         KV_ERRORS.labels(agent, "received").inc()
 

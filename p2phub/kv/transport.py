@@ -469,7 +469,7 @@ class Connection:
     def _land(self, flags: int, xid: int, req: int, layer: int, wire: bytes) -> None:
         inb = self.agent._inbound(self.peer, req)
         inb._landed(layer, wire)
-        metrics.kv_landed(self.agent.name, wire, bool(flags & F_REQ_END))
+        metrics.kv_landed(self.agent.name, wire)
         if flags & F_REQ_END:
             inb._complete()
         if flags & F_LAST:
@@ -590,10 +590,12 @@ class Connection:
         with self._lock:
             self._active.pop(xid, None)
         self._send_ctrl(ACK, xid, 0, 0)
+        metrics.kv_received(self.agent.name)
 
     def _fail_inbound(self, xid: int, exc: BaseException) -> None:
         with self._lock:
             reqs = self._active.pop(xid, set())
+        metrics.kv_refused(self.agent.name)
         for r in reqs:
             self.agent._inbound(self.peer, r)._fail(exc)
 
