@@ -675,6 +675,8 @@ def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]
     """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
+        if os.path.isdir(name):
+            raise UsageError(f"{name} is a directory: want a file or a block device")
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= os.O_CLOEXEC
         if direct:
@@ -701,6 +703,11 @@ def _size_of(fd: int) -> int:
     return os.lseek(fd, 0, os.SEEK_END)  # block devices
 
 
+def _want_registration(reg: Any, what: str) -> None:
+    if not (hasattr(reg, "length") and hasattr(reg, "source")):
+        raise UsageError(f"{what}={reg!r:.60}: want a registration (hub.register(tensor))")
+
+
 def _is_namespace(obj: Any) -> bool:
     return type(obj).__name__ == "Namespace" and hasattr(obj, "submit") and hasattr(obj, "lba_size")
 
@@ -711,6 +718,7 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open
     file, an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest`."""
     reg = dest
+    _want_registration(reg, "dest")
     if _is_namespace(source):
         return _namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     if isinstance(reg, StagedRegistration):
@@ -739,6 +747,7 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
     `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace)."""
     reg = source
+    _want_registration(reg, "source")
     if _is_namespace(dest):
         return _namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
