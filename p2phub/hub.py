@@ -29,6 +29,7 @@ import ctypes
 import enum
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -443,6 +444,8 @@ class Hub(Resource):
         from . import staged
         self.mode, self._mode_reason = staged.choose_mode(path, mode)
         self._auto = mode == "auto"
+        if self.mode != "p2p" and mode == "auto":
+            _notice_staged(path, self._mode_reason)
         self.device = Device(path) if self.mode == "p2p" else \
             staged.NoDevice(path, lambda: self.mode_reason)  # type: ignore[assignment]
         self._staged: "weakref.WeakSet[Any]" = weakref.WeakSet()  # p2phub.staged registrations
@@ -667,6 +670,19 @@ class Hub(Resource):
 
     def __repr__(self) -> str:
         return f"<Hub {self.device.path} {len(self._pins)} registrations>"
+
+
+_staged_noticed = False
+
+
+def _notice_staged(path: str, reason: str | None) -> None:
+    """One notice per process that an auto Hub fell back to staged mode (the p2phub logger)."""
+    global _staged_noticed
+    if not _staged_noticed:
+        _staged_noticed = True
+        logging.getLogger(__name__).info(
+            "staged mode: %s; transfers bounce through pinned host memory (hub.mode_reason, "
+            "`p2phub doctor`)", reason or f"{path} is missing")
 
 
 def _close_all(objs: Iterable[Any]) -> None:

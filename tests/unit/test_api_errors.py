@@ -40,3 +40,40 @@ def test_nvme_unbind_of_an_absent_address_names_it() -> None:
         bind.unbind("0000:ff:1f.7")
     with pytest.raises(UsageError, match="not a PCI address"):
         bind.unbind("zz:00.0")
+
+
+def test_one_notice_when_an_auto_hub_chooses_staged_mode(tmp_path, monkeypatch) -> None:
+    import io
+    import logging
+
+    from p2phub import hub as hubmod
+    from p2phub.log import configure
+    monkeypatch.setattr(hubmod, "_staged_noticed", False)
+    out = io.StringIO()
+    log = logging.getLogger("p2phub")
+    saved = (log.level, list(log.handlers), log.propagate)
+    try:
+        configure("info", stream=out)
+        Hub(str(tmp_path / "absent")).close()
+        Hub(str(tmp_path / "absent")).close()
+        Hub(mode="staged").close()            # asked for: no notice
+    finally:
+        log.setLevel(saved[0])
+        log.handlers[:] = saved[1]
+        log.propagate = saved[2]
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2phub: staged mode: ") and "absent is missing" in lines[0]
+
+
+def test_p2phub_log_debug_configures_the_logger_for_a_library_user() -> None:
+    import subprocess
+    import sys
+    code = ("import logging, p2phub\n"
+            "logging.getLogger('p2phub.kv').debug('hello from the library')\n")
+    import os
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, P2PHUB_LOG="debug"))
+    assert "p2phub.kv DEBUG: hello from the library" in r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "P2PHUB_LOG"})
+    assert r.stderr == ""
