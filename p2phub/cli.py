@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nvme": ("p2phub.commands.nvme", "hand an NVMe controller to p2phub and back (bind, unbind, list, identify)"),
     "kv": ("p2phub.commands.kv", "move KV-cache pages between two agents (serve, send)"),
     "bench": ("p2phub.commands.bench", "measure p2phub against its baselines (register: vs ibv_reg_mr)"),
+    "top": ("p2phub.commands.top", "a live view of a metrics endpoint: KV agents and NVMe engines"),
 }
 
 ERROR_SCHEMA = "p2phub.error/1"
@@ -112,8 +113,8 @@ def _stdout_gone() -> bool:
         p = select.poll()
         p.register(fd, select.POLLOUT)
         return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in p.poll(0))
-    except (OSError, ValueError, AttributeError):
-        return True
+    except (OSError, ValueError, AttributeError):   # not a real file (captured): it is there
+        return False
 
 
 def _silence_stdout() -> None:

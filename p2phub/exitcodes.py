@@ -46,4 +46,5 @@ USED_BY = {
     "nvme": (Exit.OK, Exit.FAIL, Exit.BUSY),
     "kv": (Exit.OK, Exit.FAIL),
     "bench": (Exit.OK, Exit.FAIL),
+    "top": (Exit.OK, Exit.FAIL),
 }

@@ -10,8 +10,9 @@ import tarfile
 import tempfile
 
 from .. import __version__
-from .core import EXIT_FAIL, EXIT_OK, EXIT_USAGE, diagnose
+from .core import EXIT_FAIL, EXIT_OK, diagnose
 from ..commands.argtypes import non_negative, positive
+from ..commands.progress import activity
 from ..errors import UsageError
 from .sysroot import SysRoot
 
@@ -130,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"--root {args.root}: not a capture (it has none of "
                                  f"{', '.join(CAPTURE_MARKS)}; make one with `p2phub doctor --capture DIR`)")
         sr = SysRoot(root)
-        rep = diagnose(sr, active=args.active, active_opts=opts)
+        with activity(args, "p2phub doctor --active: a real DMA between GPU and SSD" if args.active
+                      else "p2phub doctor"):
+            rep = diagnose(sr, active=args.active, active_opts=opts)
         code = rep.exit_code(strict=args.strict)
         if args.quiet:
             return code

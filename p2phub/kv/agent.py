@@ -30,6 +30,7 @@ import errno
 import functools
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
@@ -46,6 +47,8 @@ from .pool import KVPool
 __all__ = ["Agent", "DescList", "RemoteAgent"]
 
 METADATA_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class RemoteAgent:
@@ -239,6 +242,7 @@ class Agent:
             reply = tp.recv_hello(s, timeout)
         if "metadata" not in reply:
             raise KVError(f"handshake with {host}:{port}: no metadata in the reply")
+        log.debug("%s: handshake with %s:%d", self.name, host, port)
         return self.add_remote(reply["metadata"])
 
     # ------------------------------------------------------------------ connections

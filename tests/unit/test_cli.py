@@ -51,6 +51,8 @@ BAD: dict[tuple[str, ...], list[list[str]]] = {
     ("bench", "kv"): [["--iters", "0"], ["--runs", "0"], ["--total", "100T"], ["--total", "1000"],
                       ["--methods", "bogus"], ["--blocks", "0"], ["--timeout", "-1"], ["--device", "tpu"],
                       ["--device", "cuda", "--methods", "nixl"]],
+    ("top",): [["nohost"], ["127.0.0.1:0"], ["127.0.0.1:9400", "--interval", "0"],
+               ["127.0.0.1:65536"]],
     ("bench", "register"): [["--max-iters", "0"], ["--sizes", "1X"], ["--min-time", "0"],
                             ["--device", "zz:00.0"], ["--device", "0000:00:05.0"]],
 }

@@ -135,3 +135,37 @@ def test_without_prometheus_client_hooks_are_no_ops_and_serving_names_the_packag
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "needs prometheus_client: pip install 'p2phub[metrics]'"
+
+
+def test_top_once_shows_an_agents_bytes_and_registrations(capsys) -> None:
+    from p2phub import cli
+    from p2phub.kv import Agent, KVLayout, KVPool
+
+    lay = KVLayout(num_layers=2, blocks_per_layer=16, block_bytes=4096)
+    host, port = metrics.start_http_server(0)
+    with KVPool.host(lay) as pa, KVPool.host(lay) as pb, Agent("top-a", pa) as a, Agent("top-b", pb) as b:
+        x = a.send_request(a.handshake(b.host, b.port), 1, [0, 1], [2, 3])
+        x.wait(30)
+        b.expect("top-a", 1).done.wait(30)
+        assert cli.main(["top", f"{host}:{port}", "--once", "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        assert snap["schema"] == "p2phub.top/1"
+        assert snap["series"]["kv top-a"]["bytes_total.sent"] == x.nbytes
+        assert snap["series"]["kv top-b"]["bytes_total.received"] == x.nbytes
+        assert snap["series"]["kv top-b"]["registered_bytes"] == pb.nbytes
+        assert cli.main(["top", f"{host}:{port}", "--once"]) == 0
+        text = capsys.readouterr().out
+        assert "kv top-a" in text and "sent" in text
+
+
+def test_top_names_an_endpoint_that_does_not_answer(capsys) -> None:
+    import socket
+
+    from p2phub import cli
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    assert cli.main(["top", f"127.0.0.1:{port}", "--once"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refused" in err[0].lower()
