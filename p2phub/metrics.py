@@ -76,30 +76,29 @@ if ENABLED:
         """Gauges read at scrape time from the live agents and controllers (no hot-path cost)."""
 
         def collect(self) -> Iterable[Any]:
-            segs = GaugeMetricFamily("p2phub_kv_registered_segments",
-                                     "live memory registrations of a KV agent", labels=["agent"])
-            nbytes = GaugeMetricFamily("p2phub_kv_registered_bytes",
-                                       "bytes a KV agent's registrations cover", labels=["agent"])
-            for a in list(_agents):
-                if getattr(a, "_closed", False):
-                    continue
-                s = list(getattr(a, "_segments", ()))
-                segs.add_metric([a.name], len(s))
-                nbytes.add_metric([a.name], sum(n for _addr, n in s))
-            regs = GaugeMetricFamily("p2phub_nvme_mapped_registrations",
-                                     "registrations mapped for an NVMe controller", labels=["controller"])
-            pinned = GaugeMetricFamily("p2phub_nvme_mapped_bytes",
-                                       "bytes pinned by an NVMe controller's mappings", labels=["controller"])
-            for c in list(_controllers):
-                if getattr(c, "closed", False):
-                    continue
-                maps = list(getattr(c.mappings, "_by_handle", {}).values())
-                regs.add_metric([c.bdf], len(maps))
-                pinned.add_metric([c.bdf], sum(int(getattr(m.reg, "length", 0)) for m in maps))
-            return [segs, nbytes, regs, pinned]
+            kv = _pair("kv", "agent", "registered_segments", "live memory registrations of a KV agent",
+                       "registered_bytes", "bytes a KV agent's registrations cover",
+                       ((a.name, [n for _addr, n in a._segments]) for a in list(_agents)
+                        if not getattr(a, "_closed", False)))
+            nvme = _pair("nvme", "controller", "mapped_registrations",
+                         "registrations mapped for an NVMe controller", "mapped_bytes",
+                         "bytes pinned by an NVMe controller's mappings",
+                         ((c.bdf, [int(getattr(m.reg, "length", 0)) for m in list(c.mappings._by_handle.values())])
+                          for c in list(_controllers) if not getattr(c, "closed", False)))
+            return [*kv, *nvme]
 
         def describe(self) -> Iterable[Any]:
             return []
+
+    def _pair(kind: str, label: str, count_name: str, count_help: str, bytes_name: str, bytes_help: str,
+              owners: Iterable[tuple[str, list[int]]]) -> tuple[Any, Any]:
+        """Two gauges, how many registrations and how many bytes, one sample per owner."""
+        count = GaugeMetricFamily(f"p2phub_{kind}_{count_name}", count_help, labels=[label])
+        total = GaugeMetricFamily(f"p2phub_{kind}_{bytes_name}", bytes_help, labels=[label])
+        for name, lengths in owners:
+            count.add_metric([name], len(lengths))
+            total.add_metric([name], sum(lengths))
+        return count, total
 
     _pc.REGISTRY.register(_Live())
 

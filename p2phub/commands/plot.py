@@ -19,6 +19,17 @@ def _fig(title: str, ncols: int = 2) -> tuple[Any, Any]:
     return fig, axes[0]
 
 
+def _runs_box(ax: Any, data: list[list[float]], labels: list[str], ylabel: str, fontsize: int = 8,
+              rotation: int = 0) -> None:
+    """The right-hand panel: each label's runs as a box."""
+    if data:
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=fontsize, rotation=rotation)
+    ax.set_ylabel(ylabel)
+    ax.set_title("distribution over runs", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def _size_label(n: int) -> str:
     for unit, sh in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << sh:
@@ -60,12 +71,7 @@ def _kv(rep: dict) -> Any:
             if runs:
                 data.append([rep["total_bytes"] / (g * 1e9) * 1e3 for g in runs])
                 labels.append(f"{m}\n{_size_label(e['block'])}")
-    if data:
-        right.boxplot(data, showfliers=True)
-        right.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
-    right.set_ylabel("ms per transfer (each run)")
-    right.set_title("distribution over runs", fontsize=9)
-    right.grid(alpha=0.3, axis="y")
+    _runs_box(right, data, labels, "ms per transfer (each run)", fontsize=7)
     return fig
 
 
@@ -111,12 +117,9 @@ def _ordering(rep: dict) -> Any:
     left.set_ylim(bottom=0)
     left.grid(alpha=0.3)
     left.legend()
-    right.boxplot([r["access_runs_us"] for r in rows])
-    right.set_xticks(range(1, len(rows) + 1), [f"{r['live']:,}" for r in rows])
+    _runs_box(right, [r["access_runs_us"] for r in rows], [f"{r['live']:,}" for r in rows],
+              "us per access (each run)")
     right.set_xlabel("live ranges")
-    right.set_ylabel("us per access (each run)")
-    right.set_title("distribution over runs", fontsize=9)
-    right.grid(alpha=0.3, axis="y")
     return fig
 
 
@@ -148,11 +151,7 @@ def _io(rep: dict) -> Any:
     left.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
     left.set_ylabel("GB/s (median)")
     left.grid(alpha=0.3, axis="y")
-    right.boxplot([rep["methods"][n]["gbps"] for n in names])
-    right.set_xticks(range(1, len(names) + 1), names, rotation=30, fontsize=8)
-    right.set_ylabel("GB/s (each run)")
-    right.set_title("distribution over runs", fontsize=9)
-    right.grid(alpha=0.3, axis="y")
+    _runs_box(right, [rep["methods"][n]["gbps"] for n in names], names, "GB/s (each run)", rotation=30)
     return fig
 
 
