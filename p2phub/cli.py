@@ -166,10 +166,11 @@ def _configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
-    _configure_logging()
-    parser = build_parser()
-    prog = " ".join(["p2phub", *_command_words(parser, argv)])
+    prog = "p2phub"
     try:
+        _configure_logging()
+        parser = build_parser()   # imports every command: Ctrl-C may come here already
+        prog = " ".join(["p2phub", *_command_words(parser, argv)])
         try:
             args = parser.parse_args(argv)
         except _Usage as exc:
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             check_args = getattr(args, "_check", None)
             if check_args is not None:
                 check_args(args)
+            log.debug("%s: running", prog)
             code = int(args._run(args) or Exit.OK)
             sys.stdout.flush()
             return code

@@ -43,7 +43,7 @@ from ..hub import Hub
 from ..pci import PciAddress
 from . import bench_kv, bench_load, bench_nvme, bench_ordering
 from . import plot
-from .argtypes import comma_list, new_file, pci_address, positive, seconds, size_bytes
+from .argtypes import comma_list, new_file, non_negative_seconds, pci_address, positive, size_bytes
 from .progress import steps
 
 SCHEMA = "p2phub.bench.register/2"
@@ -79,7 +79,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="PCI address to map for (default: $P2PHUB_BENCH_DEVICE)")
     r.add_argument("--rdma-dev", default=os.environ.get("P2PHUB_BENCH_RDMA_DEV"),
                    help="verbs device for the ibv_reg_mr baseline (default: $P2PHUB_BENCH_RDMA_DEV)")
-    r.add_argument("--min-time", type=seconds, default=1.0, help="seconds per size and method")
+    r.add_argument("--min-time", type=non_negative_seconds, default=1.0,
+                   help="seconds per size and method (default 1; 0: three calls)")
     r.add_argument("--max-iters", type=positive, default=200,
                    help="most timed calls per size and method (default 200)")
     r.add_argument("--json", action="store_true", help="print JSON")
