@@ -217,10 +217,5 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(prog, Exit.FAIL, "broken pipe", as_json)
 
 
-def entry() -> None:
-    """The console script: main() as the process's exit status."""
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())

@@ -29,6 +29,21 @@ def level_from_env(default: int | None = None) -> int | None:
     return _LEVELS.get(text, logging.DEBUG)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is when a record is written (it may be replaced)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
 def configure(level: int | str | None = None, stream=None) -> logging.Logger:
     """A stderr handler on the ``p2phub`` logger at `level` (default: P2PHUB_LOG, else INFO).
     Calling it again replaces the handler rather than adding a second one."""
@@ -40,7 +55,7 @@ def configure(level: int | str | None = None, stream=None) -> logging.Logger:
     for h in list(log.handlers):
         if h.get_name() == _HANDLER_NAME:
             log.removeHandler(h)
-    h = logging.StreamHandler(stream or sys.stderr)
+    h = logging.StreamHandler(stream) if stream is not None else _Stderr()
     h.set_name(_HANDLER_NAME)
     fmt = "%(asctime)s %(name)s %(levelname)s: %(message)s" if level <= logging.DEBUG \
         else "p2phub: %(message)s"
