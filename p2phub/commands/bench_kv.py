@@ -152,6 +152,9 @@ def run_pair(method: str, total: int, block: int, iters: int, timeout: float,
         return {"gbps": r["bytes"] / r["seconds"] / 1e9, "bytes_ok": bool(t["bytes_ok"])}
     except (OSError, ValueError, KeyError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    except BaseException:   # Ctrl-C: the peers go at once, not after their own timeouts
+        kill_all()
+        raise
     finally:
         timer.cancel()
         for p in procs:
