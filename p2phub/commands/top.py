@@ -46,8 +46,14 @@ def _check(args: argparse.Namespace) -> None:
 
 def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, str], dict[str, float]]:
     """{(kind, name): {series: value}} of p2phub's series at `url` (kind: kv or nvme)."""
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        text = r.read().decode()
+    import urllib.error
+
+    from ..errors import P2PHubError
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text = r.read().decode()
+    except urllib.error.URLError as exc:
+        raise P2PHubError(f"{url}: {getattr(exc, 'reason', exc)}") from None
     rows: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for line in text.splitlines():
         m = _SAMPLE.match(line)
