@@ -51,3 +51,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _init_logging() -> None:
+    """The ``p2phub`` logger prints nothing unless asked (P2PHUB_LOG, or p2phub.log.configure)."""
+    import logging
+    import os
+
+    logging.getLogger(__name__).addHandler(logging.NullHandler())
+    if os.environ.get("P2PHUB_LOG"):
+        from .log import configure
+        configure()
+
+
+_init_logging()

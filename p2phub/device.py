@@ -6,11 +6,12 @@ import ctypes
 import errno
 import fcntl
 import os
+import stat
 from dataclasses import dataclass, field
 
 from . import uapi
 from ._resource import Resource
-from .errors import ModuleNotLoadedError, P2PHubOSError
+from .errors import ModuleNotLoadedError, P2PHubOSError, UsageError
 
 # The ioctls that map memory for a device, and what their EOPNOTSUPP means.
 _MAPS = (uapi.REGISTER, uapi.DMA_PAGES, uapi.NVME_MAP_REG)
@@ -47,6 +48,25 @@ class ModuleInfo:
         }
 
 
+MISC_DEV = "/sys/class/misc/p2phub/dev"  # "MAJOR:MINOR" of the node p2phub.ko registered
+
+
+def _check_is_p2phub(fd: int, path: str) -> None:
+    """UsageError unless `fd` is p2phub.ko's character device (not /dev/null, not a file)."""
+    st = os.fstat(fd)
+    if not stat.S_ISCHR(st.st_mode):
+        raise UsageError(f"{path} is not the p2phub device: not a character device")
+    try:
+        with open(MISC_DEV) as f:
+            want = f.read().strip()
+    except OSError:
+        raise UsageError(f"{path} is not the p2phub device: p2phub.ko is not loaded "
+                         f"({MISC_DEV} is absent)") from None
+    have = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    if have != want:
+        raise UsageError(f"{path} is not the p2phub device: it is {have}, p2phub.ko's is {want}")
+
+
 class Device(Resource):
     """An open file on /dev/p2phub. Everything registered through it dies with it."""
 
@@ -54,11 +74,20 @@ class Device(Resource):
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
+            if path != uapi.DEVICE_PATH:
+                raise UsageError(f"{path} does not exist (the p2phub device is "
+                                 f"{uapi.DEVICE_PATH})") from None
             raise ModuleNotLoadedError(
                 f"{path} does not exist: p2phub.ko is not loaded (run `p2phub doctor`)"
             ) from None
         except OSError as exc:
             raise P2PHubOSError(exc.errno or errno.EIO, f"open {path}") from None
+        try:
+            _check_is_p2phub(self.fd, path)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
         self.path = path
 
     def ioctl(self, request: int, arg: ctypes.Structure, what: str) -> None:

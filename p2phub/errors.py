@@ -41,3 +41,12 @@ class RevokedError(P2PHubError):
 class StagedModeError(P2PHubError):
     """Asked for something only peer-to-peer mode has (DMA pages, a dma-buf export, an MR of
     GPU memory, an NVMe transfer straight into memory); the message says why it is staged."""
+
+class MissingDependencyError(P2PHubError, ImportError):
+    """An optional package (or the hardware) a call needs is not here; the message names it
+    and how to get it: ``needs torch: pip install torch``."""
+
+    def __init__(self, what: str, install: str) -> None:
+        super().__init__(f"needs {what}: {install}")
+        self.what = what
+        self.install = install

@@ -17,7 +17,9 @@ class Exit(enum.IntEnum):
     USAGE = 4        # bad command line or arguments (argparse's own 2 is mapped here)
     NOT_LOADED = 5   # p2phub.ko is not loaded (/dev/p2phub absent)
     BUSY = 6         # nvme bind: the controller is in use by the kernel (mounted, swap, held)
+    NEEDS = 7        # an optional package, or the hardware asked for, is not on this host
     INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), the code shells give such a process
+    CLOSED_PIPE = 141  # the reader of stdout went away (`| head`): SIGPIPE's code, 128 + 13
 
 
 MEANING = {
@@ -28,15 +30,21 @@ MEANING = {
     Exit.USAGE: "usage error: unknown command, bad option or argument",
     Exit.NOT_LOADED: "p2phub.ko is not loaded (/dev/p2phub absent)",
     Exit.BUSY: "nvme bind: the controller is in use (a namespace is mounted, swap or held)",
-    Exit.INTERRUPTED: "stopped by Ctrl-C (a long-running command: kv serve)",
+    Exit.NEEDS: "needs a package or hardware this host lacks (named, with the line that installs it)",
+    Exit.INTERRUPTED: "stopped by Ctrl-C (SIGINT): one line on stderr, no traceback",
+    Exit.CLOSED_PIPE: "stdout was closed early by its reader (e.g. `| head`): silent, SIGPIPE's 128 + 13",
 }
 
-# which command returns which codes (every command may also return USAGE)
+# codes every command may return: the dispatcher (p2phub/cli.py) gives them
+COMMON = (Exit.USAGE, Exit.NOT_LOADED, Exit.NEEDS, Exit.INTERRUPTED, Exit.CLOSED_PIPE)
+
+# which command returns which codes (every command may also return those of COMMON)
 USED_BY = {
     "p2phub": (Exit.OK, Exit.FAIL, Exit.USAGE),
     "info": (Exit.OK, Exit.FAIL, Exit.NOT_LOADED),
     "doctor": (Exit.OK, Exit.FAIL, Exit.WARN, Exit.UNKNOWN),
     "nvme": (Exit.OK, Exit.FAIL, Exit.BUSY),
-    "kv": (Exit.OK, Exit.FAIL, Exit.INTERRUPTED),
+    "kv": (Exit.OK, Exit.FAIL),
     "bench": (Exit.OK, Exit.FAIL),
+    "top": (Exit.OK, Exit.FAIL),
 }

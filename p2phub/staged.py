@@ -721,6 +721,8 @@ def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]
     """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
+        if os.path.isdir(name):
+            raise UsageError(f"{name} is a directory: want a file or a block device")
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= os.O_CLOEXEC
         if direct:

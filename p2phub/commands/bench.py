@@ -36,12 +36,15 @@ from pathlib import Path
 from typing import Callable
 
 from .. import uapi
-from ..errors import P2PHubError, P2PHubOSError
+from ..errors import P2PHubError, P2PHubOSError, UsageError
 from ..exitcodes import Exit
 from ..hostmem import Udmabuf
 from ..hub import Hub
 from ..pci import PciAddress
 from . import bench_kv, bench_load, bench_nvme, bench_ordering
+from . import plot
+from .argtypes import comma_list, new_file, non_negative_seconds, pci_address, positive, size_bytes
+from .progress import steps
 
 SCHEMA = "p2phub.bench.register/2"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
@@ -70,14 +73,28 @@ def register(parser: argparse.ArgumentParser) -> None:
     bench_load.add_parsers(sub)
     bench_kv.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
-    r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
-    r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+    r.add_argument("--sizes", type=comma_list(size_bytes), default=DEFAULT_SIZES,
+                   help=f"comma-separated (default {DEFAULT_SIZES})")
+    r.add_argument("--device", type=pci_address, default=os.environ.get("P2PHUB_BENCH_DEVICE"),
                    help="PCI address to map for (default: $P2PHUB_BENCH_DEVICE)")
     r.add_argument("--rdma-dev", default=os.environ.get("P2PHUB_BENCH_RDMA_DEV"),
                    help="verbs device for the ibv_reg_mr baseline (default: $P2PHUB_BENCH_RDMA_DEV)")
-    r.add_argument("--min-time", type=float, default=1.0, help="seconds per size and method")
-    r.add_argument("--max-iters", type=int, default=200)
+    r.add_argument("--min-time", type=non_negative_seconds, default=1.0,
+                   help="seconds per size and method (default 1; 0: three calls)")
+    r.add_argument("--max-iters", type=positive, default=200,
+                   help="most timed calls per size and method (default 200)")
     r.add_argument("--json", action="store_true", help="print JSON")
+    r.set_defaults(_needs=("pyverbs",), _check=_check_register)
+    for p in dict.fromkeys(sub.choices.values()):   # every bench draws its report on request
+        p.add_argument("--plot", metavar="FILE.png", type=new_file,
+                       help="also draw the report as a chart into FILE (.png, .svg, .pdf; needs matplotlib)")
+
+
+def _check_register(args: argparse.Namespace) -> None:
+    if not args.device:
+        raise UsageError("no --device (PCI address to map for) and no $P2PHUB_BENCH_DEVICE")
+    if not args.rdma_dev:
+        raise UsageError("no --rdma-dev (verbs device for the baseline) and no $P2PHUB_BENCH_RDMA_DEV")
 
 
 @dataclass
@@ -119,70 +136,70 @@ def _bench_register(args: argparse.Namespace) -> dict:
     from pyverbs.mr import MR
     from pyverbs.pd import PD
 
-    if not args.device:
-        raise P2PHubError("no --device (PCI address to map for) and no $P2PHUB_BENCH_DEVICE")
-    if not args.rdma_dev:
-        raise P2PHubError("no --rdma-dev (verbs device for the baseline) and no $P2PHUB_BENCH_RDMA_DEV")
     device = PciAddress.parse(args.device)
     access = venums.IBV_ACCESS_LOCAL_WRITE | venums.IBV_ACCESS_REMOTE_WRITE | venums.IBV_ACCESS_REMOTE_READ
     results = []
     with Hub() as hub, vdev.Context(name=args.rdma_dev) as ctx, PD(ctx) as pd:
         dev_fd = hub.device.fd
-        for size in (_parse_size(s) for s in args.sizes.split(",")):
-            buf = _udmabuf(size)
-            cpu = buf.mmap()
-            try:
-                # udmabuf made the memfd's pages; each method's warm-up call maps them
-                c = ctypes.c_char.from_buffer(cpu)
-                addr = ctypes.addressof(c)
-                del c
-                reg_arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF | uapi.REGISTER_F_DEVICE,
-                                            fd=buf.fd, offset=0, length=size, domain=device.domain,
-                                            bus=device.bus, devfn=device.devfn)
-                unreg_arg = uapi.Unregister.new()
-                # Outputs must come in as 0 (the UAPI's rule): each call starts from a copy.
-                reg_tmpl = bytes(reg_arg)
+        sizes = [_parse_size(s) for s in args.sizes.split(",")]
+        with steps(args, "bench register", len(sizes)) as bar:
+            for size in sizes:
+                bar.describe(f"register + unregister {_fmt_size(size)}")
+                buf = _udmabuf(size)
+                cpu = buf.mmap()
+                try:
+                    # udmabuf made the memfd's pages; each method's warm-up call maps them
+                    c = ctypes.c_char.from_buffer(cpu)
+                    addr = ctypes.addressof(c)
+                    del c
+                    reg_arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF | uapi.REGISTER_F_DEVICE,
+                                                fd=buf.fd, offset=0, length=size, domain=device.domain,
+                                                bus=device.bus, devfn=device.devfn)
+                    unreg_arg = uapi.Unregister.new()
+                    # Outputs must come in as 0 (the UAPI's rule): each call starts from a copy.
+                    reg_tmpl = bytes(reg_arg)
 
-                def cold() -> None:
-                    hub.register_dmabuf(buf.fd, 0, size, device=device).close()
-
-                def bare() -> None:
-                    ctypes.memmove(ctypes.addressof(reg_arg), reg_tmpl, len(reg_tmpl))
-                    fcntl.ioctl(dev_fd, uapi.REGISTER, reg_arg, True)
-                    unreg_arg.handle = reg_arg.out_handle
-                    fcntl.ioctl(dev_fd, uapi.UNREGISTER, unreg_arg, True)
-
-                def verbs() -> None:
-                    MR(pd, size, access, address=addr).close()
-
-                tc = _time(cold, args.min_time, args.max_iters)
-                tb = _time(bare, args.min_time, args.max_iters)
-                with hub.register_dmabuf(buf.fd, 0, size, device=device) as held:
-                    def hit() -> None:
+                    def cold() -> None:
                         hub.register_dmabuf(buf.fd, 0, size, device=device).close()
-                    th = _time(hit, args.min_time, args.max_iters)
-                    assert held.shared == 1
-                    # what a hit is made of: naming the memory (one fstat) and the
-                    # revocation check (one P2PHUB_REG_INFO)
-                    info_arg = uapi.RegInfo.new(handle=held.handle)
-                    info_tmpl = bytes(info_arg)
 
-                    def info() -> None:
-                        ctypes.memmove(ctypes.addressof(info_arg), info_tmpl, len(info_tmpl))
-                        fcntl.ioctl(dev_fd, uapi.REG_INFO, info_arg, True)
-                    tstat = _time(lambda: os.fstat(buf.fd), args.min_time, args.max_iters)
-                    tinfo = _time(info, args.min_time, args.max_iters)
-                tv = _time(verbs, args.min_time, args.max_iters)
-            finally:
-                cpu.close()
-                buf.close()
-            results.append({"size": size, "source": "udmabuf", "same_memory": True,
-                            "p2phub": asdict(tc), "ioctl": asdict(tb), "hit": asdict(th),
-                            "hit_fstat": asdict(tstat), "hit_reg_info": asdict(tinfo),
-                            "ibv_reg_mr": asdict(tv),
-                            "ratio": round(tc.median_us / tv.median_us, 3),
-                            "ioctl_ratio": round(tb.median_us / tv.median_us, 3),
-                            "python_us": round(tc.median_us - tb.median_us, 1)})
+                    def bare() -> None:
+                        ctypes.memmove(ctypes.addressof(reg_arg), reg_tmpl, len(reg_tmpl))
+                        fcntl.ioctl(dev_fd, uapi.REGISTER, reg_arg, True)
+                        unreg_arg.handle = reg_arg.out_handle
+                        fcntl.ioctl(dev_fd, uapi.UNREGISTER, unreg_arg, True)
+
+                    def verbs() -> None:
+                        MR(pd, size, access, address=addr).close()
+
+                    tc = _time(cold, args.min_time, args.max_iters)
+                    tb = _time(bare, args.min_time, args.max_iters)
+                    with hub.register_dmabuf(buf.fd, 0, size, device=device) as held:
+                        def hit() -> None:
+                            hub.register_dmabuf(buf.fd, 0, size, device=device).close()
+                        th = _time(hit, args.min_time, args.max_iters)
+                        assert held.shared == 1
+                        # what a hit is made of: naming the memory (one fstat) and the
+                        # revocation check (one P2PHUB_REG_INFO)
+                        info_arg = uapi.RegInfo.new(handle=held.handle)
+                        info_tmpl = bytes(info_arg)
+
+                        def info() -> None:
+                            ctypes.memmove(ctypes.addressof(info_arg), info_tmpl, len(info_tmpl))
+                            fcntl.ioctl(dev_fd, uapi.REG_INFO, info_arg, True)
+                        tstat = _time(lambda: os.fstat(buf.fd), args.min_time, args.max_iters)
+                        tinfo = _time(info, args.min_time, args.max_iters)
+                    tv = _time(verbs, args.min_time, args.max_iters)
+                finally:
+                    cpu.close()
+                    buf.close()
+                results.append({"size": size, "source": "udmabuf", "same_memory": True,
+                                "p2phub": asdict(tc), "ioctl": asdict(tb), "hit": asdict(th),
+                                "hit_fstat": asdict(tstat), "hit_reg_info": asdict(tinfo),
+                                "ibv_reg_mr": asdict(tv),
+                                "ratio": round(tc.median_us / tv.median_us, 3),
+                                "ioctl_ratio": round(tb.median_us / tv.median_us, 3),
+                                "python_us": round(tc.median_us - tb.median_us, 1)})
+                bar.advance()
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -228,14 +245,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_load.run(args)
     if args.bench == "kv":
         return bench_kv.run(args)
-    try:
-        report = _bench_register(args)
-    except (P2PHubError, OSError) as exc:
-        if args.json:
-            print(json.dumps({"schema": SCHEMA, "error": str(exc)}))
-        else:
-            print(f"p2phub bench: {exc}")
-        return Exit.FAIL
+    report = _bench_register(args)  # errors: one line from the dispatcher (p2phub/cli.py)
+    plot.maybe(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -31,32 +31,58 @@ import threading
 import time
 from typing import Any
 
+from . import plot
+from .argtypes import (choice_list, comma_list, gpu_present, mem_available, positive, seconds,
+                       size_bytes, size_text)
+
 SCHEMA = "p2phub.bench.kv/1"
 METHODS = ("raw", "p2phub", "nixl", "mooncake", "p2phub-xfer", "p2phub-nixl")
 CUDA_METHODS = ("raw", "p2phub", "torch")
 
 
 def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+    return size_bytes(text)
 
 
 def add_parser(sub: Any) -> None:
     k = sub.add_parser("kv", help="KV transfer over TCP loopback: p2phub vs NIXL, Mooncake and a raw stream")
-    k.add_argument("--blocks", default="64K,1M", help="page sizes, comma-separated (default 64K,1M)")
-    k.add_argument("--total", default="64M", help="bytes per transfer (default 64M)")
-    k.add_argument("--iters", type=int, default=32,
+    k.add_argument("--blocks", type=comma_list(size_bytes), default="64K,1M",
+                   help="page sizes, comma-separated (default 64K,1M)")
+    k.add_argument("--total", type=size_text, default="64M", help="bytes per transfer (default 64M)")
+    k.add_argument("--iters", type=positive, default=32,
                    help="timed transfers per run (default 32: fewer time too little to settle)")
-    k.add_argument("--runs", type=int, default=5, help="runs per method and size (default 5)")
-    k.add_argument("--methods", default=None,
+    k.add_argument("--runs", type=positive, default=5, help="runs per method and size (default 5)")
+    k.add_argument("--methods", type=choice_list(tuple(dict.fromkeys(METHODS + CUDA_METHODS))), default=None,
                    help=f"subset of {','.join(METHODS)} (with --device cuda: of {','.join(CUDA_METHODS)}); "
                         "default all")
-    k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
+    k.add_argument("--timeout", type=seconds, default=120.0, help="seconds per run of one method")
     k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the KV pools live: cpu (host memory) or cuda (torch tensors on "
                         "cuda:0, staged through pinned memory; methods raw, p2phub, torch)")
     k.add_argument("--json", action="store_true", help="print JSON")
+    k.set_defaults(_needs=lambda a: ["torch"] if a.device == "cuda" else [], _check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """What can be refused before the first process starts: sizes, memory, the GPU."""
+    from ..errors import MissingDependencyError, UsageError
+    total = _size(args.total)
+    for b in (_size(x) for x in args.blocks.split(",") if x.strip()):
+        if total % (8 * b):
+            raise UsageError(f"--total {args.total} must be a multiple of 8 pages of {b} bytes "
+                             f"({8 * b} bytes)")
+    avail = mem_available()
+    if avail is not None and 2 * total > avail:
+        raise UsageError(f"--total {args.total}: a run holds it twice (target and initiator), "
+                         f"{2 * total >> 20} MiB, and this host has {avail >> 20} MiB available")
+    known = CUDA_METHODS if args.device == "cuda" else METHODS
+    for m in (x.strip() for x in (args.methods or "").split(",") if x.strip()):
+        if m not in known:
+            raise UsageError(f"--methods: {m!r} is not run with --device {args.device} "
+                             f"(one of {', '.join(known)})")
+    if args.device == "cuda" and gpu_present() is None:
+        raise MissingDependencyError("a GPU", "--device cuda found no GPU driver here "
+                                     "(no /dev/nvidiactl or /dev/kfd); use --device cpu")
 
 
 def _available(method: str) -> str | None:
@@ -69,7 +95,11 @@ def _available(method: str) -> str | None:
     except subprocess.TimeoutExpired:
         return f"import {mod} timed out"
     if r.returncode:
-        return f"import {mod} failed: {r.stderr.decode(errors='replace').strip().splitlines()[-1:]}"
+        err = r.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        if "No module named" in err[0]:
+            from ..deps import error_for
+            return str(error_for(mod))
+        return f"import {mod} failed: {err[0]}"
     return None
 
 
@@ -126,6 +156,9 @@ def run_pair(method: str, total: int, block: int, iters: int, timeout: float,
         return {"gbps": r["bytes"] / r["seconds"] / 1e9, "bytes_ok": bool(t["bytes_ok"])}
     except (OSError, ValueError, KeyError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    except BaseException:   # Ctrl-C: the peers go at once, not after their own timeouts
+        kill_all()
+        raise
     finally:
         timer.cancel()
         for p in procs:
@@ -142,7 +175,9 @@ def _tail(p: subprocess.Popen) -> str:
     except subprocess.TimeoutExpired:
         p.kill()
     err = (p.stderr.read() if p.stderr else "") or ""
-    return f"exit {p.returncode}: " + " | ".join(err.strip().splitlines()[-3:])
+    # the last line of a traceback is the error itself; the frames above it help nobody here
+    last = next((ln.strip() for ln in reversed(err.strip().splitlines()) if ln.strip()), "no output")
+    return f"exit {p.returncode}: {last}"
 
 
 def bench(args: argparse.Namespace, progress: Any = None) -> dict:
@@ -211,16 +246,23 @@ def _render(report: dict) -> None:
                     f"{report['iters']} transfers x {report['runs']} runs (GB/s = 1e9 B/s)")
     for col in ("page", "method", "median GB/s", "min", "max", "x raw", "bytes"):
         t.add_column(col, justify="right")
+    notes: dict[str, None] = {}   # one line per distinct error, under the table
     for e in report["results"]:
         for m, r in e["methods"].items():
             if "skipped" in r:
-                t.add_row(f"{e['block'] >> 10} KiB", m, "skipped", "", "", "", r["skipped"][:40])
+                t.add_row(f"{e['block'] >> 10} KiB", m, "skipped", "", "", "", "")
+                notes.setdefault(f"{m}: skipped: {r['skipped']}", None)
                 continue
             f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             t.add_row(f"{e['block'] >> 10} KiB", m, f(r["median_gbps"]), f(r["min_gbps"]),
                       f(r["max_gbps"]), f(r["ratio_to_raw_median"]),
-                      "ok" if r["bytes_ok"] else ("ERR " + "; ".join(r["errors"])[:60]))
-    Console().print(t)
+                      "ok" if r["bytes_ok"] else "[red]failed[/] (below)")
+            for err in r["errors"]:
+                notes.setdefault(f"{m} at {e['block'] >> 10} KiB: {err}", None)
+    console = Console()
+    console.print(t)
+    for note in notes:
+        console.print(note, markup=False, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,8 +273,9 @@ def run(args: argparse.Namespace) -> int:
         with Progress(console=Console(stderr=True), transient=True) as prog:
             report = bench(args, prog)
     except ValueError as exc:
-        print(f"p2phub bench kv: {exc}", file=sys.stderr)
-        return 4
+        from ..errors import UsageError
+        raise UsageError(str(exc)) from None
+    plot.maybe(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -35,6 +35,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import plot
+from .argtypes import comma_list, positive, size_text
+
 SCHEMA = "p2phub.bench.load/1"
 SEED = 0x5DEECE66D
 GiB = 1 << 30
@@ -58,21 +61,21 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--file", default="/var/tmp/p2phub-bench.bin",
                        help="the file to read (made with a checkable pattern if missing or of "
                             "another size)")
-        p.add_argument("--size", default="4G", help="file size (default 4G)")
+        p.add_argument("--size", type=size_text, default="4G", help="file size (default 4G)")
         p.add_argument("--out", default=None, help="save: the file to write (default FILE.out)")
-        p.add_argument("--runs", type=int, default=3, help="runs; medians are reported")
+        p.add_argument("--runs", type=positive, default=3, help="runs; medians are reported")
         p.add_argument("--peers", default="ceiling,p2phub,kvikio,torch,cufile",
                        help="methods to run, in order (default all)")
-        p.add_argument("--chunk", default="16M", help="bytes per I/O (default 16M)")
-        p.add_argument("--lanes", type=int, default=16, help="p2phub lanes (I/Os in flight, "
+        p.add_argument("--chunk", type=size_text, default="16M", help="bytes per I/O (default 16M)")
+        p.add_argument("--lanes", type=positive, default=16, help="p2phub lanes (I/Os in flight, "
                        "default 16)")
-        p.add_argument("--ceiling-threads", default="4,8,16",
+        p.add_argument("--ceiling-threads", type=comma_list(positive), default="4,8,16",
                        help="thread counts of the deep-queue ceiling (best is kept)")
-        p.add_argument("--kvikio-threads", type=int, default=8)
+        p.add_argument("--kvikio-threads", type=positive, default=8, help="kvikio's thread pool (default 8)")
         p.add_argument("--mode", choices=("auto", "p2p", "staged"), default="auto",
                        help="Hub mode for p2phub (default auto)")
         p.add_argument("--json", action="store_true", help="print JSON")
-        p.set_defaults(bench_io=name)
+        p.set_defaults(bench_io=name, _needs=("torch",))
 
 
 # ------------------------------------------------------------------ helpers
@@ -586,6 +589,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"p2phub bench {args.bench_io}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    plot.maybe(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

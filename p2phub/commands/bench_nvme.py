@@ -33,6 +33,10 @@ from typing import Any
 
 from ..pci import normalize
 
+from . import plot
+from .argtypes import comma_list, non_negative, non_negative_seconds, nvme_controller, positive, seconds
+from .progress import activity
+
 SCHEMA = "p2phub.bench.nvme/2"
 PCTS = (50.0, 90.0, 99.0, 99.9)
 CHUNK = 4096
@@ -40,21 +44,33 @@ CHUNK = 4096
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("nvme", help="4 KiB random read IOPS/latency: public batch API, C loop, fio io_uring")
-    p.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
-                   help="controller for the engine (PCI address; default $P2PHUB_BENCH_DEVICE)")
+    p.add_argument("--device", type=nvme_controller, default=os.environ.get("P2PHUB_BENCH_DEVICE"),
+                   help="controller for the engine (PCI address or /dev/nvmeN; default $P2PHUB_BENCH_DEVICE)")
     p.add_argument("--baseline", default=os.environ.get("P2PHUB_BENCH_BASELINE"),
                    help="controller (PCI address) or block device left on the kernel driver, for fio "
                         "(default $P2PHUB_BENCH_BASELINE)")
-    p.add_argument("--nsid", type=int, default=1)
-    p.add_argument("--qd", default="1,32", help="queue depths (default 1,32)")
-    p.add_argument("--bs", type=int, default=4096)
-    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per run")
-    p.add_argument("--warmup", type=float, default=1.0)
-    p.add_argument("--cpu", type=int, default=0, help="CPU every side is pinned to")
+    p.add_argument("--nsid", type=positive, default=1, help="namespace id (default 1)")
+    p.add_argument("--qd", type=comma_list(positive), default="1,32", help="queue depths (default 1,32)")
+    p.add_argument("--bs", type=positive, default=4096, help="bytes per read (default 4096)")
+    p.add_argument("--seconds", type=seconds, default=8.0, help="measured seconds per run (default 8)")
+    p.add_argument("--warmup", type=non_negative_seconds, default=1.0,
+                   help="seconds run before measuring (default 1)")
+    p.add_argument("--cpu", type=non_negative, default=0, help="CPU every side is pinned to (default 0)")
     p.add_argument("--no-fio", action="store_true", help="engine only")
     p.add_argument("--keep-bound", action="store_true", help="leave the target on p2phub-nvme afterwards")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(_check=_check)
 
+
+def _check(args: argparse.Namespace) -> None:
+    from ..errors import UsageError
+    if not args.device:
+        raise UsageError("no --device (the controller for the engine) and no $P2PHUB_BENCH_DEVICE")
+    if args.cpu not in os.sched_getaffinity(0):
+        raise UsageError(f"--cpu {args.cpu} is not one this process may run on "
+                         f"({sorted(os.sched_getaffinity(0))})")
+    if args.bs % 512:
+        raise UsageError(f"--bs {args.bs} is not a multiple of 512")
 
 def _percentiles(lat_ns: list[int]) -> dict[str, float]:
     lat = sorted(lat_ns)
@@ -265,14 +281,13 @@ def render(report: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    # errors (and Ctrl-C) are reported by the dispatcher, p2phub/cli.py
+    qds = len(args.qd.split(","))
+    sides = 2 + (0 if args.no_fio or not args.baseline else 1)
+    with activity(args, f"bench nvme: {sides} sides x {qds} queue depths x "
+                        f"{args.seconds + args.warmup:g} s"):
         report = run_bench(args)
-    except Exception as exc:  # noqa: BLE001 - reported, with the schema, as a failed run
-        if args.json:
-            print(json.dumps({"schema": SCHEMA, "error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"p2phub bench nvme: {exc}")
-        return 1
+    plot.maybe(args, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

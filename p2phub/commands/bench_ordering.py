@@ -25,22 +25,35 @@ import threading
 import time
 from typing import Any
 
+from . import plot
+from .argtypes import comma_list, gpu_present, non_negative, non_negative_seconds, positive
+from .progress import steps
+
 SCHEMA_ORDERING = "p2phub.bench.ordering/1"
 SCHEMA_FENCE = "p2phub.bench.fence/1"
 
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("ordering", help="per-access cost of the range tracker at 1, 1k, 100k live ranges")
-    p.add_argument("--live", default="1,1000,100000", help="live ranges (default 1,1000,100000)")
-    p.add_argument("--ops", type=int, default=20000, help="timed accesses per run")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--live", type=comma_list(non_negative), default="1,1000,100000",
+                   help="live ranges, comma-separated (default 1,1000,100000)")
+    p.add_argument("--ops", type=positive, default=20000, help="timed accesses per run (default 20000)")
+    p.add_argument("--runs", type=positive, default=5, help="runs; medians are reported (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON")
     f = sub.add_parser("fence", help="GPU stream released by fence.on_stream vs a CPU round trip (CUDA)")
-    f.add_argument("--iters", type=int, default=2000, help="kernels per run and mode")
-    f.add_argument("--runs", type=int, default=3)
-    f.add_argument("--hold-us", type=float, default=100.0,
-                   help="how long the host holds each fence before completing it")
+    f.add_argument("--iters", type=positive, default=2000, help="kernels per run and mode (default 2000)")
+    f.add_argument("--runs", type=positive, default=3, help="runs; medians are reported (default 3)")
+    f.add_argument("--hold-us", type=non_negative_seconds, default=100.0,
+                   help="how long the host holds each fence before completing it (default 100 us)")
     f.add_argument("--json", action="store_true", help="print JSON")
+    f.set_defaults(_needs=("cupy", "numpy", "p2phub_cuda"), _check=_check_fence)
+
+
+def _check_fence(args: argparse.Namespace) -> None:
+    from ..errors import MissingDependencyError
+    if gpu_present() is None:
+        raise MissingDependencyError("a CUDA GPU", "bench fence found no GPU driver here "
+                                     "(no /dev/nvidiactl)")
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -57,7 +70,7 @@ def _meta() -> dict:
 # ------------------------------------------------------------------------- ordering
 
 
-def bench_ordering(live_counts: list[int], ops: int, runs: int) -> dict:
+def bench_ordering(live_counts: list[int], ops: int, runs: int, bar: Any = None) -> dict:
     from ..ordering import AccessKind, HostFence, Ordering
 
     stride = 8192
@@ -97,10 +110,14 @@ def bench_ordering(live_counts: list[int], ops: int, runs: int) -> dict:
             for i in range(ops):
                 o.overlapping((i % max(live, 1)) * stride, 8192)
             check_runs.append((time.perf_counter_ns() - t0) / ops)
-        assert len(o) == live
+            if bar is not None:
+                bar.advance(description=f"{live:,} live ranges")
+        if len(o) != live:
+            raise RuntimeError(f"the tracker holds {len(o)} ranges, expected {live}")
         for f in keep:
             f.set()
-        assert len(o) == 0
+        if len(o):
+            raise RuntimeError(f"the tracker holds {len(o)} ranges after every fence completed")
         base = statistics.median(base_runs)
         acc = statistics.median(acc_runs)
         bcpu, acpu = statistics.median(base_cpu), statistics.median(acc_cpu)
@@ -342,18 +359,15 @@ def _render_fence(rep: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.bench == "ordering":
-            rep = bench_ordering([int(x) for x in args.live.split(",")], args.ops, args.runs)
-        else:
+    # errors (and Ctrl-C) are reported by the dispatcher, p2phub/cli.py
+    if args.bench == "ordering":
+        live = [int(x) for x in args.live.split(",") if x.strip()]
+        with steps(args, "bench ordering", len(live) * args.runs) as bar:
+            rep = bench_ordering(live, args.ops, args.runs, bar)
+    else:
+        with steps(args, "bench fence", 1):
             rep = bench_fence(args.iters, args.runs, args.hold_us)
-    except Exception as exc:  # noqa: BLE001 - reported, with the schema, as a failed run
-        schema = SCHEMA_ORDERING if args.bench == "ordering" else SCHEMA_FENCE
-        if args.json:
-            print(json.dumps({"schema": schema, "error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"p2phub bench {args.bench}: {type(exc).__name__}: {exc}")
-        return 1
+    plot.maybe(args, rep)
     if args.json:
         print(json.dumps(rep, indent=2))
     elif args.bench == "ordering":

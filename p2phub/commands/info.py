@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from .. import backend
+from .. import backend, uapi
 from ..device import get_info
 from ..errors import ModuleNotLoadedError, P2PHubOSError
 
@@ -16,7 +17,8 @@ EXIT_OK, EXIT_FAIL, EXIT_NOT_LOADED = Exit.OK, Exit.FAIL, Exit.NOT_LOADED
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--device", default="/dev/p2phub", help="the p2phub device node")
+    parser.add_argument("--device", default=uapi.DEVICE_PATH,
+                        help=f"the p2phub device node (default {uapi.DEVICE_PATH})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,14 +28,14 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"schema": "p2phub.info/1", "loaded": False, "error": str(exc)}))
         else:
-            print(f"p2phub: {exc}")
+            print(f"p2phub info: {exc}", file=sys.stderr)
         return EXIT_NOT_LOADED
     except P2PHubOSError as exc:
         if args.json:
             print(json.dumps({"schema": "p2phub.info/1", "loaded": True, "error": str(exc),
                               "errno": exc.errno}))
         else:
-            print(f"p2phub: {exc}")
+            print(f"p2phub info: {exc}", file=sys.stderr)
         return EXIT_FAIL
     plugins = {"backends": backend.backend_names(), "backends_unavailable": backend.unavailable()}
     if args.json:

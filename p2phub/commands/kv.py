@@ -20,15 +20,20 @@ import sys
 import time
 
 from ..errors import P2PHubError
+from .argtypes import hostport, int_at_least, non_negative, positive, seconds
+from .progress import activity
+
+SCHEMA = "p2phub.kv/1"
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=32, help="layers (default 32)")
-    p.add_argument("--blocks", type=int, default=1024, help="pages per layer (default 1024)")
-    p.add_argument("--block-bytes", type=int, default=16384, help="bytes per page (default 16384)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--arrangement", choices=("per_layer", "contiguous"), default="per_layer")
-    p.add_argument("--stall-timeout", type=float, default=5.0,
+    p.add_argument("--layers", type=positive, default=32, help="layers (default 32)")
+    p.add_argument("--blocks", type=positive, default=1024, help="pages per layer (default 1024)")
+    p.add_argument("--block-bytes", type=positive, default=16384, help="bytes per page (default 16384)")
+    p.add_argument("--dtype", default="bfloat16", help="element type of the pages (default bfloat16)")
+    p.add_argument("--arrangement", choices=("per_layer", "contiguous"), default="per_layer",
+                   help="one region per layer (per_layer, the default) or one for all (contiguous)")
+    p.add_argument("--stall-timeout", type=seconds, default=5.0,
                    help="seconds without progress before a peer counts as dead (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -36,20 +41,36 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="kv", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="receive KV requests into a pool and check them")
-    s.add_argument("--name", default="decode")
-    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0)")
+    s.add_argument("--name", default="decode", help="this agent's name (default decode)")
+    s.add_argument("--listen", type=hostport(allow_zero=True), default="127.0.0.1:0",
+                   help="HOST:PORT to listen on (default 127.0.0.1:0: any free port)")
     s.add_argument("--rdv", help="publish the metadata to tcpstore://H:P or redis://H:P[/db]")
-    s.add_argument("--count", type=int, default=0, help="exit after this many requests (0: never)")
+    s.add_argument("--count", type=non_negative, default=0, help="exit after this many requests (0: never)")
+    s.add_argument("--metrics-port", type=int_at_least(0), default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port; "
+                        "needs prometheus_client)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint listens on (default 127.0.0.1)")
     _layout_args(s)
     t = sub.add_parser("send", help="send one KV request to a serving agent")
-    t.add_argument("--name", default="prefill")
-    t.add_argument("--to", help="HOST:PORT of the serving agent (direct handshake)")
+    t.add_argument("--name", default="prefill", help="this agent's name (default prefill)")
+    t.add_argument("--to", type=hostport(allow_zero=False), help="HOST:PORT of the serving agent (direct handshake)")
     t.add_argument("--rdv", help="find --peer in tcpstore://H:P or redis://H:P[/db]")
     t.add_argument("--peer", default="decode", help="the serving agent's name (with --rdv)")
-    t.add_argument("--pages", type=int, default=256, help="pages per layer to send (default 256)")
-    t.add_argument("--seed", type=int, default=1)
-    t.add_argument("--req", type=int, default=1, help="request id")
+    t.add_argument("--pages", type=positive, default=256, help="pages per layer to send (default 256)")
+    t.add_argument("--seed", type=int, default=1, help="seed of the random pages and places (default 1)")
+    t.add_argument("--req", type=non_negative, default=1, help="request id (default 1)")
     _layout_args(t)
+    s.set_defaults(_needs=lambda a: ["prometheus_client"] if a.metrics_port is not None else [])
+    t.set_defaults(_check=_check_send)
+
+
+def _check_send(args: argparse.Namespace) -> None:
+    from ..errors import UsageError
+    if args.pages > args.blocks:
+        raise UsageError(f"--pages {args.pages} must be in [1, {args.blocks}] (--blocks)")
+    if bool(args.to) == bool(args.rdv):
+        raise UsageError("give exactly one of --to HOST:PORT and --rdv URL")
 
 
 def _layout(args: argparse.Namespace):
@@ -68,7 +89,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 def _out(args: argparse.Namespace, d: dict, text: str) -> None:
     if args.json:
-        print(json.dumps(d), flush=True)
+        print(json.dumps({"schema": SCHEMA, **d}), flush=True)
     else:
         from rich.console import Console
         Console().print(text)
@@ -85,9 +106,16 @@ def _serve(args: argparse.Namespace) -> int:
         if args.rdv:
             from ..kv.rendezvous import open_rendezvous
             open_rendezvous(args.rdv).publish(agent.name, agent.metadata())
-        _out(args, {"event": "listening", "name": agent.name, "host": agent.host, "port": agent.port},
+        extra, note = {}, ""
+        if args.metrics_port is not None:
+            from .. import metrics
+            mh, mp = metrics.start_http_server(args.metrics_port, args.metrics_host)
+            extra["metrics"] = f"http://{mh}:{mp}/metrics"
+            note = f"; metrics on {extra['metrics']}"
+        _out(args, {"event": "listening", "name": agent.name, "host": agent.host, "port": agent.port,
+                    **extra},
              f"[bold]{agent.name}[/] listening on {agent.host}:{agent.port} "
-             f"({lay.num_layers} layers x {lay.blocks_per_layer} pages x {lay.block_bytes} B)")
+             f"({lay.num_layers} layers x {lay.blocks_per_layer} pages x {lay.block_bytes} B){note}")
         served = 0
         while not args.count or served < args.count:
             time.sleep(0.01)
@@ -120,14 +148,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _send(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
     from ..kv import Agent, KVPool
     from ..kv.pattern import page
     lay = _layout(args)
-    if not 0 < args.pages <= lay.blocks_per_layer:
-        raise UsageError(f"--pages {args.pages} must be in [1, {lay.blocks_per_layer}]")
-    if bool(args.to) == bool(args.rdv):
-        raise UsageError("give exactly one of --to HOST:PORT and --rdv URL")
     with KVPool.host(lay) as pool, Agent(args.name, pool, stall_timeout=args.stall_timeout) as agent:
         rnd = random.Random(args.seed)
         src = rnd.sample(range(lay.blocks_per_layer), args.pages)
@@ -144,7 +167,8 @@ def _send(args: argparse.Namespace) -> int:
         notif = json.dumps({"req": args.req, "seed": args.seed, "local": src, "remote": dst}).encode()
         t0 = time.perf_counter()
         x = agent.send_request(peer, args.req, src, dst, notif=notif)
-        x.wait(args.stall_timeout * 4 + 60)
+        with activity(args, f"request {args.req} -> {peer}: {x.nbytes} bytes"):
+            x.wait(args.stall_timeout * 4 + 60)
         secs = time.perf_counter() - t0
         nbytes = x.nbytes
         _out(args, {"event": "sent", "peer": peer, "req": args.req, "bytes": nbytes,
@@ -156,18 +180,6 @@ def _send(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..exitcodes import Exit
-    try:
-        return _serve(args) if args.kv == "serve" else _send(args)
-    except UsageError as exc:
-        print(f"p2phub kv: {exc}", file=sys.stderr)
-        return Exit.USAGE
-    except (P2PHubError, OSError, TimeoutError) as exc:
-        if getattr(args, "json", False):
-            print(json.dumps({"event": "error", "error": str(exc)}))
-        else:
-            print(f"p2phub kv: {exc}", file=sys.stderr)
-        return Exit.FAIL
-    except KeyboardInterrupt:
-        return Exit.INTERRUPTED
+    """Errors (and Ctrl-C) are reported by the dispatcher (p2phub/cli.py): one line, a JSON
+    document with --json."""
+    return _serve(args) if args.kv == "serve" else _send(args)

@@ -9,8 +9,11 @@ import sys
 from ..errors import P2PHubError
 from ..pci import normalize
 
-SCHEMA = "p2phub.nvme/1"
 from ..exitcodes import Exit
+from .argtypes import nvme_controller
+
+SCHEMA = "p2phub.nvme/1"
+CTRL_HELP = "the controller: its PCI address (0000:05:00.0 or 05:00.0) or its node (/dev/nvme0)"
 
 EXIT_OK, EXIT_FAIL, EXIT_BUSY = Exit.OK, Exit.FAIL, Exit.BUSY
 
@@ -18,20 +21,20 @@ EXIT_OK, EXIT_FAIL, EXIT_BUSY = Exit.OK, Exit.FAIL, Exit.BUSY
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="nvme_cmd", metavar="ACTION", required=True)
     p = sub.add_parser("list", help="NVMe controllers, their driver and namespaces")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("bind", help="hand a controller to p2phub (refused while a namespace is in use)")
-    p.add_argument("bdf", help="PCI address, e.g. 0000:00:05.0")
+    p.add_argument("bdf", type=nvme_controller, help=CTRL_HELP)
     p.add_argument("--allow-shared-subsystem", action="store_true",
                    help="bind although other controllers of its NVMe subsystem may reach the same namespaces "
                         "(still refused while one of them is seen in use)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("unbind", help="give a controller back to the kernel nvme driver")
-    p.add_argument("bdf")
+    p.add_argument("bdf", type=nvme_controller, help=CTRL_HELP)
     p.add_argument("--driver", default="nvme", help="driver to give it to (default nvme; '' for none)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("identify", help="bring the controller up and show Identify data")
-    p.add_argument("bdf")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("bdf", type=nvme_controller, help=CTRL_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--keep-bound", action="store_true",
                    help="leave it on p2phub-nvme (default: back to the driver it had)")
 

@@ -10,7 +10,10 @@ import tarfile
 import tempfile
 
 from .. import __version__
-from .core import EXIT_FAIL, EXIT_OK, EXIT_USAGE, diagnose
+from .core import EXIT_FAIL, EXIT_OK, diagnose
+from ..commands.argtypes import non_negative, positive
+from ..commands.progress import activity
+from ..errors import UsageError
 from .sysroot import SysRoot
 
 
@@ -33,15 +36,19 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="the NVMe controller --active may take from the kernel nvme driver for the test "
                              "(refused when a namespace is mounted, swapped on or held)")
     parser.add_argument("--active-gpu", metavar="ID|BDF", help="the GPU to test with (default: the first that pairs)")
-    parser.add_argument("--active-lba", metavar="LBA", type=int,
+    parser.add_argument("--active-lba", metavar="LBA", type=non_negative,
                         help="first LBA of namespace 1 to use (default 0; required with --active-write)")
-    parser.add_argument("--active-bytes", metavar="N", type=int, default=64 << 10,
+    parser.add_argument("--active-bytes", metavar="N", type=positive, default=64 << 10,
                         help="bytes to move (default 65536, at most 4 MiB)")
     parser.add_argument("--active-write", action="store_true",
                         help="also write: GPU -> SSD over the --active-lba range (declared scratch; its contents "
                              "are restored afterwards), then read it back")
     parser.add_argument("--explain", metavar="CHECK_ID", help="print what a check means and exit")
     parser.add_argument("--no-color", action="store_true", help="no colours (NO_COLOR is honoured too)")
+
+
+# what a captured tree (or a live /) has, at least one of
+CAPTURE_MARKS = ("p2phub-capture.json", "proc/cpuinfo", "sys/bus/pci")
 
 
 def _open_root(path: str) -> tuple[str, str | None]:
@@ -70,8 +77,7 @@ def _capture(args: argparse.Namespace) -> int:
     try:
         meta = capture(args.capture)
     except FileExistsError as exc:
-        print(f"p2phub doctor: --capture: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"--capture: {exc}")
     except OSError as exc:
         print(f"p2phub doctor: --capture {args.capture}: {exc}", file=sys.stderr)
         return EXIT_FAIL
@@ -92,24 +98,19 @@ def run(args: argparse.Namespace) -> int:
     if args.explain:
         text = explain(args.explain)
         if text is None:
-            print(f"p2phub doctor: unknown check id {args.explain!r}", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(f"unknown check id {args.explain!r}")
         print(text)
         return EXIT_OK
     if args.tar and not args.capture:
-        print("p2phub doctor: --tar needs --capture", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--tar needs --capture")
     if args.capture:
         if args.root or args.active:
-            print("p2phub doctor: --capture reads the live system; it takes neither --root nor --active",
-                  file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError("--capture reads the live system; it takes neither --root nor --active")
         return _capture(args)
     opts = None
     if args.active_nvme or args.active_write or args.active_lba is not None or args.active_gpu:
         if not args.active:
-            print("p2phub doctor: --active-* options need --active", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError("--active-* options need --active")
     if args.active:
         from .active import ActiveOptions, ActiveUsageError
         opts = ActiveOptions(nvme=args.active_nvme, gpu=args.active_gpu, lba=args.active_lba,
@@ -117,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             opts.validate()
         except ActiveUsageError as exc:
-            print(f"p2phub doctor: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(str(exc)) from None
     tmp = None
     try:
         root = "/"
@@ -126,10 +126,14 @@ def run(args: argparse.Namespace) -> int:
             try:
                 root, tmp = _open_root(args.root)
             except (FileNotFoundError, tarfile.TarError, OSError) as exc:
-                print(f"p2phub doctor: --root {args.root}: not a directory or tarball ({exc})", file=sys.stderr)
-                return EXIT_USAGE
+                raise UsageError(f"--root {args.root}: not a directory or tarball ({exc})")
+            if not any(os.path.exists(os.path.join(root, p)) for p in CAPTURE_MARKS):
+                raise UsageError(f"--root {args.root}: not a capture (it has none of "
+                                 f"{', '.join(CAPTURE_MARKS)}; make one with `p2phub doctor --capture DIR`)")
         sr = SysRoot(root)
-        rep = diagnose(sr, active=args.active, active_opts=opts)
+        with activity(args, "p2phub doctor --active: a real DMA between GPU and SSD" if args.active
+                      else "p2phub doctor"):
+            rep = diagnose(sr, active=args.active, active_opts=opts)
         code = rep.exit_code(strict=args.strict)
         if args.quiet:
             return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import IO, Any
 
@@ -29,7 +30,40 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, out: IO[str] | None = None) -> None:
+_FULL_BDF = re.compile(r"\b0000:([0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\b")
+_ANY_BDF = re.compile(r"\b([0-9a-f]{4,8}):[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\b")
+
+# Fixes that pull against each other when both are shown, and the line that reconciles them:
+# clearing ACS redirect merges the pair's IOMMU groups, which another fix wants kept apart.
+CONFLICTS: list[tuple[frozenset[str], frozenset[str], str]] = [
+    (frozenset({"pcie.acs", "pcie.host_bridge"}), frozenset({"nvme.confined"}),
+     "fixes {a} and {b} pull apart: clearing ACS redirect puts the GPU and the SSD into one IOMMU "
+     "group, while {b} wants the SSD in a group of its own. Do one: keep ACS and enable ATS on both "
+     "devices (translated requests then go peer-to-peer under ACS Direct Translated P2P), or clear "
+     "redirect only on the switch ports between the pair and give that shared group to one owner."),
+]
+
+
+def shortener(rep: Report):  # -> Callable[[str], str]
+    """Text with PCI addresses shortened to BB:DD.F when every device here is in domain 0000
+    (nothing is ambiguous then); text unchanged otherwise."""
+    blob = " ".join(str(k) for k in rep.top.pci) + " " + " ".join(d.bdf or "" for d in rep.top.devices)
+    if any(m.group(1).strip("0") for m in _ANY_BDF.finditer(blob)):
+        return lambda text: text
+    return lambda text: _FULL_BDF.sub(r"\1", text)
+
+
+def _fmt_link(L: dict) -> str:
+    """'8GT/s x4' when the link runs at its best, 'cur 2.5GT/s x1 (max 16GT/s x32)' otherwise."""
+    def one(speed: Any, width: Any) -> str:
+        return f"{str(speed).replace(' GT/s PCIe', 'GT/s').replace(' GT/s', 'GT/s')} x{width}"
+    cur = one(L.get("current_link_speed", "?"), L.get("current_link_width", "?"))
+    top = one(L.get("max_link_speed", "?"), L.get("max_link_width", "?"))
+    return cur if cur == top else f"{cur} (max {top})"
+
+
+def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, out: IO[str] | None = None,
+                width: int | None = None) -> None:
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
@@ -37,7 +71,8 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
     from rich.text import Text
 
     console = Console(file=out or sys.stdout, no_color=(color is False), force_terminal=color or None,
-                      highlight=False, soft_wrap=False, width=None if (out is None and color is None) else 120)
+                      highlight=False, soft_wrap=False,
+                      width=width or (None if (out is None and color is None) else 120))
     t = rep.top
     cpu = t.cpu
     virt = rep.check("host.virt").details.get("virt")
@@ -54,9 +89,8 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
     console.print(Panel(head, title=f"p2phub doctor — [{STYLE.get(st, '')}]{st}[/]", expand=False))
 
     # devices
-    dt = Table(title="Devices", show_lines=False)
-    for col in ("id", "name", "BDF", "driver", "NUMA", "link (cur/max)", "IOMMU", "ACS / ATS", "BAR / info"):
-        dt.add_column(col)
+    short = shortener(rep)
+    rows = []
     for d in t.devices:
         pd = t.pci.get(d.bdf or "")
         link = iommu = acs = "-"
@@ -64,15 +98,15 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
         if pd is not None:
             L = pd.link
             if L:
-                link = (f"{L.get('current_link_speed', '?')} x{L.get('current_link_width', '?')} / "
-                        f"{L.get('max_link_speed', '?')} x{L.get('max_link_width', '?')}")
+                link = _fmt_link(L)
             iommu = f"{pd.iommu_group}:{pd.iommu_type}" if pd.iommu_group else "none"
-            numa = str(pd.numa_node)
+            numa = "-" if pd.numa_node in (None, -1, "-1") else str(pd.numa_node)
             if pd.cfg and pd.cfg.reason:
-                acs = "? (needs root)"
+                acs = "? (root)"
             elif pd.cfg:
-                acs = ("ACS " + (f"0x{pd.cfg.acs_ctrl:04x}" if pd.cfg.acs_ctrl is not None else "-") + " / ATS " +
-                       ("on" if pd.cfg.ats_enabled else "cap" if pd.cfg.ats_cap else "-"))
+                a = f"0x{pd.cfg.acs_ctrl:04x}" if pd.cfg.acs_ctrl is not None else "-"
+                b = "on" if pd.cfg.ats_enabled else "cap" if pd.cfg.ats_cap else "-"
+                acs = "-" if a == b == "-" else f"{a}/{b}"
         extra = "-"
         if d.kind == "gpu":
             extra = f"BAR{d.info.get('p2p_bar')} {_fmt_bytes(d.info.get('bar_bytes'))}"
@@ -81,7 +115,16 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
             extra = f"{d.info.get('transport')}; ns: {', '.join(n['name'] for n in nss) or '-'}"
         elif d.kind == "nic":
             extra = f"netdev {', '.join(d.info.get('netdevs') or []) or '-'}" + (" (soft)" if d.info.get("soft") else "")
-        dt.add_row(d.id, d.name, d.bdf or "-", d.driver or "-", numa, link, iommu, acs, extra)
+        rows.append((d.id, d.name, short(d.bdf or "-"), d.driver or "-", numa, link, iommu, acs, extra))
+    cols = ["id", "name", "BDF", "driver", "NUMA", "link", "IOMMU", "ACS/ATS", "BAR / info"]
+    keep = [i for i, c in enumerate(cols)   # a column that says nothing for any device is left out
+            if c in ("id", "name", "BDF") or any(r[i] not in ("-", "none", "") for r in rows)]
+    dt = Table(title="Devices", show_lines=False, pad_edge=False)
+    for i in keep:
+        dt.add_column(cols[i], no_wrap=cols[i] in ("id", "BDF", "NUMA"),
+                      overflow="fold", ratio=2 if cols[i] in ("name", "BAR / info") else None)
+    for r in rows:
+        dt.add_row(*(escape(r[i]) for i in keep))
     if t.devices:
         console.print(dt)
     else:
@@ -106,7 +149,7 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
         console.print(mt)
         console.print("[dim]X self, PIX one switch, PXB several switches, PHB through the host bridge, NODE across "
                       "host bridges, SYS across NUMA nodes.  ✓ OK  ~ DEGRADED  ✗ BLOCKED  ? UNKNOWN[/]")
-        legend = "  ".join(f"{d.id}: {d.name} ({d.bdf})" for d in t.devices if d.id in peers)
+        legend = "  ".join(f"{d.id}: {d.name} ({short(d.bdf or '-')})" for d in t.devices if d.id in peers)
         console.print(f"[dim]{legend}[/]")
         for pv in rep.pairs:
             if pv.p2p:
@@ -116,20 +159,24 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
                 why = "; ".join(pv.reasons) or "-"
                 console.print(f"  [{VSTYLE[pv.verdict]}]{pv.provider}<->{pv.client}[/] {pv.cls} dist {pv.distance} "
                               f"{pv.map_type} iommu {pv.iommu} "
-                              f"{('%.1f GB/s' % pv.gbps) if pv.gbps else ''}: {escape(why)}")
+                              f"{('%.1f GB/s' % pv.gbps) if pv.gbps else ''}: {escape(short(why))}")
 
     # checks
     ct = Table(title="Checks" + ("" if verbose else " (PASS and SKIP hidden; -v shows all)"))
-    ct.add_column("status")
-    ct.add_column("id")
+    ct.add_column("status", no_wrap=True)
+    ct.add_column("id", no_wrap=True)
     ct.add_column("finding", overflow="fold")
+    shown: set[str] = set()   # -v: each piece of evidence once, where it is first used
     for c in rep.checks:
         if not verbose and c.status in (PASS, SKIP) and not (c.id == "pair.active" and rep.ctx.active):
             continue  # (the outcome of an --active test is always shown when one was asked for)
-        ct.add_row(f"[{STYLE[c.status]}]{c.status}[/]", c.id, escape(c.summary))
+        ct.add_row(f"[{STYLE[c.status]}]{c.status}[/]", c.id, escape(short(c.summary)))
         if verbose and c.evidence:
-            ev = "; ".join(f"{e['path']}={e.get('value', e.get('error'))}" for e in c.evidence[:6])
-            ct.add_row("", "", f"[dim]{escape(ev)}[/]")
+            ev = [e for e in c.evidence if e["path"] not in shown][:6]
+            shown.update(e["path"] for e in ev)
+            text = "; ".join(f"{e['path']}={_one_line(e.get('value', e.get('error')))}" for e in ev)
+            if text:
+                ct.add_row("", "", f"[dim]{escape(short(text))}[/]")
     console.print(ct)
 
     # fixes: numbered, deduplicated, worst first
@@ -138,18 +185,47 @@ def render_rich(rep: Report, verbose: bool = False, color: bool | None = None, o
     for c in sorted(rep.checks, key=lambda c: order.get(c.status, 9)):
         if c.fix and c.status in (FAIL, WARN, UNKNOWN) and c.fix not in [f for _, f in fixes]:
             fixes.append((c.id, c.fix))
+    def hanging(items: list[tuple[str, str]]) -> None:
+        """Items whose wrapped lines stay indented under their text."""
+        g = Table.grid(padding=(0, 1))
+        g.add_column(no_wrap=True, justify="right")
+        g.add_column(overflow="fold")
+        for mark, text in items:
+            g.add_row(mark, text)
+        console.print(g)
+
     if fixes:
         console.print("[bold]Fixes[/]")
-        for i, (cid, fx) in enumerate(fixes, 1):
-            console.print(f"  {i}. {escape('[' + cid + ']')} {escape(fx)}")
+        hanging([(f"  {i}.", f"{escape('[' + cid + ']')} {escape(short(fx))}")
+                 for i, (cid, fx) in enumerate(fixes, 1)]
+                + [("  [yellow]note[/]", escape(note)) for note in reconcile([cid for cid, _ in fixes])])
     why = rep.why_not()
     if why:
         console.print("[bold red]P2P cannot work here because:[/]")
-        for w in why:
-            console.print(f"  - {escape(w)}")
+        hanging([("  -", escape(short(w))) for w in why])
     counts = rep.counts()
     console.print(f"GPU<->NVMe: {rep.class_summary('gpu-nvme')}; GPU<->NIC: {rep.class_summary('gpu-nic')} — "
                   + ", ".join(f"{n} {k.upper()}" for k, n in counts.items() if n))
+
+
+def reconcile(fix_ids: list[str]) -> list[str]:
+    """The notes for fixes (numbered as listed) that would undo each other if both were done."""
+    notes = []
+    for left, right, text in CONFLICTS:
+        a = [i for i, cid in enumerate(fix_ids, 1) if cid in left]
+        b = [i for i, cid in enumerate(fix_ids, 1) if cid in right]
+        if a and b:
+            notes.append(text.format(a=a[0], b=b[0]))
+    return notes
+
+
+def _one_line(value: Any, limit: int = 160) -> str:
+    """Evidence as one line: a multi-line file shows its first line and how many more."""
+    text = str(value)
+    lines = text.strip().splitlines()
+    if len(lines) > 1:
+        text = f"{lines[0].strip()} (+{len(lines) - 1} lines)"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def explain(cid: str) -> str | None:

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
 from typing import Any, Iterable, Sequence
 
+from .. import metrics
 from ..errors import UsageError
 from . import transport as tp
 from ..ordering import AccessKind
@@ -44,6 +47,8 @@ from .pool import KVPool
 __all__ = ["Agent", "DescList", "RemoteAgent"]
 
 METADATA_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class RemoteAgent:
@@ -132,6 +137,7 @@ class Agent:
         self._accept_thread.start()
         if pool is not None:
             self.register_pool(pool)
+        metrics.track_agent(self)
 
     # ------------------------------------------------------------------ memory
     def register_memory(self, addr: int, length: int) -> int:
@@ -236,6 +242,7 @@ class Agent:
             reply = tp.recv_hello(s, timeout)
         if "metadata" not in reply:
             raise KVError(f"handshake with {host}:{port}: no metadata in the reply")
+        log.debug("%s: handshake with %s:%d", self.name, host, port)
         return self.add_remote(reply["metadata"])
 
     # ------------------------------------------------------------------ connections
@@ -539,12 +546,12 @@ class Agent:
                 raise
         import time
         xfer.posted = time.monotonic()
+        xfer.on_done = functools.partial(_done, self.name)
         try:
             conn = self.connect(xfer.peer)
         except KVPeerError as exc:
             xfer._finish(exc)
             return xfer.state
-        xfer.on_done = _clear_posted
         conn.submit(xfer)
         return xfer.state
 
@@ -576,7 +583,8 @@ class Agent:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
 
 
-def _clear_posted(x: tp.Xfer) -> None:
+def _done(agent: str, x: tp.Xfer) -> None:
+    metrics.kv_sent(agent, x)
     x.posted = 0.0
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from .. import metrics
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
 from .fence import FenceTimeout, HostFence
@@ -468,6 +469,7 @@ class Connection:
     def _land(self, flags: int, xid: int, req: int, layer: int, wire: bytes) -> None:
         inb = self.agent._inbound(self.peer, req)
         inb._landed(layer, wire)
+        metrics.kv_landed(self.agent.name, wire)
         if flags & F_REQ_END:
             inb._complete()
         if flags & F_LAST:
@@ -483,6 +485,7 @@ class Connection:
     def _reject(self, flags: int, xid: int, req: int, layer: int, nbytes: int, why: str) -> None:
         """Refuse a message whose payload is still unread: drop it, then refuse."""
         self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
+        metrics.kv_refused(self.agent.name)
         self._refuse(flags, xid, req, layer, KVRejected(self.peer, f"request {req} layer {layer}: {why}"))
 
     def _bad_run(self, wire: bytes, i: int, nsegs: int) -> str:
@@ -587,10 +590,12 @@ class Connection:
         with self._lock:
             self._active.pop(xid, None)
         self._send_ctrl(ACK, xid, 0, 0)
+        metrics.kv_received(self.agent.name)
 
     def _fail_inbound(self, xid: int, exc: BaseException) -> None:
         with self._lock:
             reqs = self._active.pop(xid, set())
+        metrics.kv_refused(self.agent.name)
         for r in reqs:
             self.agent._inbound(self.peer, r)._fail(exc)
 

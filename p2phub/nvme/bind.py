@@ -14,6 +14,7 @@ probe the controller again.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import time
@@ -24,6 +25,8 @@ from ..blockuse import (device_nodes, open_reasons, read_attr, read_blockdev, si
                         usage_reasons)
 from ..errors import P2PHubOSError, UsageError
 from ..pci import PciAddress, normalize
+
+log = logging.getLogger(__name__)
 from .errors import ControllerBusyError
 
 DRIVER = "p2phub-nvme"
@@ -213,6 +216,7 @@ def bind(bdf: str, *, timeout_s: float = 10.0, allow_shared_subsystem: bool = Fa
     except P2PHubOSError:
         unbind(bdf, driver=before or "")  # give it back rather than leave it driverless
         raise
+    log.info("%s: now on %s (was %s)", bdf, DRIVER, before or "unbound")
     return before or ""
 
 
@@ -223,6 +227,8 @@ def unbind(bdf: str, *, driver: str = "nvme", timeout_s: float = 30.0) -> None:
     """
     bdf = normalize(bdf)
     dev = PCI_DEVICES / bdf
+    if not dev.exists():
+        raise UsageError(f"no PCI device {bdf}")
     if current_driver(bdf) == DRIVER:
         _write(dev / "driver" / "unbind", bdf, "unbind")
     _write(dev / "driver_override", "\n", "unbind")

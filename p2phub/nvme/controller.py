@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from .. import uapi
+from .. import metrics, uapi
 from ..errors import P2PHubError, UsageError
 from ..memory import Memory
 from ..pci import normalize
@@ -89,6 +89,7 @@ class Controller:
         self._hooks = QueueHooks(check_usable=self._check_usable, tick=self.recovery.tick,
                                  state_changed=self.recovery.state_changed, refused=self._refused)
         _live.add(self)
+        metrics.track_controller(self)
 
     @classmethod
     def open(cls, bdf: str, *, hub: Any = None, device: Any = None, bind: bool = True,

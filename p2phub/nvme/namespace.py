@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
+from .. import metrics
 from ..errors import UsageError
 from ..ordering import nvme as ordering
 from . import prp, spec
@@ -134,6 +135,7 @@ class Namespace:
             ordering.abandon(ordered, op_futs, exc)
             raise
         ordering.bind(ordered, op_futs)
+        metrics.nvme_submitted(self.ctrl, ops, op_futs)
         return op_futs
 
     # ---------------------------------------------------------------- the fast path
@@ -201,6 +203,7 @@ class Namespace:
         if token is not None:
             fut.add_done_callback(lambda _f: self._release(token))
         ordering.bind(ordered, [fut])
+        metrics.nvme_batch(self.ctrl, kind, n, nbytes, fut)
         try:
             qp.submit_batch(fut)
         except BaseException as exc:

@@ -87,13 +87,17 @@ class _FutureBase:
 
         as_fence(self).on_stream(stream, ops)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Drive the queue until done or `timeout` seconds; True when done."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Drive the queue until done, as ``p2phub.ordering.Fence.wait`` does: raise FenceTimeout
+        (a TimeoutError) after `timeout` seconds, or the request's failure once it is done."""
+        from ..ordering.errors import FenceTimeout
+
         try:
             self.qp.wait(self, timeout)
-        except TimeoutError:
-            return False
-        return True
+        except TimeoutError as exc:
+            raise FenceTimeout(str(exc)) from None
+        if self._exc is not None:
+            raise self._exc
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self.qp.wait(self, timeout)

@@ -34,10 +34,28 @@ class MrPath(enum.Enum):
     HOST_VA = "CPU-mapped VA MR"
 
 
+IB_CLASS = "/sys/class/infiniband"
+
+
+def _check_rdma_device(name: str) -> None:
+    """UsageError naming the RDMA devices there are when `name` is not one of them; the
+    package to install when pyverbs is missing."""
+    import os
+
+    from ..deps import require
+
+    have = sorted(os.listdir(IB_CLASS)) if os.path.isdir(IB_CLASS) else []
+    if name not in have:
+        raise UsageError(f"no RDMA device {name!r} on this host "
+                         f"({'it has ' + ', '.join(have) if have else f'{IB_CLASS} is empty or absent'})")
+    require("pyverbs.device")
+
+
 class ProtectionDomain(Resource):
     """A pyverbs Context and PD on one RDMA device, known by name (for the probe)."""
 
     def __init__(self, device: str) -> None:
+        _check_rdma_device(device)
         from pyverbs.device import Context
         from pyverbs.pd import PD
 

@@ -56,4 +56,4 @@ def test_bind_of_busy_controller_exits_busy_with_reasons(lab: dict[str, str]) ->
     assert rc == Exit.BUSY and out["busy"] and "exclusively" in out["busy"][0]
     assert bind.current_driver(bdf) == "nvme"
     rc, out = p2phub("bind", "zz:zz")
-    assert rc == 1 and "not a PCI address" in out["error"]
+    assert rc == Exit.USAGE and "not a PCI address" in out["error"] and out["schema"] == "p2phub.error/1"

@@ -98,6 +98,8 @@ def test_batch_error_status_names_the_request(rig) -> None:
     with pytest.raises(NvmeStatusError, match="LBA Out of Range") as e:
         fut.result(timeout=10)
     assert e.value.index == 1 and fut.statuses()[0] == 0 and fut.statuses()[1] != 0
+    with pytest.raises(NvmeStatusError, match="LBA Out of Range"):   # wait() raises it, as Fence.wait
+        fut.wait(10)
 
 
 def test_inflight_count_and_quiesce_registration(rig) -> None:
@@ -139,12 +141,14 @@ def test_future_interface_for_fences(rig) -> None:
     seen: list[object] = []
     f.add_done_callback(seen.append)
     b.add_done_callback(seen.append)
-    assert not f.done() and not f.wait(0.05)
-    assert b.wait(5) and b.done() and b.exception() is None and seen == [b]
+    with pytest.raises(TimeoutError):   # FenceTimeout, as Fence.wait raises: one interface
+        f.wait(0.05)
+    assert not f.done()
+    assert b.wait(5) is None and b.done() and b.exception() is None and seen == [b]
     dev.hold_lbas.clear()
     (qid, cid), = list(dev.held)
     dev._post(dev.held.pop((qid, cid))[0], qid, cid)  # the device completes it at last
-    assert f.wait(5) and f.exception() is None and seen == [b, f]
+    assert f.wait(5) is None and f.exception() is None and seen == [b, f]
 
     async def main() -> int:
         return await ns.submit([ReadOp(reg, 8, 4096)])[0] + await ns.read_batch(reg, [1], [0], 4096)

@@ -379,3 +379,16 @@ def test_p2p_calls_without_the_module_still_raise_module_not_loaded(tmp_path) ->
     with Hub(path=str(tmp_path / "absent")) as h:
         with pytest.raises(ModuleNotLoadedError, match="staged mode"):
             h.register_dmabuf(0, 0, 4096)
+
+
+def test_load_and_save_name_a_wrong_source_or_destination(hub, data_file, tmp_path) -> None:
+    with hub.register(bytearray(4096)) as reg:
+        with pytest.raises(UsageError, match="is a directory: want a file or a block device"):
+            hub.load(str(tmp_path), reg)
+        with pytest.raises(UsageError, match="is a directory"):
+            hub.save(reg, str(tmp_path))
+    with pytest.raises(UsageError, match=r"the destination must be memory registered with this hub.*NoneType"):
+        hub.load(str(data_file), None)
+    with pytest.raises(UsageError, match=r"the source must be memory registered with this hub"):
+        hub.save(b"bytes", str(tmp_path / "out"))
+

@@ -1,0 +1,213 @@
+"""Prometheus metrics of KV agents and NVMe engines (the optional ``prometheus_client``).
+
+    pip install 'p2phub[metrics]'
+    import p2phub.metrics
+    p2phub.metrics.start_http_server(9400)          # http://127.0.0.1:9400/metrics
+
+or scrape ``prometheus_client.REGISTRY`` (the default registry: the metrics are there as soon as
+this module is imported, next to an application's own). ``p2phub kv serve --metrics-port N``
+serves them from the command line. Without prometheus_client every hook is a no-op costing one
+test, and ``start_http_server`` raises MissingDependencyError naming the package.
+
+Series (counters end in ``_total`` on the wire):
+
+    p2phub_kv_bytes_total{agent,direction}           bytes sent (acknowledged) / received (landed)
+    p2phub_kv_transfers_total{agent,direction}       transfers sent (acknowledged) / received
+    p2phub_kv_errors_total{agent,direction}          failed transfers / refused data
+    p2phub_kv_transfer_seconds{agent}                post -> acknowledgement, histogram
+    p2phub_kv_registered_segments{agent}             live memory registrations of the agent
+    p2phub_kv_registered_bytes{agent}                bytes they cover (pinned for transfers)
+    p2phub_nvme_bytes_total{controller,op}           bytes read / written by completed commands
+    p2phub_nvme_commands_total{controller,op}        requests completed
+    p2phub_nvme_errors_total{controller,op}          requests that failed
+    p2phub_nvme_command_seconds{controller,op}       per-request latency (submission -> CQE)
+    p2phub_nvme_batch_seconds{controller,op}         read_batch/write_batch submission -> last CQE
+    p2phub_nvme_mapped_registrations{controller}     registrations mapped for the controller
+    p2phub_nvme_mapped_bytes{controller}             bytes they pin
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+import weakref
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+try:
+    import prometheus_client as _pc
+    from prometheus_client.core import GaugeMetricFamily
+except ImportError:  # the hooks below become no-ops
+    _pc = None
+
+ENABLED = _pc is not None
+
+_LAT_BUCKETS = (5e-6, 10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3,
+                50e-3, 0.1, 0.5, 1.0, 5.0)
+_XFER_BUCKETS = (100e-6, 500e-6, 1e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_agents: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_controllers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_OPS = {0x01: "write", 0x02: "read"}
+_RUN = struct.Struct("<IIQQ")  # a DATA run on the KV wire: seg, flags, offset, length
+
+if ENABLED:
+    KV_BYTES = _pc.Counter("p2phub_kv_bytes", "KV bytes sent (acknowledged) or received (landed)",
+                           ["agent", "direction"])
+    KV_TRANSFERS = _pc.Counter("p2phub_kv_transfers", "KV transfers sent, requests received",
+                               ["agent", "direction"])
+    KV_ERRORS = _pc.Counter("p2phub_kv_errors", "KV transfers that failed, data refused",
+                            ["agent", "direction"])
+    KV_SECONDS = _pc.Histogram("p2phub_kv_transfer_seconds", "KV transfer: post to acknowledgement",
+                               ["agent"], buckets=_XFER_BUCKETS)
+    NVME_BYTES = _pc.Counter("p2phub_nvme_bytes", "NVMe bytes moved by completed requests",
+                             ["controller", "op"])
+    NVME_COMMANDS = _pc.Counter("p2phub_nvme_commands", "NVMe requests completed", ["controller", "op"])
+    NVME_ERRORS = _pc.Counter("p2phub_nvme_errors", "NVMe requests that failed", ["controller", "op"])
+    NVME_SECONDS = _pc.Histogram("p2phub_nvme_command_seconds", "NVMe request latency",
+                                 ["controller", "op"], buckets=_LAT_BUCKETS)
+    NVME_BATCH_SECONDS = _pc.Histogram("p2phub_nvme_batch_seconds",
+                                       "NVMe batch: submission to its last completion",
+                                       ["controller", "op"], buckets=_XFER_BUCKETS)
+
+    class _Live:
+        """Gauges read at scrape time from the live agents and controllers (no hot-path cost)."""
+
+        def collect(self) -> Iterable[Any]:
+            kv = _pair("kv", "agent", "registered_segments", "live memory registrations of a KV agent",
+                       "registered_bytes", "bytes a KV agent's registrations cover",
+                       ((a.name, [n for _addr, n in a._segments]) for a in list(_agents)
+                        if not getattr(a, "_closed", False)))
+            nvme = _pair("nvme", "controller", "mapped_registrations",
+                         "registrations mapped for an NVMe controller", "mapped_bytes",
+                         "bytes pinned by an NVMe controller's mappings",
+                         ((c.bdf, [int(getattr(m.reg, "length", 0)) for m in list(c.mappings._by_handle.values())])
+                          for c in list(_controllers) if not getattr(c, "closed", False)))
+            return [*kv, *nvme]
+
+        def describe(self) -> Iterable[Any]:
+            return []
+
+    def _pair(kind: str, label: str, count_name: str, count_help: str, bytes_name: str, bytes_help: str,
+              owners: Iterable[tuple[str, list[int]]]) -> tuple[Any, Any]:
+        """Two gauges, how many registrations and how many bytes, one sample per owner."""
+        count = GaugeMetricFamily(f"p2phub_{kind}_{count_name}", count_help, labels=[label])
+        total = GaugeMetricFamily(f"p2phub_{kind}_{bytes_name}", bytes_help, labels=[label])
+        for name, lengths in owners:
+            count.add_metric([name], len(lengths))
+            total.add_metric([name], sum(lengths))
+        return count, total
+
+    _pc.REGISTRY.register(_Live())
+
+
+# ------------------------------------------------------------------ hooks (one line each at the call site)
+
+
+def track_agent(agent: Any) -> None:
+    """A KV agent: its registrations become gauges while it lives."""
+    if ENABLED:
+        _agents.add(agent)
+
+
+def track_controller(ctrl: Any) -> None:
+    """An NVMe controller: its mapped registrations become gauges while it lives."""
+    if ENABLED:
+        _controllers.add(ctrl)
+
+
+def kv_sent(agent: str, xfer: Any) -> None:
+    """A KV transfer ended (xfer.error set when it failed); xfer.posted: its monotonic post time."""
+    if not ENABLED:
+        return
+    if xfer.error is not None:
+        KV_ERRORS.labels(agent, "sent").inc()
+        return
+    KV_BYTES.labels(agent, "sent").inc(xfer.nbytes)
+    KV_TRANSFERS.labels(agent, "sent").inc()
+    if xfer.posted:
+        KV_SECONDS.labels(agent).observe(time.monotonic() - xfer.posted)
+
+
+def kv_landed(agent: str, wire: bytes) -> None:
+    """DATA landed in an agent's memory: `wire` is its runs (their lengths add up to the bytes)."""
+    if ENABLED:
+        KV_BYTES.labels(agent, "received").inc(sum(r[3] for r in _RUN.iter_unpack(wire)))
+
+
+def kv_received(agent: str) -> None:
+    """A transfer into an agent ended well (its receiver acknowledged it)."""
+    if ENABLED:
+        KV_TRANSFERS.labels(agent, "received").inc()
+
+
+def kv_refused(agent: str) -> None:
+    """Data a receiving agent refused (bad runs, unknown request) or a transfer it failed."""
+    if ENABLED:
+        KV_ERRORS.labels(agent, "received").inc()
+
+
+def nvme_submitted(ctrl: Any, ops: list[Any], futures: list[Any]) -> None:
+    """Requests went to the controller: each future, when done, counts its op's bytes, its
+    latency (CQE timestamps) or its error."""
+    if not ENABLED:
+        return
+    bdf = ctrl.bdf
+    for op, fut in zip(ops, futures):
+        kind = getattr(op, "kind", None) or _OPS.get(getattr(fut, "opcode", 0), "other")
+        nbytes = int(getattr(op, "nbytes", 0) or 0)
+
+        def done(f: Any, kind: str = kind, nbytes: int = nbytes) -> None:
+            if f._exc is not None:
+                NVME_ERRORS.labels(bdf, kind).inc()
+                return
+            NVME_COMMANDS.labels(bdf, kind).inc()
+            NVME_BYTES.labels(bdf, kind).inc(nbytes)
+            if f.latency_ns:
+                NVME_SECONDS.labels(bdf, kind).observe(f.latency_ns / 1e9)
+        fut.add_done_callback(done)
+
+
+def nvme_batch(ctrl: Any, kind: str, n: int, nbytes: int, fut: Any) -> None:
+    """A read_batch/write_batch of n requests of nbytes each went out."""
+    if not ENABLED:
+        return
+    bdf, t0 = ctrl.bdf, time.monotonic()
+
+    def done(f: Any) -> None:
+        ok = n if f._exc is None else int(f.completed) - int(f._b.errors)
+        NVME_COMMANDS.labels(bdf, kind).inc(max(ok, 0))
+        NVME_BYTES.labels(bdf, kind).inc(max(ok, 0) * nbytes)
+        if f._exc is not None:
+            NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
+        NVME_BATCH_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
+        for lat in f.latencies_ns()[:ok]:
+            NVME_SECONDS.labels(bdf, kind).observe(lat / 1e9)
+    fut.add_done_callback(done)
+
+
+# ------------------------------------------------------------------ serving
+
+
+def _require() -> Any:
+    if not ENABLED:
+        from .deps import error_for
+        raise error_for("prometheus_client")
+    return _pc
+
+
+def start_http_server(port: int, addr: str = "127.0.0.1") -> tuple[str, int]:
+    """Serve every metric of the default registry on http://addr:port/metrics (port 0: any free
+    one) from a daemon thread; returns the (host, port) it listens on."""
+    pc = _require()
+    server, _thread = pc.start_http_server(port, addr=addr)
+    host, bound = server.server_address[:2]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return host, bound
+
+
+def generate_latest() -> bytes:
+    """The text exposition of the default registry (what a scrape returns)."""
+    return _require().generate_latest()

@@ -1,0 +1,78 @@
+"""The Python API's errors for the inputs the command line refuses: each names the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2phub import Hub
+from p2phub.errors import ModuleNotLoadedError, UsageError
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_node_that_is_not_p2phubs_is_refused_not_taken_for_p2p(tmp_path) -> None:
+    with pytest.raises(UsageError, match="/dev/null is not the p2phub device"):
+        Hub("/dev/null")
+    plain = tmp_path / "p2phub"
+    plain.write_bytes(b"")
+    with pytest.raises(UsageError, match="not a character device"):
+        Hub(str(plain), mode="p2p")
+
+
+def test_an_absent_node_is_named(tmp_path) -> None:
+    from p2phub.device import get_info
+    with pytest.raises(UsageError, match="does not exist"):
+        get_info(str(tmp_path / "nope"))
+    assert issubclass(ModuleNotLoadedError, Exception)
+
+
+def test_an_rdma_device_that_is_not_there_is_named(monkeypatch, tmp_path) -> None:
+    from p2phub.rdma import mr
+    monkeypatch.setattr(mr, "IB_CLASS", str(tmp_path))
+    (tmp_path / "rxe0").mkdir()
+    with pytest.raises(UsageError, match=r"no RDMA device 'mlx5_0' on this host \(it has rxe0\)"):
+        mr.ProtectionDomain("mlx5_0")
+
+
+def test_nvme_unbind_of_an_absent_address_names_it() -> None:
+    from p2phub.nvme import bind
+    with pytest.raises(UsageError, match="no PCI device 0000:ff:1f.7"):
+        bind.unbind("0000:ff:1f.7")
+    with pytest.raises(UsageError, match="not a PCI address"):
+        bind.unbind("zz:00.0")
+
+
+def test_one_notice_when_an_auto_hub_chooses_staged_mode(tmp_path, monkeypatch) -> None:
+    import io
+    import logging
+
+    from p2phub import hub as hubmod
+    from p2phub.log import configure
+    monkeypatch.setattr(hubmod, "_said", set())
+    out = io.StringIO()
+    log = logging.getLogger("p2phub")
+    saved = (log.level, list(log.handlers), log.propagate)
+    try:
+        configure("info", stream=out)
+        Hub(str(tmp_path / "absent")).close()
+        Hub(str(tmp_path / "absent")).close()
+    finally:
+        log.setLevel(saved[0])
+        log.handlers[:] = saved[1]
+        log.propagate = saved[2]
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "staged mode" in lines[0] and "absent" in lines[0], lines
+
+
+def test_p2phub_log_debug_configures_the_logger_for_a_library_user() -> None:
+    import subprocess
+    import sys
+    code = ("import logging, p2phub\n"
+            "logging.getLogger('p2phub.kv').debug('hello from the library')\n")
+    import os
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, P2PHUB_LOG="debug"))
+    assert "p2phub.kv DEBUG: hello from the library" in r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "P2PHUB_LOG"})
+    assert r.stderr == ""
