@@ -4,6 +4,7 @@ capture, made into a server that booted with Secure Boot on, p2phub.ko installed
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,14 @@ def test_secure_boot_off_an_unsigned_module_is_fine(tmp_path: Path) -> None:
     assert "Secure Boot off" in c["kmod.signature"].summary
     assert c["kmod.loadable"].status == "PASS"
 
+
+
+def test_every_install_step_a_fix_names_exists_and_no_fix_points_at_a_checkout_build() -> None:
+    top = Path(__file__).resolve().parents[2]
+    text = "".join(p.read_text() for p in (top / "p2phub" / "doctor").rglob("*.py"))
+    assert "insmod kmod/" not in text and "make -C kmod &&" not in text
+    steps = {int(n) for m in re.finditer(r"(?:INSTALL_DOC\}|docs/install\.md),? steps? (\d+)(?:-(\d+))?", text)
+             for n in m.groups() if n}
+    doc = (top / "docs" / "install.md").read_text()
+    headings = {int(m.group(1)) for m in re.finditer(r"^## (\d+)\. ", doc, re.M)}
+    assert steps and steps <= headings, (steps, headings)
