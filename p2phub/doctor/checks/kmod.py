@@ -93,6 +93,12 @@ def _kmod_caps(ctx: Context) -> CheckResult:
     if info.get("error"):
         return R(UNKNOWN, f"GET_INFO unavailable: {info['error']}")
     caps = info.get("caps_names", [])
+    nv = [g.id for g in ctx.top.gpus if g.info.get("flavour") == "nvidia"]
+    if nv and "NVIDIA_P2P_BUILT" not in caps:
+        return R(WARN, "caps: " + (", ".join(caps) or "none") + f"; built without the NVIDIA P2P provider "
+                 f"although {', '.join(nv)} {'is an NVIDIA GPU' if len(nv) == 1 else 'are NVIDIA GPUs'} "
+                 "(only dma-buf pins CUDA memory)", f"install the driver's kernel source ({INSTALL_DOC} step 2), "
+                 f"then reinstall p2phub.ko with P2PHUB_NVIDIA=y ({INSTALL_DOC} step 4)", applies_to=nv, caps=caps)
     return R(INFO, "caps: " + (", ".join(caps) or "none"), caps=caps)
 
 

@@ -1,5 +1,6 @@
-"""kmod.signature (and kmod.loadable) on captured trees of a Secure Boot host: the lab's 6.12
-capture, made into a server that booted with Secure Boot on, p2phub.ko installed but not loaded."""
+"""The doctor's install-facing checks on captured trees: kmod.signature (and kmod.loadable) on the
+lab's 6.12 capture made into a server that booted with Secure Boot on, p2phub.ko installed but not
+loaded; kmod.caps on an NVIDIA host whose module lacks the NVIDIA provider; the fix lines' steps."""
 
 from __future__ import annotations
 
@@ -129,3 +130,23 @@ def test_every_install_step_a_fix_names_exists_and_no_fix_points_at_a_checkout_b
     doc = (top / "docs" / "install.md").read_text()
     headings = {int(m.group(1)) for m in re.finditer(r"^## (\d+)\. ", doc, re.M)}
     assert steps and steps <= headings, (steps, headings)
+
+
+def test_an_nvidia_host_whose_module_lacks_the_nvidia_provider_is_told_to_rebuild(tmp_path: Path) -> None:
+    root = tmp_path / "capture"
+    shutil.copytree(BASE.parent / "h200-firecracker", root, symlinks=True)
+    (root / "sys/module/p2phub").mkdir(parents=True)
+    (root / "sys/module/p2phub/initstate").write_text("live\n")
+    meta = json.loads((root / "p2phub-capture.json").read_text())
+    caps = ["DMABUF_IMPORT", "DMABUF_EXPORT", "NVME"]
+    meta["probes"]["kmod_info"] = {"abi_version": 1, "version": "0.1.0", "caps": 0x19, "caps_names": caps,
+                                   "expected_abi": 1}
+    (root / "p2phub-capture.json").write_text(json.dumps(meta))
+    rep = diagnose(SysRoot(str(root)))
+    c = rep.check("kmod.caps")
+    assert c.status == "WARN" and "built without the NVIDIA P2P provider" in c.summary
+    assert c.applies_to == [g.id for g in rep.top.gpus] and "P2PHUB_NVIDIA=y" in c.fix
+    # the same module with the provider built in is only reported
+    meta["probes"]["kmod_info"]["caps_names"] = caps + ["NVIDIA_P2P_BUILT"]
+    (root / "p2phub-capture.json").write_text(json.dumps(meta))
+    assert diagnose(SysRoot(str(root))).check("kmod.caps").status == "INFO"
