@@ -216,6 +216,7 @@ def capture(out: str) -> dict[str, Any]:
     if os.path.isdir("/sys/class/infiniband"):
         meta["probes"]["ibv_dmabuf"] = probes.ibv_dmabuf(rec)
     meta["probes"]["kmod_info"] = probes.kmod_info(rec)
+    meta["probes"]["kmod_signature"] = probes.kmod_signature(rec, rec.uname().get("release", ""))
     extra = {}
     for name, cmd in (("nvidia-smi-topo", ["nvidia-smi", "topo", "-m"]), ("lspci-tv", ["lspci", "-tvnn"])):
         if shutil.which(cmd[0]):

@@ -5,6 +5,9 @@ the capture's metadata (``probes`` in p2phub-capture.json), or report why they a
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import subprocess
 from typing import Any
 
 from .. import uapi as _uapi
@@ -89,3 +92,32 @@ def kmod_info(sr: SysRoot) -> dict[str, Any]:
     return {"abi_version": getattr(info, "abi_version", None), "version": getattr(info, "version", None),
             "caps": caps, "caps_names": [v for b, v in CAP_NAMES.items() if caps & (1 << b)],
             "expected_abi": _uapi.ABI_VERSION}
+
+
+MODINFO_FIELDS = ("filename", "version", "signer", "sig_key", "sig_id", "sig_hashalgo")
+
+
+def kmod_signature(sr: SysRoot, release: str) -> dict[str, Any]:
+    """The installed p2phub.ko for ``release`` and its signature, as ``modinfo`` reports them:
+    ``{"filename", "version", "signer", "sig_key", "sig_id", "sig_hashalgo"}`` (the sig_* keys
+    absent for an unsigned module), or ``{"error": why}`` (not installed, no modinfo)."""
+    if not sr.live:
+        cap = (sr.meta.get("probes") or {}).get("kmod_signature")
+        return dict(cap) if cap else {"error": "not recorded in this capture"}
+    modinfo = shutil.which("modinfo") or next((p for p in ("/usr/sbin/modinfo", "/sbin/modinfo")
+                                               if os.path.exists(p)), None)
+    if modinfo is None:
+        return {"error": "modinfo not found (the kmod package)"}
+    try:
+        res = subprocess.run([modinfo, "-k", release, "p2phub"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"modinfo failed ({exc})"}
+    if res.returncode != 0:
+        return {"error": f"p2phub.ko is not installed for {release}" if "not found" in res.stderr
+                else (res.stderr.strip() or f"modinfo exited {res.returncode}")}
+    out: dict[str, Any] = {}
+    for line in res.stdout.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in MODINFO_FIELDS and key not in out:
+            out[key] = value.strip()
+    return out
