@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import uapi
+from .._resource import Resource
 from ..errors import P2PHubError, RevokedError, UsageError
 from . import prp, spec
 from .errors import RegistrationRevokedError
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 NO_SLOT = 0xFFFFFFFF
 
 
-class DmaBuffer:
+class DmaBuffer(Resource):
     """DMA-coherent host memory made by p2phub.ko for this controller.
 
     Usable wherever a registration is: ``ns.read(buf, ...)``. ``view`` is a
@@ -58,13 +59,13 @@ class DmaBuffer:
             self._pages = prp.PageList(addrs, n, self.size, owner=self, name=f"DMA buffer {self.name}")
         return self._pages
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Unmap; the memory itself is freed when the controller closes."""
         self._mem.close()
 
     @property
     def closed(self) -> bool:
-        return self._mem.closed
+        return self._closed or self._mem.closed  # the controller's close unmaps it too
 
 
 class RegMapping:
@@ -80,13 +81,13 @@ class RegMapping:
         self.cond = threading.Condition()
         self.unmapped = False
 
-    def hold(self) -> None:
+    def hold(self, count: int = 1) -> None:
         with self.cond:
-            self.inflight += 1
+            self.inflight += count
 
-    def release(self, _fut: object = None) -> None:
+    def release(self, count: int = 1) -> None:
         with self.cond:
-            self.inflight -= 1
+            self.inflight -= count
             if self.inflight == 0:
                 self.cond.notify_all()
 
@@ -113,11 +114,11 @@ class Mappings:
 
     def get(self, reg: Any) -> RegMapping:
         """The mapping of `reg` for this controller, made (MAP_REG) on first use."""
+        if getattr(reg, "closed", False):
+            raise UsageError(f"{reg!r} is closed")
         m = self._by_handle.get(int(reg.handle))
         if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
             return m
-        if getattr(reg, "closed", False):
-            raise UsageError(f"{reg!r} is closed")
         hub = getattr(reg, "hub", None)  # Registration.hub: the pin's
         if hub is None or getattr(hub, "device", None) is not self.device:
             raise UsageError(

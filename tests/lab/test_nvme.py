@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from p2phub import nvme
+from p2phub import nvme, uapi
 from p2phub.errors import RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
@@ -517,8 +517,8 @@ def test_registration_held_by_controller_cannot_be_unregistered_until_quiesced(b
         futs = ns.submit([nvme.ReadOp(v.reg, lba=2048 * i, nbytes=MiB, offset=MiB * i) for i in range(16)])
         assert c.inflight(v.reg) == 16 and c.holds(v.reg)
         with pytest.raises(OSError) as e:
-            v.reg.hub.device.ioctl(nvme.controller.uapi.UNREGISTER,
-                                    nvme.controller.uapi.Unregister.new(handle=v.reg.handle), "UNREGISTER")
+            v.reg.hub.device.ioctl(uapi.UNREGISTER,
+                                    uapi.Unregister.new(handle=v.reg.handle), "UNREGISTER")
         assert e.value.errno == 16  # EBUSY: the kernel refuses while the controller holds it
         assert c.quiesce_registration(v.reg, timeout=60)
         assert all(f.done() for f in futs) and c.inflight(v.reg) == 0 and not c.holds(v.reg)
