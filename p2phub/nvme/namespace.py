@@ -188,7 +188,14 @@ class Namespace:
                     lens[i] = op.nbytes if op.nbytes > 0 else 0
                 offs[i] = op.offset
         except (OverflowError, TypeError):
-            raise self._bad(i, n, ops[i], "LBA, length and offset must be integers in 0..2^64-1") from None
+            op = ops[i]
+            if isinstance(op.lba, int) and op.lba < 0:
+                why = f"LBA range lba={op.lba} is outside namespace {self.nsid} of {self.blocks} blocks"
+            elif isinstance(op.offset, int) and op.offset < 0:
+                why = f"buffer range offset={op.offset} is outside the buffer"
+            else:
+                why = "LBA, length and offset must be integers in 0..2^64-1"
+            raise self._bad(i, n, op, why) from None
         cbufs = ffi.new("struct p2h_buf[]", max(len(bufs), 1))
         for k, (_b, pl, m) in enumerate(bufs):
             cb = cbufs[k]
@@ -227,9 +234,7 @@ class Namespace:
             ordering.abandon(ordered, op_futs or _Same(fut), exc)
             raise
         if op_futs is not None:  # each request's declaration ends with its own future
-            for f, t in zip(op_futs, tokens):
-                if t is not None:
-                    f.add_done_callback(lambda _f, t=t: self._release(t))
+            fut._op_tokens, fut._op_release = tokens, self._release
         elif tokens:
             fut.add_done_callback(lambda _f: [self._release(t) for t in tokens if t is not None])
         ordering.bind(ordered, op_futs or _Same(fut))
@@ -281,7 +286,20 @@ class Namespace:
         declared if one raises."""
         tokens: list[Any] = []
         try:
-            if self._ctx.access_hooks or per_op:
+            if per_op and not self._ctx.access_hooks:
+                # One hold per registration for all its requests; each request releases one.
+                shared: dict[int, Any] = {}
+                counts: dict[int, int] = {}
+                for k in bufi:
+                    if k != NO_BUF and bufs[k][2] is not None:
+                        counts[k] = counts.get(k, 0) + 1
+                for k, cnt in counts.items():
+                    m = bufs[k][2]
+                    m.hold(cnt)
+                    shared[k] = (m, (), 1)
+                get = shared.get
+                tokens = [get(k) for k in bufi]
+            elif self._ctx.access_hooks or per_op:
                 for k, op in enumerate(ops):
                     if op.kind in ("flush", "write_zeroes"):
                         tokens.append(self._declare(None, None, 0, 0, op.kind))

@@ -62,28 +62,28 @@ class _FutureBase:
 
     def __init__(self) -> None:
         self._exc: BaseException | None = None
-        self._done = threading.Event()
+        self._fin = False  # a plain flag: waiting drives the queue, nobody blocks on it
         self._callbacks: list[Callable[[Any], None]] = []
         self._timeout_exc: BaseException | None = None  # set when recovery takes over
 
     def _finish(self) -> None:
-        self._done.set()
+        self._fin = True
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, cb: Callable[[Any], None]) -> None:
         """Call cb(future) once it is done (at once if it is; else from the thread that reaps it)."""
-        if self._done.is_set():
+        if self._fin:
             cb(self)
         else:
             self._callbacks.append(cb)
-            if self._done.is_set() and cb in self._callbacks:  # finished meanwhile
+            if self._fin and cb in self._callbacks:  # finished meanwhile
                 self._callbacks.remove(cb)
                 cb(self)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._fin
 
     def on_stream(self, stream: Any, ops: Any = None) -> None:
         """Make a GPU stream wait for this request with no CPU round trip (see
@@ -146,7 +146,7 @@ class CommandFuture(_FutureBase):
             self._finish()
 
     def _fail(self, exc: BaseException) -> None:
-        if self._done.is_set():
+        if self._fin:
             return
         if self._exc is None:
             self._exc = self._timeout_exc or exc
@@ -208,6 +208,9 @@ class BatchFuture(_FutureBase):
         self._op_exc: dict[int, BaseException] = {}  # failed requests (ops batches)
         self._op_futs: list[OpFuture] | None = None
         self._ops_seen = 0
+        # per request: what its future releases when it is done (set by the namespace layer)
+        self._op_tokens: list[Any] | None = None
+        self._op_release: Callable[[Any], None] | None = None
         if ops is not None:
             b.op_of, b.op_left, b.op_done = ops.op_of, ops.op_left, ops.op_done
 
@@ -299,7 +302,7 @@ class BatchFuture(_FutureBase):
 
     # Called by QueuePair under its lock, once settled (or failed by recovery).
     def _conclude(self) -> None:
-        if self._done.is_set():
+        if self._fin:
             return
         b = self._b
         if self._exc is None and b.refused:
@@ -349,7 +352,7 @@ class BatchFuture(_FutureBase):
     def _fail(self, exc: BaseException, exc_for: "Callable[[OpFuture], BaseException] | None" = None) -> None:
         """Recovery's: the controller is stopped; what did not complete fails (each request with
         exc_for(its future) when given)."""
-        if self._done.is_set():
+        if self._fin:
             return
         if self._exc is None:
             self._exc = self._timeout_exc or exc
@@ -400,7 +403,10 @@ class OpFuture(_FutureBase):
     pumped = True
 
     def __init__(self, batch: BatchFuture, index: int, opcode: int, mapping: Any) -> None:
-        super().__init__()
+        self._exc = None
+        self._fin = False
+        self._callbacks = []
+        self._timeout_exc = None
         self.qp = batch.qp
         self.batch = batch
         self.index = index
@@ -413,9 +419,14 @@ class OpFuture(_FutureBase):
         return ops.what(self.index) if ops is not None else ""
 
     def _settle(self, exc: BaseException | None) -> None:
-        if self._done.is_set():
+        if self._fin:
             return
         self._exc = exc
+        b = self.batch
+        if b._op_tokens is not None and b._op_release is not None:
+            t = b._op_tokens[self.index]
+            if t is not None:
+                b._op_release(t)
         self._finish()
 
     def _fail(self, exc: BaseException) -> None:
