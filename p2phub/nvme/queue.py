@@ -335,7 +335,9 @@ class BatchFuture(_FutureBase):
                     def not_done(k: int = k) -> BaseException:
                         f = self._op_futs[k] if self._op_futs is not None else \
                             OpFuture(self, k, ops.opcode(k), ops.mapping(k))
-                        return exc_for(f)
+                        e = exc_for(f)
+                        # a reset that a timeout of this batch caused: the timeout is the news
+                        return self._timeout_exc or e
                 else:
                     def not_done() -> BaseException:
                         return self._timeout_exc or base_exc or ControllerResetError("not completed")

@@ -16,7 +16,7 @@ from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
 from p2phub.errors import UsageError
 from p2phub.nvme import ControllerState, Op, ReadOp, WriteOp, _build
 from p2phub.nvme.controller import Controller
-from p2phub.nvme.errors import ControllerResetError, NvmeStatusError, RegistrationRevokedError
+from p2phub.nvme.errors import ControllerResetError, NvmeStatusError, NvmeTimeoutError, RegistrationRevokedError
 
 pytestmark = pytest.mark.unit
 
@@ -276,3 +276,24 @@ def test_run_generated_is_the_engine_loop(rig) -> None:
     assert qp.stats()["submitted"] == before + 300
     with pytest.raises(UsageError, match="slots"):
         ns.run_generated("read", buf, 4096, 10, qd=1, slots=17)
+
+
+def test_a_request_that_times_out_fails_through_its_future_after_a_reset() -> None:
+    dev = FakeControllerFile(hot, namespaces={1: FakeNamespace(blocks=4096)})
+    c = Controller(dev, hot=hot, io_queues=1, queue_depth=16, io_timeout=0.3, admin_timeout=2.0)
+    c.start()
+    try:
+        reg = _reg(dev, FakeHub(dev.device), 64 * KiB)
+        dev.refuse_abort = True   # the controller cannot abort it: the engine resets
+        dev.hold_lbas.add(666)
+        futs = c.namespace(1).submit([ReadOp(reg, 8, 4096), ReadOp(reg, 666, 4096, 4096)])
+        assert futs[0].result(timeout=5) == 0
+        with pytest.raises(NvmeTimeoutError) as e:
+            futs[1].result(timeout=10)
+        assert e.value.recovery == "reset" and c.resets == 1 and e.value.index == 1
+        dev.hold_lbas.clear()
+        c.namespace(1).read(reg, 16, 4096)   # usable again
+        assert c.inflight(reg) == 0
+    finally:
+        c.close()
+        dev.stop()
