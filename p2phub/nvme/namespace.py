@@ -127,8 +127,8 @@ class Namespace:
     # ---------------------------------------------------------------- requests of any kind and size
     def submit(self, ops: Iterable[Op], *, qpair: QueuePair | None = None,
                qd: int | None = None) -> list[OpFuture]:
-        """Submit requests; one future per request (see :meth:`submit_ops`). The futures
-        complete together, when the last command of the call has."""
+        """Submit requests; one future per request (see :meth:`submit_ops`), each done when
+        every command of its request has completed."""
         ops = ops if isinstance(ops, list) else list(ops)
         if not ops:
             return []
@@ -150,12 +150,35 @@ class Namespace:
         futures=True makes the per-request futures before submission (what ``submit`` does).
         """
         ops = ops if isinstance(ops, list) else list(ops)
-        n = len(ops)
-        if n == 0:
+        if not ops:
             raise UsageError("an empty batch")
+        qp = qpair or self._ctx.qpair()
+        ios, total, table, bufs, bufi, keep = self._encode(ops)
+        fut = BatchFuture(qp, ios, total, qd=qd or qp.ntrk, ops=table, latencies=latencies, keep=keep,
+                          what=f"batch of {len(ops)} requests nsid={self.nsid}")
+        op_futs = fut.op_futures() if futures else None
+        # Ordered accesses first: strict mode refuses the batch before anything is sent, and
+        # the batch waits here for earlier conflicting accesses (p2phub.ordering).
+        ordered = ordering.declare(ops, name=table.what)
+        try:
+            tokens = self._declare_batch(ops, bufs, bufi, per_op=op_futs is not None)
+        except BaseException as exc:
+            ordering.abandon(ordered, op_futs or _Same(fut), exc)
+            raise
+        if op_futs is not None:  # each request's declaration ends with its own future
+            fut._op_tokens, fut._op_release = tokens, self._release
+        elif tokens:
+            fut.add_done_callback(lambda _f: [self._release(t) for t in tokens if t is not None])
+        ordering.bind(ordered, op_futs or _Same(fut))
+        return qp.submit_batch(fut)
+
+    def _encode(self, ops: list[Op]) -> tuple[Any, int, OpTable, list, Any, tuple]:
+        """Check every request and encode the commands (C: p2h_fill_ops); raises, naming the
+        first bad request, before anything is submitted. (ios, commands, table, buffers,
+        buffer index per request, what the commands reference)."""
         ctx = self._ctx
-        qp = qpair or ctx.qpair()
         ffi, lib = ctx.hot.ffi, ctx.hot.lib
+        n = len(ops)
         opcs = bytearray(n)
         bufi = array.array("I", bytes(4 * n))
         lbas = array.array("Q", bytes(8 * n))
@@ -188,29 +211,18 @@ class Namespace:
                     lens[i] = op.nbytes if op.nbytes > 0 else 0
                 offs[i] = op.offset
         except (OverflowError, TypeError):
-            op = ops[i]
-            if isinstance(op.lba, int) and op.lba < 0:
-                why = f"LBA range lba={op.lba} is outside namespace {self.nsid} of {self.blocks} blocks"
-            elif isinstance(op.offset, int) and op.offset < 0:
-                why = f"buffer range offset={op.offset} is outside the buffer"
-            else:
-                why = "LBA, length and offset must be integers in 0..2^64-1"
-            raise self._bad(i, n, op, why) from None
+            raise self._bad(i, n, ops[i], self._not_uint64(ops[i])) from None
         cbufs = ffi.new("struct p2h_buf[]", max(len(bufs), 1))
         for k, (_b, pl, m) in enumerate(bufs):
             cb = cbufs[k]
             cb.pages, cb.npages = pl.addrs, pl.npages
             cb.slot, cb.gen = (m.slot, m.generation) if m is not None else (NO_SLOT, 0)
-        c_opc = ffi.from_buffer("uint8_t[]", opcs)
-        c_lbas = ffi.from_buffer("uint64_t[]", lbas)
-        c_lens = ffi.from_buffer("uint64_t[]", lens)
-        c_offs = ffi.from_buffer("uint64_t[]", offs)
-        c_bufi = ffi.from_buffer("uint32_t[]", bufi)
         first = array.array("I", bytes(4 * (n + 1)))
-        c_first = ffi.from_buffer("uint32_t[]", first)
+        keep = (bufs, cbufs, ffi.from_buffer("uint8_t[]", opcs), ffi.from_buffer("uint64_t[]", lbas),
+                ffi.from_buffer("uint64_t[]", lens), ffi.from_buffer("uint64_t[]", offs),
+                ffi.from_buffer("uint32_t[]", bufi), ffi.from_buffer("uint32_t[]", first))
         bad, why = ffi.new("int *"), ffi.new("int *")
-        args = (n, c_opc, c_lbas, c_lens, c_offs, c_bufi, cbufs, len(bufs), self.nsid, shift, self.blocks,
-                ctx.max_transfer, c_first)
+        args = (n, *keep[2:7], cbufs, len(bufs), self.nsid, shift, self.blocks, ctx.max_transfer, keep[7])
         total = lib.p2h_fill_ops(ffi.NULL, 0, *args, ffi.NULL, ffi.NULL, bad, why)
         if total < 0:
             raise self._refusal(bad[0], why[0], n, ops, bufs, bufi)
@@ -221,24 +233,14 @@ class Namespace:
         table = OpTable(n=n, first=first, op_of=op_of, op_left=op_left, op_done=ffi.new("uint32_t[]", n),
                         opcodes=opcs, bufi=bufi, mappings=[m for _b, _p, m in bufs],
                         describe=lambda k: _describe(ops[k], self.nsid))
-        fut = BatchFuture(qp, ios, total, qd=qd or qp.ntrk, ops=table, latencies=latencies,
-                          keep=(bufs, cbufs, c_opc, c_lbas, c_lens, c_offs, c_bufi, c_first),
-                          what=f"batch of {n} requests nsid={self.nsid}")
-        op_futs = fut.op_futures() if futures else None
-        # Ordered accesses first: strict mode refuses the batch before anything is sent, and
-        # the batch waits here for earlier conflicting accesses (p2phub.ordering).
-        ordered = ordering.declare(ops, name=table.what)
-        try:
-            tokens = self._declare_batch(ops, bufs, bufi, per_op=op_futs is not None)
-        except BaseException as exc:
-            ordering.abandon(ordered, op_futs or _Same(fut), exc)
-            raise
-        if op_futs is not None:  # each request's declaration ends with its own future
-            fut._op_tokens, fut._op_release = tokens, self._release
-        elif tokens:
-            fut.add_done_callback(lambda _f: [self._release(t) for t in tokens if t is not None])
-        ordering.bind(ordered, op_futs or _Same(fut))
-        return qp.submit_batch(fut)
+        return ios, total, table, bufs, bufi, keep
+
+    def _not_uint64(self, op: Op) -> str:
+        if isinstance(op.lba, int) and op.lba < 0:
+            return f"LBA range lba={op.lba} is outside namespace {self.nsid} of {self.blocks} blocks"
+        if isinstance(op.offset, int) and op.offset < 0:
+            return f"buffer range offset={op.offset} is outside the buffer"
+        return "LBA, length and offset must be integers in 0..2^64-1"
 
     def _add_buffer(self, bufs: list, b: Any, i: int, n: int, op: Op) -> int:
         """Resolve a buffer of request i (once per call); its index in bufs."""
