@@ -375,7 +375,7 @@ def _scattered(n: int, seed: int, reg_size: int) -> list[tuple[str, int, int, in
     plan = []
     lba, used = 0, [0, 0]
     for k in range(n):
-        size = rnd.choices((4, 8, 16, 32, 64, 128), weights=(80, 4, 4, 4, 4, 4))[0] * KiB
+        size = rnd.choices((4, 8, 16, 32, 64, 128), weights=(90, 3, 3, 2, 1, 1))[0] * KiB
         r = k % 2
         assert used[r] + size <= reg_size
         plan.append(("read" if k % 4 < 2 else "write", r, lba, size, used[r]))
@@ -390,7 +390,7 @@ def test_batch_of_thousands_of_scattered_reads_and_writes_checked_by_the_kernel(
     queue holds); the kernel nvme driver, given the controller back, reads the same LBAs."""
     if bind.current_driver(bdf) != "nvme":
         bind.unbind(bdf)
-    reg_size = 32 * MiB
+    reg_size = 20 * MiB
     plan = _scattered(4096, 21, reg_size)
     span = max(lba * 512 + size for _k, _r, lba, size, _o in plan)
     base = 8 * MiB // 512  # LBA of the span on namespace 1
