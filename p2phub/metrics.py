@@ -149,32 +149,30 @@ def kv_refused(agent: str) -> None:
         KV_ERRORS.labels(agent, "received").inc()
 
 
-def nvme_submitted(ctrl: Any, ops: list[Any], futures: list[Any]) -> None:
-    """Requests went to the controller: each future, when done, counts its op's bytes, its
-    latency (CQE timestamps) or its error."""
+def nvme_ops(bdf: str, ops: list[Any], fut: Any) -> None:
+    """A batch of requests (Namespace.submit_ops) went to controller `bdf`: when it is done,
+    each request counts its bytes, or its error (per-request NVMe status)."""
     if not ENABLED:
         return
-    bdf = ctrl.bdf
-    for op, fut in zip(ops, futures):
-        kind = getattr(op, "kind", None) or _OPS.get(getattr(fut, "opcode", 0), "other")
-        nbytes = int(getattr(op, "nbytes", 0) or 0)
+    t0 = time.monotonic()
 
-        def done(f: Any, kind: str = kind, nbytes: int = nbytes) -> None:
-            if f._exc is not None:
+    def done(f: Any) -> None:
+        for op, status in zip(ops, f.statuses()):
+            kind = getattr(op, "kind", "other")
+            if status:
                 NVME_ERRORS.labels(bdf, kind).inc()
-                return
-            NVME_COMMANDS.labels(bdf, kind).inc()
-            NVME_BYTES.labels(bdf, kind).inc(nbytes)
-            if f.latency_ns:
-                NVME_SECONDS.labels(bdf, kind).observe(f.latency_ns / 1e9)
-        fut.add_done_callback(done)
+            else:
+                NVME_COMMANDS.labels(bdf, kind).inc()
+                NVME_BYTES.labels(bdf, kind).inc(int(getattr(op, "nbytes", 0) or 0))
+        NVME_BATCH_SECONDS.labels(bdf, "requests").observe(time.monotonic() - t0)
+    fut.add_done_callback(done)
 
 
-def nvme_batch(ctrl: Any, kind: str, n: int, nbytes: int, fut: Any) -> None:
-    """A read_batch/write_batch of n requests of nbytes each went out."""
+def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
+    """A read_batch/write_batch of n requests of nbytes each went to controller `bdf`."""
     if not ENABLED:
         return
-    bdf, t0 = ctrl.bdf, time.monotonic()
+    t0 = time.monotonic()
 
     def done(f: Any) -> None:
         ok = n if f._exc is None else int(f.completed) - int(f._b.errors)

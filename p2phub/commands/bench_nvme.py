@@ -8,8 +8,9 @@ Three sides, in the same run, each pinned to the same CPU:
   requests: encoded and checked in C, submitted and reaped by the hot path's
   pump, the revocation gate checked before every doorbell; no system call per
   I/O. The random LBAs are drawn before the clock starts (a user brings their own).
-- ``c_loop``: the hot path's own benchmark batch (p2h_batch_run with generated
-  requests) on a DMA-coherent buffer: the ceiling of the engine.
+- ``c_loop``: the engine's own loop (``Namespace.run_generated``: requests
+  generated in C, no request array) on a DMA-coherent buffer: the ceiling of
+  the engine.
 - ``fio_io_uring``: fio with io_uring (polled completion: --hipri, registered
   buffers and files) on a controller left on the kernel nvme driver.
 
@@ -130,12 +131,14 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
                 total, elapsed, samples = _timed(public_chunk, seconds, warmup)
                 out["public"][f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed,
                                             **_percentiles(samples)}
-            gate = {"refused": int(qp.c.refused), "registration_inflight_after": ctrl.inflight(reg)}
+            stats = qp.stats()
+            gate = {"refused": stats["refused"], "registration_inflight_after": ctrl.inflight(reg)}
             out["public"]["gate"] = gate
             ctrl.quiesce_registration(reg, timeout=10)
             out["c_loop"] = _c_loop(ctrl, ns, qp, qds, bs, seconds, warmup)
-            out["doorbells"] = int(qp.c.doorbells)
-            out["submitted"] = int(qp.c.submitted)
+            stats = qp.stats()
+            out["doorbells"] = stats["doorbells"]
+            out["submitted"] = stats["submitted"]
         finally:
             ctrl.close()
             if reg is not None:
@@ -144,37 +147,16 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
 
 
 def _c_loop(ctrl: Any, ns: Any, qp: Any, qds: list[int], bs: int, seconds: float, warmup: float) -> dict:
-    ffi, lib = ctrl.hot.ffi, ctrl.hot.lib
+    """The engine's own loop: requests generated in C (``Namespace.run_generated``)."""
     buf = ctrl.alloc_dma(max(qds) * bs, "bench")
-    pl = buf.page_list()
-    tmpl = ffi.new("struct p2h_io *")
-    tmpl.opc = 0x02
-    tmpl.nsid = ns.nsid
-    tmpl.nlb = bs // ns.lba_size
-    tmpl.nbytes = bs
-    tmpl.pages = pl.addrs
-    tmpl.npages = pl.npages
-    tmpl.slot = 0xFFFFFFFF
-    lat = ffi.new("uint32_t[]", CHUNK)
     out: dict[str, Any] = {}
     for qd in qds:
         seed = [0x1234567 + qd]
 
         def chunk() -> list[int]:
-            b = ffi.new("struct p2h_batch *")
-            b.tmpl = tmpl
-            b.span_blocks = ns.blocks
-            b.nslots = qd
-            b.rng = seed[0]
-            b.n = CHUNK
-            b.qd = qd
-            b.lat_ns = lat
             seed[0] += 1
-            with qp.lock:
-                n = lib.p2h_batch_run(qp.c, b, 5 * 10**9)
-            if n < CHUNK or b.errors:
-                raise RuntimeError(f"C loop stalled at QD{qd}: {n} of {CHUNK} completed, {b.errors} errors")
-            return list(lat[0:n])
+            return ns.run_generated("read", buf, bs, CHUNK, qd=qd, seed=seed[0] - 1, qpair=qp,
+                                    timeout=5.0, slots=qd, latencies=True)
 
         total, elapsed, samples = _timed(chunk, seconds, warmup)
         out[f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed, **_percentiles(samples)}

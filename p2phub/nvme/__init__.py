@@ -12,12 +12,13 @@ from .buffers import DmaBuffer
 from .controller import Controller, controllers_holding, open, quiesce_registration
 from .errors import (ControllerBusyError, ControllerDeadError, ControllerRemovedError, ControllerResetError,
                      NvmeError, NvmeStatusError, NvmeTimeoutError, RegistrationRevokedError)
-from .namespace import AccessHook, Namespace, Op, ReadOp, WriteOp
-from .queue import BatchFuture, CommandFuture
+from .namespace import AccessHook, Namespace, NamespaceContext, Op, ReadOp, WriteOp
+from .queue import BatchFuture, CommandFuture, OpFuture
+from .recovery import ControllerState
 
 __all__ = [
     "AccessHook", "BatchFuture", "CommandFuture", "Controller", "ControllerBusyError", "ControllerDeadError",
-    "ControllerRemovedError", "ControllerResetError", "DmaBuffer", "Namespace", "NvmeError", "NvmeStatusError",
-    "NvmeTimeoutError", "Op", "ReadOp", "RegistrationRevokedError", "WriteOp", "controllers_holding", "open",
-    "quiesce_registration",
+    "ControllerRemovedError", "ControllerResetError", "ControllerState", "DmaBuffer", "Namespace",
+    "NamespaceContext", "NvmeError", "NvmeStatusError", "NvmeTimeoutError", "Op", "OpFuture", "ReadOp",
+    "RegistrationRevokedError", "WriteOp", "controllers_holding", "open", "quiesce_registration",
 ]

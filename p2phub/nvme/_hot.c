@@ -108,9 +108,11 @@ struct p2h_qp *p2h_qp_create(uint16_t qid, uint32_t depth, uint32_t ntrk,
 		return NULL;
 	q->trk = calloc(ntrk, sizeof(*q->trk));
 	q->free_stk = calloc(ntrk, sizeof(*q->free_stk));
-	if (!q->trk || !q->free_stk) {
+	q->cids = calloc(ntrk, sizeof(*q->cids));
+	if (!q->trk || !q->free_stk || !q->cids) {
 		free(q->trk);
 		free(q->free_stk);
+		free(q->cids);
 		free(q);
 		return NULL;
 	}
@@ -134,6 +136,7 @@ void p2h_qp_destroy(struct p2h_qp *q)
 		return;
 	free(q->trk);
 	free(q->free_stk);
+	free(q->cids);
 	free(q);
 }
 
@@ -386,6 +389,12 @@ static inline int p2h_batch_complete(struct p2h_qp *q, uint64_t tag,
 	if (status)
 		b->errors++;
 	b->done++;
+	if (b->op_of) {
+		uint32_t op = b->op_of[k];
+
+		if (--b->op_left[op] == 0)
+			b->op_done[b->nops_done++] = op;
+	}
 	return 1;
 }
 
@@ -489,12 +498,15 @@ static inline uint64_t p2h_xorshift(uint64_t *s)
 	return x;
 }
 
-/* Submit what batch b may (up to its qd in flight); one doorbell. */
+/*
+ * Submit what batch b may (up to its qd in flight, as many as there are free
+ * trackers and SQ slots); one doorbell. Generated requests go 64 at a time.
+ */
 static int p2h_batch_submit(struct p2h_qp *q, struct p2h_batch *b)
 {
 	struct p2h_io local[64];
 	const struct p2h_io *src;
-	uint16_t cids[64];
+	uint16_t *cids = q->cids;
 	int k, got, bad, i;
 	uint32_t inflight = b->next - b->done;
 
@@ -503,11 +515,13 @@ static int p2h_batch_submit(struct p2h_qp *q, struct p2h_batch *b)
 	k = (int)(b->n - b->next);
 	if ((uint32_t)k > b->qd - inflight)
 		k = (int)(b->qd - inflight);
-	if (k > 64)
-		k = 64;
+	if ((uint32_t)k > q->ntrk)
+		k = (int)q->ntrk;
 	if (b->ios) {
 		src = b->ios + b->next;
 	} else {
+		if (k > 64)
+			k = 64;
 		uint64_t units = b->span_blocks / b->tmpl->nlb;
 
 		for (i = 0; i < k; i++) {
@@ -616,6 +630,127 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 	return 0;
 bad:
 	*bad = i;
+	return -EINVAL;
+}
+
+int p2h_fill_ops(struct p2h_io *ios, uint32_t max_ios, uint32_t n,
+		 const uint8_t *opc, const uint64_t *lbas, const uint64_t *len,
+		 const uint64_t *offs, const uint32_t *bufi,
+		 const struct p2h_buf *bufs, uint32_t nbufs, uint32_t nsid,
+		 uint32_t lba_shift, uint64_t blocks, uint32_t max_transfer,
+		 uint32_t *op_first, uint32_t *op_of, uint32_t *op_left,
+		 int *bad, int *why)
+{
+	uint64_t lba_mask = ((uint64_t)1 << lba_shift) - 1;
+	uint64_t step = (uint64_t)max_transfer & ~lba_mask;
+	uint64_t total = 0;
+	uint32_t i;
+
+	*bad = -1;
+	*why = 0;
+	if (!step)
+		return -EINVAL;
+	/* First pass: check every request and count its commands. */
+	for (i = 0; i < n; i++) {
+		uint64_t nlb = len[i] >> lba_shift, limit;
+		const struct p2h_buf *b;
+
+		op_first[i] = (uint32_t)total;
+		if (opc[i] == OPC_FLUSH) {
+			total++;
+			continue;
+		}
+		if (opc[i] != OPC_READ && opc[i] != OPC_WRITE && opc[i] != OPC_WRITE_ZEROES) {
+			*why = 6;
+			goto bad;
+		}
+		if (!len[i] || (len[i] & lba_mask)) {
+			*why = 4;
+			goto bad;
+		}
+		if (lbas[i] >= blocks || nlb > blocks - lbas[i]) {
+			*why = 1;
+			goto bad;
+		}
+		if (opc[i] == OPC_WRITE_ZEROES) {
+			total += (nlb + 0xffff) >> 16;
+			continue;
+		}
+		if (bufi[i] >= nbufs) {
+			*why = 5;
+			goto bad;
+		}
+		b = &bufs[bufi[i]];
+		limit = b->npages * P2H_PAGE;
+		if (offs[i] >= limit || len[i] > limit - offs[i]) {
+			*why = 2;
+			goto bad;
+		}
+		if (offs[i] & 3) {
+			*why = 3;
+			goto bad;
+		}
+		total += (len[i] + step - 1) / step;
+	}
+	if (total > 0xffffffffull)
+		return -ENOSPC;
+	op_first[n] = (uint32_t)total;
+	if (!ios)
+		return (int)(total > 0x7fffffff ? 0x7fffffff : total);
+	if (total > max_ios)
+		return -ENOSPC;
+	/* Second pass: encode. */
+	for (i = 0; i < n; i++) {
+		struct p2h_io *io = &ios[op_first[i]];
+		uint64_t done = 0, piece;
+		uint32_t c;
+
+		for (c = op_first[i]; op_of && c < op_first[i + 1]; c++)
+			op_of[c] = i;
+		if (op_left)
+			op_left[i] = op_first[i + 1] - op_first[i];
+
+		if (opc[i] == OPC_FLUSH) {
+			memset(io, 0, sizeof(*io));
+			io->opc = OPC_FLUSH;
+			io->nsid = nsid;
+			io->slot = P2H_NO_SLOT;
+			continue;
+		}
+		if (opc[i] == OPC_WRITE_ZEROES) {
+			uint64_t nlb = len[i] >> lba_shift;
+
+			for (; done < nlb; done += piece, io++) {
+				piece = nlb - done > 0x10000 ? 0x10000 : nlb - done;
+				memset(io, 0, sizeof(*io));
+				io->opc = OPC_WRITE_ZEROES;
+				io->nsid = nsid;
+				io->slba = lbas[i] + done;
+				io->nlb = (uint32_t)piece;
+				io->slot = P2H_NO_SLOT;
+			}
+			continue;
+		}
+		for (; done < len[i]; done += piece, io++) {
+			const struct p2h_buf *b = &bufs[bufi[i]];
+
+			piece = len[i] - done > step ? step : len[i] - done;
+			memset(io, 0, sizeof(*io));
+			io->opc = opc[i];
+			io->nsid = nsid;
+			io->slba = lbas[i] + (done >> lba_shift);
+			io->nlb = (uint32_t)(piece >> lba_shift);
+			io->nbytes = (uint32_t)piece;
+			io->buf_off = offs[i] + done;
+			io->pages = b->pages;
+			io->npages = b->npages;
+			io->slot = b->slot;
+			io->gen = b->gen;
+		}
+	}
+	return (int)total;
+bad:
+	*bad = (int)i;
 	return -EINVAL;
 }
 

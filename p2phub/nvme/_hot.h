@@ -78,6 +78,17 @@ struct p2h_batch {
 	uint32_t bad;			/* with refused: the request it stopped at */
 	uint32_t id;			/* slot in the queue pair's batch table */
 	uint32_t attached;
+	/*
+	 * Requests made of several commands (p2h_fill_ops), or NULL: op_of[i]
+	 * is the request of command i, op_left[k] the commands of request k
+	 * not yet completed; when it reaches 0, k is appended to op_done
+	 * (nops_done entries so far), in completion order.
+	 */
+	const uint32_t *op_of;
+	uint32_t *op_left;
+	uint32_t *op_done;
+	uint32_t nops_done;
+	uint32_t _pad2;
 };
 
 /* Per-command tracker, indexed by the low 12 bits of the command id. */
@@ -121,6 +132,16 @@ struct p2h_qp {
 	uint32_t nbatch;		/* batches attached */
 	struct p2h_batch *batch[64];	/* attached batches, by id */
 	uint64_t refused;		/* submissions the gate refused */
+	uint16_t *cids;			/* ntrk entries: scratch for batch submission */
+};
+
+/* A buffer the requests of p2h_fill_ops may reference, by index. */
+struct p2h_buf {
+	const uint64_t *pages;	/* 4 KiB-granular DMA addresses */
+	uint64_t npages;
+	uint32_t slot;		/* status page slot; 0xffffffff: none */
+	uint32_t _pad;
+	uint64_t gen;
 };
 
 struct p2h_qp *p2h_qp_create(uint16_t qid, uint32_t depth, uint32_t ntrk,
@@ -197,6 +218,32 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
 		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
 		uint32_t slot, uint64_t gen, uint64_t blocks, int *bad, int *why);
+
+/*
+ * Encode n requests of any kind (read, write, flush, write zeroes) and size
+ * into commands, each request split so that no command moves more than
+ * max_transfer bytes (write zeroes: 65536 blocks). Request i: opcode opc[i],
+ * LBA lbas[i], len[i] bytes (write zeroes: blocks times the LBA size; flush:
+ * ignored), offset offs[i] into buffer bufs[bufi[i]] (0xffffffff: none).
+ * Every request is checked before anything is written: opcode known, length
+ * a positive multiple of the LBA size, LBA range inside blocks, a buffer for
+ * data, buffer range inside it, offset dword aligned. op_first[i] is the
+ * index of request i's first command, op_first[n] the number of commands;
+ * when written, op_of[c] (per command) its request and op_left[i] (per
+ * request) its number of commands (both may be NULL). With ios NULL only
+ * checks and counts. Return: commands (written when ios
+ * is not NULL and they fit in max_ios), -28 (ENOSPC) when they do not fit,
+ * or -22 (EINVAL) with *bad the first bad request and *why 1 (LBA range),
+ * 2 (buffer range), 3 (alignment), 4 (length), 5 (no such buffer) or
+ * 6 (opcode).
+ */
+int p2h_fill_ops(struct p2h_io *ios, uint32_t max_ios, uint32_t n,
+		 const uint8_t *opc, const uint64_t *lbas, const uint64_t *len,
+		 const uint64_t *offs, const uint32_t *bufi,
+		 const struct p2h_buf *bufs, uint32_t nbufs, uint32_t nsid,
+		 uint32_t lba_shift, uint64_t blocks, uint32_t max_transfer,
+		 uint32_t *op_first, uint32_t *op_of, uint32_t *op_left,
+		 int *bad, int *why);
 
 /*
  * Run one batch to completion on a queue pair with nothing else in flight:

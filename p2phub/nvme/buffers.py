@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import uapi
+from .._resource import Resource
 from ..errors import P2PHubError, RevokedError, UsageError
 from ..memory import Memory
 from . import prp, spec
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 NO_SLOT = 0xFFFFFFFF
 
 
-class DmaBuffer:
+class DmaBuffer(Resource):
     """DMA-coherent host memory made by p2phub.ko for this controller.
 
     Usable wherever a registration is: ``ns.read(buf, ...)``. ``view`` is a
@@ -59,13 +60,13 @@ class DmaBuffer:
             self._pages = prp.PageList(addrs, n, self.size, owner=self, name=f"DMA buffer {self.name}")
         return self._pages
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Unmap; the memory itself is freed when the controller closes."""
         self._mem.close()
 
     @property
     def closed(self) -> bool:
-        return self._mem.closed
+        return self._closed or self._mem.closed  # the controller's close unmaps it too
 
 
 class RegMapping:
@@ -81,13 +82,13 @@ class RegMapping:
         self.cond = threading.Condition()
         self.unmapped = False
 
-    def hold(self) -> None:
+    def hold(self, count: int = 1) -> None:
         with self.cond:
-            self.inflight += 1
+            self.inflight += count
 
-    def release(self, _fut: object = None) -> None:
+    def release(self, count: int = 1) -> None:
         with self.cond:
-            self.inflight -= 1
+            self.inflight -= count
             if self.inflight == 0:
                 self.cond.notify_all()
 

@@ -30,7 +30,8 @@ import time
 import weakref
 from typing import Any, Callable
 
-from .. import metrics, uapi
+from .. import metrics
+from .._resource import Resource
 from ..errors import P2PHubError, UsageError
 from ..memory import Memory
 from ..pci import normalize
@@ -38,9 +39,9 @@ from . import bind as _bind
 from . import prp, spec
 from .buffers import DmaBuffer, Mappings, RegMapping
 from .errors import ControllerResetError, NvmeError
-from .namespace import Namespace
+from .namespace import Namespace, NamespaceContext
 from .queue import CommandFuture, QueueHooks, QueuePair
-from .recovery import Recovery
+from .recovery import ControllerState, Recovery
 
 DEFAULT_IO_QUEUES = 4
 DEFAULT_QUEUE_DEPTH = 256
@@ -50,7 +51,7 @@ MAX_TRANSFER_CAP = 1 << 20  # when MDTS is 0 (no limit): what one command moves 
 _live: "weakref.WeakSet[Controller]" = weakref.WeakSet()
 
 
-class Controller:
+class Controller(Resource):
     """An NVMe controller owned by this process through p2phub.ko."""
 
     def __init__(self, kfile: Any, *, io_queues: int = DEFAULT_IO_QUEUES,
@@ -68,7 +69,6 @@ class Controller:
         self.interrupts = interrupts
         self._want_queues = max(1, io_queues)
         self._want_depth = queue_depth
-        self.state = "new"
         self.terminal_error: BaseException | None = None
         self.recovery = Recovery(self)
         self.mappings = Mappings(kfile, hot, getattr(kfile, "device", None), self.bdf)
@@ -80,7 +80,6 @@ class Controller:
         self.skipped_namespaces: dict[int, str] = {}
         self._bufs: list[DmaBuffer] = []
         self._vector_fds: dict[int, int] = {}
-        self._tags = itertools.count(1 << 48)
         self._thread_qp = threading.local()
         self._rr = itertools.count()
         self._req_efd = -1
@@ -116,6 +115,11 @@ class Controller:
             ctrl.close()
             raise
         return ctrl
+
+    @property
+    def state(self) -> ControllerState:
+        """Where the controller is in its life (owned by :class:`~p2phub.nvme.recovery.Recovery`)."""
+        return self.recovery.state
 
     # ---------------------------------------------------------------- registers
     def rd32(self, off: int) -> int:
@@ -153,7 +157,7 @@ class Controller:
     # ---------------------------------------------------------------- bring-up
     def start(self) -> "Controller":
         """Reset and enable the controller, identify it and its namespaces, create I/O queues."""
-        if self.state != "new":
+        if self.state is not ControllerState.NEW:
             raise UsageError(f"{self.bdf}: start() on a controller that is {self.state}")
         self.cap = spec.Cap(self.rd64(spec.REG_CAP))
         if self.cap.raw == (1 << 64) - 1:
@@ -168,7 +172,7 @@ class Controller:
         self.admin = self._make_qpair(0, min(ADMIN_DEPTH, self.cap.mqes), 0, 0 if self.interrupts else None)
         self._enable()
         self._setup_irq(self.admin)
-        self.state = "live"
+        self.recovery.enter(ControllerState.LIVE, "enabled; admin queue up")
         ident = self.identify_buffer = self.alloc_dma(spec.PAGE, "identify")
         self.admin_cmd(spec.command(spec.ADM_IDENTIFY, prp1=ident.dma_addr, cdw10=spec.CNS_CONTROLLER),
                        what="Identify Controller")
@@ -211,6 +215,10 @@ class Controller:
 
     def _identify_namespaces(self) -> None:
         ident = self.identify_buffer
+        # What every namespace uses of this controller, handed over once (it never calls back).
+        self._ns_context = NamespaceContext(name=self.bdf, hot=self.hot, max_transfer=self.max_transfer,
+                                            qpair=self.io_qpair, resolve=self.resolve_buffer,
+                                            access_hooks=self.access_hooks)
         nsids: list[int] = []
         if self.version >= 0x10100:
             self.admin_cmd(spec.command(spec.ADM_IDENTIFY, prp1=ident.dma_addr, cdw10=spec.CNS_ACTIVE_NSIDS),
@@ -233,7 +241,7 @@ class Controller:
             if why:
                 self.skipped_namespaces[nsid] = why
                 continue
-            self.namespaces[nsid] = Namespace(self, ns)
+            self.namespaces[nsid] = Namespace(ns, self._ns_context)
 
     def _create_io_queue(self, qp: QueuePair) -> None:
         ien = 0 if qp.vector is None else 1
@@ -280,7 +288,7 @@ class Controller:
                     return
                 # The kernel signals every change of state: act on what the status page says.
                 ctrl.recovery.state_changed(None)
-                if ctrl.state in ("dead", "removed", "closed"):
+                if ctrl.state.terminal:
                     return
                 del ctrl
 
@@ -327,7 +335,7 @@ class Controller:
     def reinitialise(self) -> None:
         """After a disable: admin queue, enable, Number of Queues, every I/O queue again."""
         self._enable()
-        self.state = "live"
+        self.recovery.enter(ControllerState.LIVE, "enabled again; re-creating the I/O queues")
         self._set_queue_count(len(self.io_qps))
         for q in self.io_qps:
             self._create_io_queue(q)
@@ -377,9 +385,6 @@ class Controller:
             self._thread_qp.qp = qp
         return qp
 
-    def next_tag(self) -> int:
-        return next(self._tags)
-
     def alloc_dma(self, size: int, name: str = "buffer") -> DmaBuffer:
         """DMA-coherent memory for this controller (rounded up to whole pages, <= 4 MiB)."""
         buf = DmaBuffer(self.kfile.alloc_dma(_page(size), name), name, self, self.hot)
@@ -407,16 +412,16 @@ class Controller:
     def _settle_state(self) -> None:
         """Before new work: let a recovery in progress (another thread's) finish, and act on
         news in the status page nobody has acted on yet (a plain load when there is none)."""
-        if self.state in ("fenced", "resetting") or (self.state == "live" and self.status_state()):
+        if self.state.recovering or (self.state is ControllerState.LIVE and self.status_state()):
             with self.recovery.lock:
                 pass
-            if self.state == "live" and self.status_state():
+            if self.state is ControllerState.LIVE and self.status_state():
                 self.recovery.state_changed(None)
 
     def _check_usable(self) -> None:
-        if self.state == "live":
+        if self.state is ControllerState.LIVE:
             return
-        if self.state in ("resetting", "fenced"):
+        if self.state.recovering:
             raise ControllerResetError(f"{self.bdf} is being reset; retry")
         if self.terminal_error is not None:
             raise self.terminal_error
@@ -470,7 +475,7 @@ class Controller:
     # ---------------------------------------------------------------- lifetime
     def stats(self) -> dict:
         return {"resets": self.recovery.resets, "aborts": self.recovery.aborts,
-                "fences": self.recovery.fences, "state": self.state,
+                "fences": self.recovery.fences, "state": self.state.value,
                 "queues": [q.stats() for q in ([self.admin] if self.admin else []) + self.io_qps
                            if q.c is not None]}
 
@@ -492,10 +497,6 @@ class Controller:
                 "msix_vectors": self.kfile.nr_irqs, "interrupts": self.interrupts,
                 "namespaces": [ns.ident.as_dict() for ns in self.namespaces.values()],
                 "skipped_namespaces": {str(k): v for k, v in self.skipped_namespaces.items()}}
-
-    @property
-    def closed(self) -> bool:
-        return self.state == "closed"
 
     def release_device(self) -> None:
         """Stop every queue's MMIO, then unmap and close the controller fd: the kernel disables
@@ -521,17 +522,17 @@ class Controller:
             os.close(self._req_efd)
             self._req_efd = -1
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Release everything; the kernel disables the controller and frees its memory.
 
         Outstanding commands fail with ControllerResetError only after the fd is closed.
         """
-        if self.state == "closed":
+        if self.state is ControllerState.CLOSED:
             return
         was = self.state
-        self.state = "closed"
+        self.recovery.enter(ControllerState.CLOSED, "closed by its owner")
         self.release_device()
-        if was not in ("dead", "removed"):
+        if not was.terminal:
             self.fail_outstanding(lambda opc, cid, fut, q: ControllerResetError(
                 f"{fut.what or 'command'} was outstanding when {self.bdf} was closed"), reset_rings=False)
         for q in [self.admin, *self.io_qps]:
@@ -544,12 +545,6 @@ class Controller:
         self.admin = None
         self._bufs = []
         _live.discard(self)
-
-    def __enter__(self) -> "Controller":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -569,7 +564,7 @@ def open(bdf: str, **kw: Any) -> Controller:  # noqa: A001
 
 def controllers_holding(reg: Any) -> list[Controller]:
     """The live controllers of this process that hold registration reg."""
-    return [c for c in list(_live) if c.state != "closed" and c.holds(reg)]
+    return [c for c in list(_live) if c.state is not ControllerState.CLOSED and c.holds(reg)]
 
 
 def quiesce_registration(reg: Any, timeout: float | None = None) -> bool:
@@ -585,5 +580,5 @@ def quiesce_registration(reg: Any, timeout: float | None = None) -> bool:
     return ok
 
 
-__all__ = ["Controller", "DmaBuffer", "Namespace", "controllers_holding", "open", "quiesce_registration",
-           "uapi"]
+__all__ = ["Controller", "ControllerState", "DmaBuffer", "Namespace", "controllers_holding", "open",
+           "quiesce_registration"]

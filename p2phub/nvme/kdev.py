@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import uapi
+from .._resource import Resource
 from ..device import Device
 from ..errors import P2PHubOSError, RevokedError
 from ..pci import PciAddress, normalize
 
 
-@dataclass
-class DmaMemory:
+@dataclass(eq=False)
+class DmaMemory(Resource):
     """One P2PHUB_NVME_DMA_ALLOC buffer, mapped: ``cptr`` for C, ``view`` for Python."""
 
     id: int
@@ -37,7 +38,7 @@ class DmaMemory:
     _map: Any = None
     _cbuf: Any = None
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Unmap (the memory itself is freed when the controller fd is released)."""
         if self._map is None:
             return
@@ -50,9 +51,6 @@ class DmaMemory:
             return  # someone still holds a view; the mapping goes with it
         self._map = None
 
-    @property
-    def closed(self) -> bool:
-        return self._map is None
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class RegMapInfo:
     slot: int        # index into the status page's reg_gen
 
 
-class ControllerFile:
+class ControllerFile(Resource):
     """An open controller fd (``P2PHUB_NVME_OPEN``) and its mappings."""
 
     def __init__(self, bdf: str, hot: Any, device: Device | None = None) -> None:
@@ -170,7 +168,7 @@ class ControllerFile:
     def closed(self) -> bool:
         return self.fd < 0
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Unmap everything and close the fd: the kernel disables the controller (CC.EN = 0,
         bus mastering off) once the last mapping is gone, then frees its memory."""
         for mem in self._mems:

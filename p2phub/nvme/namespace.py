@@ -1,38 +1,48 @@
 """Namespaces: block I/O between LBAs and registered memory.
 
-Two ways in:
+Three ways in:
 
-- ``ns.read/write/submit(...)``: one future per request (a request bigger
-  than MDTS is split), Python per request;
-- ``ns.read_batch/write_batch(buf, lbas, offsets, nbytes)``: the fast path.
-  Many same-sized requests into one registration (or DMA buffer) in one
-  call; the requests are encoded and checked in C, the hot path's pump
-  submits and reaps them with no Python and no system call per request, and
-  one :class:`BatchFuture` comes back.
+- ``ns.read/write/flush/write_zeroes(...)``: one request, blocking;
+- ``ns.submit(ops)`` / ``ns.submit_ops(ops)``: any number of requests of any
+  kind and size (a request larger than MDTS is split) into one or several
+  buffers. The whole call is checked first (in C): one bad request refuses it
+  with a ``UsageError`` naming its index, and nothing is submitted. Then the
+  hot path's pump submits the commands as queue slots free (one doorbell per
+  round) and records their completions with no Python per command; thousands
+  of requests, more than the queue holds, go in one call. ``submit`` returns
+  one future per request, ``submit_ops`` one :class:`BatchFuture` (and
+  ``op_futures()`` on request). Once the call returns, every failure (the
+  gate, a reset, a fence, an error status) arrives through those futures.
+- ``ns.read_batch/write_batch(buf, lbas, offsets, nbytes)``: many same-sized
+  requests into one buffer, from integer arrays used in place.
 
-Every access is declared in one place, :meth:`Namespace._declare`, before
-it is submitted, and released when its future completes: that is where the
-per-registration in-flight count lives (what ``quiesce_registration`` waits
-for) and where the ordering layer hooks (``Controller.access_hooks``).
+A namespace is handed what it uses of its controller (a
+:class:`NamespaceContext`); it never calls the controller. Every access is
+declared in one place, :meth:`Namespace._declare`, before it is submitted,
+and released when its future completes: that is where the per-registration
+in-flight count lives (what ``quiesce_registration`` waits for) and where the
+ordering layer hooks (``Controller.access_hooks``).
 """
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from .. import metrics
 from ..errors import UsageError
 from ..ordering import nvme as ordering
 from . import prp, spec
-from .queue import NO_SLOT, BatchFuture, CommandFuture, QueuePair
+from .errors import NvmeError, RegistrationRevokedError
+from .queue import NO_SLOT, BatchFuture, OpFuture, OpTable, QueuePair
 
 if TYPE_CHECKING:
     from .buffers import RegMapping
-    from .controller import Controller
 
 KINDS = {"read": spec.OPC_READ, "write": spec.OPC_WRITE, "flush": spec.OPC_FLUSH,
          "write_zeroes": spec.OPC_WRITE_ZEROES}
+NO_BUF = 0xFFFFFFFF
 
 
 class AccessHook(Protocol):
@@ -45,6 +55,18 @@ class AccessHook(Protocol):
     def begin(self, buf: Any, offset: int, length: int, kind: str) -> object: ...
 
     def end(self, token: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class NamespaceContext:
+    """What a namespace uses of its controller, handed over when it is made."""
+
+    name: str                                                # the controller (PCI address), for messages
+    hot: Any                                                 # the compiled hot path (ffi, lib)
+    max_transfer: int                                        # bytes one command moves at most (MDTS)
+    qpair: Callable[[], QueuePair]                           # this thread's I/O queue pair
+    resolve: Callable[[Any], "tuple[prp.PageList, RegMapping | None]"]  # buffer -> pages, mapping
+    access_hooks: list[Any]                                  # AccessHook objects (the controller's list)
 
 
 @dataclass
@@ -70,73 +92,242 @@ def WriteOp(buf: Any, lba: int, nbytes: int, offset: int = 0) -> Op:  # noqa: N8
 class Namespace:
     """One active namespace of a controller."""
 
-    def __init__(self, ctrl: "Controller", ident: spec.IdentifyNamespace) -> None:
-        self.ctrl = ctrl
+    def __init__(self, ident: spec.IdentifyNamespace, ctx: NamespaceContext) -> None:
         self.ident = ident
         self.nsid = ident.nsid
         self.lba_size = ident.lba_size
         self.blocks = ident.nsze
         self._lba_shift = self.lba_size.bit_length() - 1
+        self._ctx = ctx
 
     def __repr__(self) -> str:
-        return f"<Namespace {self.ctrl.bdf} nsid={self.nsid} {self.blocks}x{self.lba_size}B>"
+        return f"<Namespace {self._ctx.name} nsid={self.nsid} {self.blocks}x{self.lba_size}B>"
 
     # ---------------------------------------------------------------- blocking
     def read(self, buf: Any, lba: int, nbytes: int, offset: int = 0, *, timeout: float | None = None) -> None:
         """Read nbytes from lba into buf[offset:offset+nbytes] (buf: registration or DmaBuffer)."""
-        self.submit([Op("read", buf, lba, nbytes, offset)])[0].result(timeout)
+        self.submit_ops([Op("read", buf, lba, nbytes, offset)]).result(timeout)
 
     def write(self, buf: Any, lba: int, nbytes: int, offset: int = 0, *, timeout: float | None = None) -> None:
         """Write buf[offset:offset+nbytes] to lba."""
-        self.submit([Op("write", buf, lba, nbytes, offset)])[0].result(timeout)
+        self.submit_ops([Op("write", buf, lba, nbytes, offset)]).result(timeout)
 
     def flush(self, *, timeout: float | None = None) -> None:
-        self.submit([Op("flush")])[0].result(timeout)
+        self.submit_ops([Op("flush")]).result(timeout)
 
     def write_zeroes(self, lba: int, nblocks: int, *, timeout: float | None = None) -> None:
-        self.submit([Op("write_zeroes", lba=lba, nblocks=nblocks)])[0].result(timeout)
+        self.submit_ops([Op("write_zeroes", lba=lba, nblocks=nblocks)]).result(timeout)
 
     # ---------------------------------------------------------------- asyncio
     async def read_async(self, buf: Any, lba: int, nbytes: int, offset: int = 0) -> None:
-        await self.submit([Op("read", buf, lba, nbytes, offset)])[0]
+        await self.submit_ops([Op("read", buf, lba, nbytes, offset)])
 
     async def write_async(self, buf: Any, lba: int, nbytes: int, offset: int = 0) -> None:
-        await self.submit([Op("write", buf, lba, nbytes, offset)])[0]
+        await self.submit_ops([Op("write", buf, lba, nbytes, offset)])
 
-    # ---------------------------------------------------------------- one future per request
-    def submit(self, ops: Iterable[Op], *, qpair: QueuePair | None = None) -> list[CommandFuture]:
-        """Submit requests: every op is validated first, then all go out with one doorbell
-        per queue-full round. Returns one future per op."""
-        qp = qpair or self.ctrl.io_qpair()
-        ops = list(ops)
-        ios, piece_futs, op_futs, accesses = self._prepare(ops, qp)
+    # ---------------------------------------------------------------- requests of any kind and size
+    def submit(self, ops: Iterable[Op], *, qpair: QueuePair | None = None,
+               qd: int | None = None) -> list[OpFuture]:
+        """Submit requests; one future per request (see :meth:`submit_ops`), each done when
+        every command of its request has completed."""
+        ops = ops if isinstance(ops, list) else list(ops)
+        if not ops:
+            return []
+        return self.submit_ops(ops, qpair=qpair, qd=qd, futures=True).op_futures()
+
+    def submit_ops(self, ops: Sequence[Op], *, qpair: QueuePair | None = None, qd: int | None = None,
+                   latencies: bool = False, futures: bool = False) -> BatchFuture:
+        """Submit any number of requests (reads and writes of any size into one or several
+        buffers, flushes, write zeroes) in one call; one :class:`BatchFuture` back
+        (``op_futures()`` gives one per request; ``statuses()`` is per request).
+
+        Checked before anything is submitted, in C: kind, length (a positive multiple of the
+        LBA size), LBA range, buffer (open, not revoked, of this controller's Hub), buffer
+        range, dword alignment. A bad request refuses the whole call with a ``UsageError``
+        (``RegistrationRevokedError`` for a revoked registration) naming its index
+        (``exc.index``); nothing reaches the queue. Requests larger than MDTS are split. The
+        pump then submits the commands as slots free, at most `qd` in flight (default: as many
+        as the queue takes). Once this returns, every failure arrives through the future.
+        futures=True makes the per-request futures before submission (what ``submit`` does).
+        """
+        ops = ops if isinstance(ops, list) else list(ops)
+        if not ops:
+            raise UsageError("an empty batch")
+        qp = qpair or self._ctx.qpair()
+        ios, total, table, bufs, bufi, keep = self._encode(ops)
+        fut = BatchFuture(qp, ios, total, qd=qd or qp.ntrk, ops=table, latencies=latencies, keep=keep,
+                          what=f"batch of {len(ops)} requests nsid={self.nsid}")
+        op_futs = fut.op_futures() if futures else None
         # Ordered accesses first: strict mode refuses the batch before anything is sent, and
         # the batch waits here for earlier conflicting accesses (p2phub.ordering).
-        ordered = ordering.declare(ops, [f.what for f in op_futs])
-        tokens: list[object] = []
+        ordered = ordering.declare(ops, name=table.what)
         try:
-            for a in accesses:
-                tokens.append(self._declare(*a))
+            tokens = self._declare_batch(ops, bufs, bufi, per_op=op_futs is not None)
         except BaseException as exc:
+            ordering.abandon(ordered, op_futs or _Same(fut), exc)
+            raise
+        if op_futs is not None:  # each request's declaration ends with its own future
+            fut._op_tokens, fut._op_release = tokens, self._release
+        elif tokens:
+            fut.add_done_callback(lambda _f: [self._release(t) for t in tokens if t is not None])
+        ordering.bind(ordered, op_futs or _Same(fut))
+        metrics.nvme_ops(self._ctx.name, ops, fut)
+        return qp.submit_batch(fut)
+
+    def _encode(self, ops: list[Op]) -> tuple[Any, int, OpTable, list, Any, tuple]:
+        """Check every request and encode the commands (C: p2h_fill_ops); raises, naming the
+        first bad request, before anything is submitted. (ios, commands, table, buffers,
+        buffer index per request, what the commands reference)."""
+        ctx = self._ctx
+        ffi, lib = ctx.hot.ffi, ctx.hot.lib
+        n = len(ops)
+        opcs = bytearray(n)
+        bufi = array.array("I", bytes(4 * n))
+        lbas = array.array("Q", bytes(8 * n))
+        lens = array.array("Q", bytes(8 * n))
+        offs = array.array("Q", bytes(8 * n))
+        bufs: list[tuple[Any, prp.PageList, "RegMapping | None"]] = []
+        index: dict[int, int] = {}
+        shift = self._lba_shift
+        kinds = KINDS
+        wz = spec.OPC_WRITE_ZEROES
+        i = 0
+        try:
+            for i, op in enumerate(ops):
+                opc = kinds.get(op.kind)
+                if opc is None:
+                    raise self._bad(i, n, op, f"unknown kind {op.kind!r} (read, write, flush, write_zeroes)")
+                opcs[i] = opc
+                b = op.buf
+                if b is not None:
+                    k = index.get(id(b))
+                    if k is None:
+                        k = index[id(b)] = self._add_buffer(bufs, b, i, n, op)
+                    bufi[i] = k
+                else:
+                    bufi[i] = NO_BUF
+                lbas[i] = op.lba
+                if opc == wz:
+                    lens[i] = op.nblocks << shift if op.nblocks > 0 else 0
+                else:
+                    lens[i] = op.nbytes if op.nbytes > 0 else 0
+                offs[i] = op.offset
+        except (OverflowError, TypeError):
+            raise self._bad(i, n, ops[i], self._not_uint64(ops[i])) from None
+        cbufs = ffi.new("struct p2h_buf[]", max(len(bufs), 1))
+        for k, (_b, pl, m) in enumerate(bufs):
+            cb = cbufs[k]
+            cb.pages, cb.npages = pl.addrs, pl.npages
+            cb.slot, cb.gen = (m.slot, m.generation) if m is not None else (NO_SLOT, 0)
+        first = array.array("I", bytes(4 * (n + 1)))
+        keep = (bufs, cbufs, ffi.from_buffer("uint8_t[]", opcs), ffi.from_buffer("uint64_t[]", lbas),
+                ffi.from_buffer("uint64_t[]", lens), ffi.from_buffer("uint64_t[]", offs),
+                ffi.from_buffer("uint32_t[]", bufi), ffi.from_buffer("uint32_t[]", first))
+        bad, why = ffi.new("int *"), ffi.new("int *")
+        args = (n, *keep[2:7], cbufs, len(bufs), self.nsid, shift, self.blocks, ctx.max_transfer, keep[7])
+        total = lib.p2h_fill_ops(ffi.NULL, 0, *args, ffi.NULL, ffi.NULL, bad, why)
+        if total < 0:
+            raise self._refusal(bad[0], why[0], n, ops, bufs, bufi)
+        ios = ffi.new("struct p2h_io[]", total)
+        op_of, op_left = ffi.new("uint32_t[]", total), ffi.new("uint32_t[]", n)
+        if lib.p2h_fill_ops(ios, total, *args, op_of, op_left, bad, why) != total:
+            raise UsageError(f"batch of {n} requests: encoding failed")  # not reached: checked above
+        table = OpTable(n=n, first=first, op_of=op_of, op_left=op_left, op_done=ffi.new("uint32_t[]", n),
+                        opcodes=opcs, bufi=bufi, mappings=[m for _b, _p, m in bufs],
+                        describe=lambda k: _describe(ops[k], self.nsid))
+        return ios, total, table, bufs, bufi, keep
+
+    def _not_uint64(self, op: Op) -> str:
+        if isinstance(op.lba, int) and op.lba < 0:
+            return f"LBA range lba={op.lba} is outside namespace {self.nsid} of {self.blocks} blocks"
+        if isinstance(op.offset, int) and op.offset < 0:
+            return f"buffer range offset={op.offset} is outside the buffer"
+        return "LBA, length and offset must be integers in 0..2^64-1"
+
+    def _add_buffer(self, bufs: list, b: Any, i: int, n: int, op: Op) -> int:
+        """Resolve a buffer of request i (once per call); its index in bufs."""
+        try:
+            pl, m = self._ctx.resolve(b)
+        except RegistrationRevokedError as exc:
+            err = RegistrationRevokedError(f"{op.kind} request {i} of {n}: {exc}", handle=exc.handle)
+            err.index = i  # type: ignore[attr-defined]
+            raise err from None
+        except UsageError as exc:
+            raise self._bad(i, n, op, str(exc)) from None
+        bufs.append((b, pl, m))
+        return len(bufs) - 1
+
+    @staticmethod
+    def _bad(i: int, n: int, op: Any, why: str) -> UsageError:
+        err = UsageError(f"{getattr(op, 'kind', '?')} request {i} of {n}: {why}")
+        err.index = i  # type: ignore[attr-defined]
+        return err
+
+    def _refusal(self, i: int, why: int, n: int, ops: Sequence[Op], bufs: list, bufi: Any) -> UsageError:
+        op = ops[i]
+        if why == 1:
+            nblocks = op.nblocks if op.kind == "write_zeroes" else op.nbytes // self.lba_size
+            text = (f"LBA range lba={op.lba} nblocks={nblocks} is outside namespace {self.nsid} "
+                    f"of {self.blocks} blocks")
+        elif why == 2:
+            pl = bufs[bufi[i]][1]
+            text = f"buffer range offset={op.offset} nbytes={op.nbytes} is outside {pl.name} of {pl.nbytes} bytes"
+        elif why == 3:
+            text = f"offset={op.offset} must be a multiple of 4 (PRP dword alignment)"
+        elif why == 4:
+            text = (f"nblocks={op.nblocks} must be positive" if op.kind == "write_zeroes" else
+                    f"nbytes={op.nbytes} is not a positive multiple of the LBA size {self.lba_size}")
+        elif why == 5:
+            text = "no buffer given for its data"
+        else:
+            text = f"cannot be encoded (reason {why})"
+        return self._bad(i, n, op, text)
+
+    def _declare_batch(self, ops: Sequence[Op], bufs: list, bufi: Any, per_op: bool) -> list[Any]:
+        """Declare every access of a batch (hooks per request, one hold per request on each
+        registration); tokens for :meth:`_release`: one per request (None where nothing was
+        declared) when per_op or hooks are set, else one per registration. Nothing stays
+        declared if one raises."""
+        tokens: list[Any] = []
+        try:
+            if per_op and not self._ctx.access_hooks:
+                # One hold per registration for all its requests; each request releases one.
+                shared: dict[int, Any] = {}
+                counts: dict[int, int] = {}
+                for k in bufi:
+                    if k != NO_BUF and bufs[k][2] is not None:
+                        counts[k] = counts.get(k, 0) + 1
+                for k, cnt in counts.items():
+                    m = bufs[k][2]
+                    m.hold(cnt)
+                    shared[k] = (m, (), 1)
+                get = shared.get
+                tokens = [get(k) for k in bufi]
+            elif self._ctx.access_hooks or per_op:
+                for k, op in enumerate(ops):
+                    if op.kind in ("flush", "write_zeroes"):
+                        tokens.append(self._declare(None, None, 0, 0, op.kind))
+                    else:
+                        m = bufs[bufi[k]][2]
+                        tokens.append(self._declare(op.buf, m, op.offset, op.nbytes, op.kind))
+            else:
+                counts: dict[int, list] = {}
+                for k in bufi:
+                    if k != NO_BUF and bufs[k][2] is not None:
+                        c = counts.get(k)
+                        if c is None:
+                            counts[k] = [bufs[k][2], 1]
+                        else:
+                            c[1] += 1
+                for m, cnt in counts.values():
+                    m.hold(cnt)
+                    tokens.append((m, [], cnt))
+        except BaseException:
             for t in tokens:
                 if t is not None:
                     self._release(t)
-            ordering.abandon(ordered, op_futs, exc)
             raise
-        for fut, token in zip(op_futs, tokens):
-            if token is not None:
-                fut.add_done_callback(lambda _f, t=token: self._release(t))
-        try:
-            qp.submit_all(ios, piece_futs)
-        except BaseException as exc:
-            for fut in op_futs:
-                if not fut.done() and not fut.cids:
-                    fut._fail(exc)  # never reached the device: release its declaration
-            ordering.abandon(ordered, op_futs, exc)
-            raise
-        ordering.bind(ordered, op_futs)
-        metrics.nvme_submitted(self.ctrl, ops, op_futs)
-        return op_futs
+        return tokens
 
     # ---------------------------------------------------------------- the fast path
     def read_batch(self, buf: Any, lbas: Sequence[int], offsets: Sequence[int], nbytes: int, *,
@@ -168,12 +359,13 @@ class Namespace:
             raise UsageError("an empty batch")
         if nbytes <= 0 or nbytes % self.lba_size:
             raise UsageError(f"nbytes={nbytes} is not a positive multiple of the LBA size {self.lba_size}")
-        if nbytes > self.ctrl.max_transfer:
+        ctx = self._ctx
+        if nbytes > ctx.max_transfer:
             raise UsageError(f"nbytes={nbytes} is above the controller's largest transfer "
-                             f"{self.ctrl.max_transfer} (MDTS); use submit() to have it split")
-        qp = qpair or self.ctrl.io_qpair()
-        ffi, lib = self.ctrl.hot.ffi, self.ctrl.hot.lib
-        pl, mapping = self.ctrl.resolve_buffer(buf)
+                             f"{ctx.max_transfer} (MDTS); use submit() to have it split")
+        qp = qpair or ctx.qpair()
+        ffi, lib = ctx.hot.ffi, ctx.hot.lib
+        pl, mapping = ctx.resolve(buf)
         c_lbas = _u64(ffi, lbas)
         c_offs = _u64(ffi, offsets)
         ios = ffi.new("struct p2h_io[]", n)
@@ -203,13 +395,48 @@ class Namespace:
         if token is not None:
             fut.add_done_callback(lambda _f: self._release(token))
         ordering.bind(ordered, [fut])
-        metrics.nvme_batch(self.ctrl, kind, n, nbytes, fut)
+        metrics.nvme_batch(self._ctx.name, kind, n, nbytes, fut)
+        return qp.submit_batch(fut)  # from here on, failures arrive through fut
+
+    # ---------------------------------------------------------------- the engine's own loop
+    def run_generated(self, kind: str, buf: Any, nbytes: int, count: int, *, qd: int, seed: int = 1,
+                      qpair: QueuePair | None = None, timeout: float = 5.0, slots: int | None = None,
+                      latencies: bool = False) -> list[int]:
+        """`count` requests of nbytes generated in C (no request array: the benchmark's
+        ceiling): uniformly random nbytes-aligned LBAs over the namespace, request i into buf at
+        offset (i % slots) * nbytes (slots: default as many as buf holds); at most qd in flight. Runs
+        to completion on the queue pair (nothing else may be in flight there). Returns the
+        per-request latencies in ns when asked (else []); raises NvmeError if a request failed
+        or nothing completed for `timeout` seconds."""
+        if kind not in ("read", "write"):
+            raise UsageError(f"kind must be 'read' or 'write', not {kind!r}")
+        if nbytes <= 0 or nbytes % self.lba_size or nbytes > self._ctx.max_transfer:
+            raise UsageError(f"nbytes={nbytes} must be a positive multiple of the LBA size {self.lba_size} "
+                             f"and at most {self._ctx.max_transfer} (MDTS)")
+        if count <= 0:
+            raise UsageError(f"count={count} must be positive")
+        ctx = self._ctx
+        qp = qpair or ctx.qpair()
+        pl, mapping = ctx.resolve(buf)
+        fits = pl.nbytes // nbytes
+        slots = fits if slots is None else slots
+        if not 0 < slots <= fits:
+            raise UsageError(f"{slots} slots of {nbytes} bytes do not fit in {pl.name} of {pl.nbytes} bytes")
+        lat = ctx.hot.ffi.new("uint32_t[]", count) if latencies else None
+        token = self._declare(buf, mapping, 0, slots * nbytes, kind)
         try:
-            qp.submit_batch(fut)
-        except BaseException as exc:
-            fut._fail(exc)
-            raise
-        return fut
+            done, errors = qp.run_generated(
+                opc=KINDS[kind], nsid=self.nsid, nlb=nbytes // self.lba_size, nbytes=nbytes, pages=pl.addrs,
+                npages=pl.npages, slot=mapping.slot if mapping is not None else NO_SLOT,
+                gen=mapping.generation if mapping is not None else 0, span_blocks=self.blocks,
+                nslots=slots, count=count, qd=qd, seed=seed, timeout_s=timeout, lat=lat)
+        finally:
+            if token is not None:
+                self._release(token)
+        if done < count or errors:
+            raise NvmeError(f"{self._ctx.name} nsid={self.nsid}: generated {kind}s stopped at {done} of {count} "
+                            f"completed, {errors} with an error status")
+        return list(lat[0:count]) if lat is not None else []
 
     # ---------------------------------------------------------------- the access declaration
     def _declare(self, buf: Any, mapping: "RegMapping | None", offset: int, length: int,
@@ -218,7 +445,7 @@ class Namespace:
 
         Returns a token for :meth:`_release`, called when the access's future is done.
         """
-        hooks = self.ctrl.access_hooks
+        hooks = self._ctx.access_hooks
         if mapping is None and not hooks:
             return None
         done: list[tuple[Any, object]] = []
@@ -231,75 +458,33 @@ class Namespace:
             raise
         if mapping is not None:
             mapping.hold()
-        return (mapping, done)
+        return (mapping, done, 1)
 
     @staticmethod
     def _release(token: object) -> None:
-        mapping, done = token  # type: ignore[misc]
+        mapping, done, count = token  # type: ignore[misc]
         for h, t in reversed(done):
             h.end(t)
         if mapping is not None:
-            mapping.release()
+            mapping.release(count)
 
-    # ---------------------------------------------------------------- helpers
-    def _prepare(self, ops: list[Op], qp: QueuePair) -> tuple[Any, list[CommandFuture], list[CommandFuture],
-                                                              list[tuple[Any, Any, int, int, str]]]:
-        """Validate every op, split by MDTS; (p2h_io array, future per piece, future per op, accesses)."""
-        ffi = self.ctrl.hot.ffi
-        pieces: list[tuple[int, int, int, int, int, Any, int]] = []
-        futs: list[CommandFuture] = []
-        accesses: list[tuple[Any, Any, int, int, str]] = []
-        for op in ops:
-            if op.kind not in KINDS:
-                raise UsageError(f"unknown op kind {op.kind!r}")
-            opc = KINDS[op.kind]
-            what = f"{op.kind} nsid={self.nsid} lba={op.lba}"
-            mapping = None
-            if op.kind == "flush":
-                parts: list[tuple[int, int, int, int, Any]] = [(0, 0, 0, 0, None)]
-            elif op.kind == "write_zeroes":
-                self._check_lba(op.lba, op.nblocks)
-                parts = [(op.lba + i, min(0x10000, op.nblocks - i), 0, 0, None)
-                         for i in range(0, op.nblocks, 0x10000)]
-            else:
-                pl, mapping = self.ctrl.resolve_buffer(op.buf)
-                if op.nbytes <= 0 or op.nbytes % self.lba_size:
-                    raise UsageError(f"{what}: nbytes={op.nbytes} is not a positive multiple of "
-                                     f"the LBA size {self.lba_size}")
-                self._check_lba(op.lba, op.nbytes // self.lba_size)
-                pl.validate_range(op.offset, op.nbytes)
-                parts = [(lba, n // self.lba_size, n, off, pl)
-                         for lba, n, off in prp.split(op.lba, op.nbytes, op.offset, self.lba_size,
-                                                      self.ctrl.max_transfer)]
-                accesses.append((op.buf, mapping, op.offset, op.nbytes, op.kind))
-            if op.kind in ("flush", "write_zeroes"):
-                accesses.append((None, None, 0, 0, op.kind))
-            fut = CommandFuture(qp, opc, len(parts), keep=(op.buf, mapping), what=what)
-            fut.mapping = mapping
-            futs.append(fut)
-            for lba, nlb, nbytes, off, pl in parts:
-                pieces.append((opc, lba, nlb, nbytes, off, (pl, mapping), len(futs) - 1))
-        ios = ffi.new("struct p2h_io[]", len(pieces))
-        for i, (opc, lba, nlb, nbytes, off, (pl, mapping), _k) in enumerate(pieces):
-            io = ios[i]
-            io.opc = opc
-            io.nsid = self.nsid
-            io.slba = lba
-            io.nlb = nlb
-            io.nbytes = nbytes
-            io.buf_off = off
-            if pl is not None:
-                io.pages = pl.addrs
-                io.npages = pl.npages
-            io.slot = mapping.slot if mapping is not None else NO_SLOT
-            io.gen = mapping.generation if mapping is not None else 0
-            io.tag = self.ctrl.next_tag()
-        return ios, [futs[p[6]] for p in pieces], futs, accesses
 
-    def _check_lba(self, lba: int, nblocks: int) -> None:
-        if lba < 0 or nblocks <= 0 or lba + nblocks > self.blocks:
-            raise UsageError(f"LBA range lba={lba} nblocks={nblocks} is outside namespace {self.nsid} "
-                             f"of {self.blocks} blocks")
+def _describe(op: Op, nsid: int) -> str:
+    if op.kind == "flush":
+        return f"flush nsid={nsid}"
+    if op.kind == "write_zeroes":
+        return f"write_zeroes nsid={nsid} lba={op.lba} nblocks={op.nblocks}"
+    return f"{op.kind} nsid={nsid} lba={op.lba} nbytes={op.nbytes} offset={op.offset}"
+
+
+class _Same:
+    """A sequence whose every item is one future (a batch's accesses all follow it)."""
+
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def __getitem__(self, _i: int) -> Any:
+        return self.fut
 
 
 def _u64(ffi: Any, seq: Sequence[int]) -> Any:

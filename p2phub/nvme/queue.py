@@ -9,13 +9,17 @@ never calls into the controller. Every call into C happens under
 
 Completions of single commands come back by a 64-bit tag and complete a
 :class:`CommandFuture`; a :class:`BatchFuture` is one C ``struct p2h_batch``
-that the hot path's pump submits and completes without Python per request.
-Both futures offer ``done()``, ``wait(timeout)``, ``add_done_callback(fn)``,
-``exception()``, ``result()`` and ``await``; waiting drives the queue.
+that the hot path's pump submits (as many at a time as there are free slots,
+one doorbell per round) and completes without Python per request. A batch
+made of requests (``Namespace.submit``) also hands out one :class:`OpFuture`
+per request; they complete together with the batch. Every future offers
+``done()``, ``wait(timeout)``, ``add_done_callback(fn)``, ``exception()``,
+``result()`` and ``await``; waiting drives the queue.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import errno
 import itertools
@@ -26,9 +30,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from . import spec
+from .._resource import Resource
 from ..errors import UsageError
-from .errors import ControllerResetError, NvmeStatusError, NvmeTimeoutError
+from . import spec
+from .errors import ControllerResetError, NvmeError, NvmeStatusError, NvmeTimeoutError
 
 _tags = itertools.count(1)
 TAG_BATCH = 1 << 63
@@ -53,31 +58,32 @@ class _FutureBase:
     qp: "QueuePair"
     what: str
     mapping: Any = None  # the registration mapping it references (set by the namespace layer)
+    pumped = False       # completed by the C pump (waiters let it run longer per call)
 
     def __init__(self) -> None:
         self._exc: BaseException | None = None
-        self._done = threading.Event()
+        self._fin = False  # a plain flag: waiting drives the queue, nobody blocks on it
         self._callbacks: list[Callable[[Any], None]] = []
         self._timeout_exc: BaseException | None = None  # set when recovery takes over
 
     def _finish(self) -> None:
-        self._done.set()
+        self._fin = True
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, cb: Callable[[Any], None]) -> None:
         """Call cb(future) once it is done (at once if it is; else from the thread that reaps it)."""
-        if self._done.is_set():
+        if self._fin:
             cb(self)
         else:
             self._callbacks.append(cb)
-            if self._done.is_set() and cb in self._callbacks:  # finished meanwhile
+            if self._fin and cb in self._callbacks:  # finished meanwhile
                 self._callbacks.remove(cb)
                 cb(self)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._fin
 
     def on_stream(self, stream: Any, ops: Any = None) -> None:
         """Make a GPU stream wait for this request with no CPU round trip (see
@@ -144,7 +150,7 @@ class CommandFuture(_FutureBase):
             self._finish()
 
     def _fail(self, exc: BaseException) -> None:
-        if self._done.is_set():
+        if self._fin:
             return
         if self._exc is None:
             self._exc = self._timeout_exc or exc
@@ -160,6 +166,10 @@ class CommandFuture(_FutureBase):
         return self._dw0
 
 
+NOT_DONE = 0xFFFF  # a request batch's status before its command completes (no 15-bit status is)
+ABORT_REQUESTED = 0x07  # generic status "Command Abort Requested"
+
+
 class BatchFuture(_FutureBase):
     """Many requests submitted and reaped by the C pump; per-request status in ``statuses()``.
 
@@ -167,10 +177,17 @@ class BatchFuture(_FutureBase):
     ``NvmeStatusError`` (a request completed with an error; ``index`` on the
     exception), ``RegistrationRevokedError`` (the gate refused a request: the
     rest were not sent), or what a controller reset / fence / removal gave.
+
+    A batch made by ``Namespace.submit_ops`` counts requests as the caller
+    gave them (each may be several commands): ``statuses()`` and ``index``
+    are per request, and :meth:`op_futures` gives one future per request.
     """
 
+    pumped = True
+
     def __init__(self, qp: "QueuePair", ios: Any, n: int, *, qd: int, opcodes: Any = None,
-                 keep: object = None, what: str = "", latencies: bool = False) -> None:
+                 keep: object = None, what: str = "", latencies: bool = False,
+                 ops: "OpTable | None" = None) -> None:
         super().__init__()
         ffi = qp.hot.ffi
         self.qp = qp
@@ -178,7 +195,12 @@ class BatchFuture(_FutureBase):
         self.n = n
         self._ios = ios
         self._keep = keep
-        self._status = ffi.new("uint16_t[]", max(n, 1))
+        self._ops = ops
+        if ops is not None:  # NOT_DONE until each command completes: who never ran is known
+            self._status_mem = array.array("H", b"\xff\xff" * max(n, 1))
+            self._status = ffi.from_buffer("uint16_t[]", self._status_mem)
+        else:
+            self._status = ffi.new("uint16_t[]", max(n, 1))
         self._lat = ffi.new("uint32_t[]", max(n, 1)) if latencies else ffi.NULL
         b = self._b = ffi.new("struct p2h_batch *")
         b.ios = ios
@@ -187,17 +209,96 @@ class BatchFuture(_FutureBase):
         b.n = n
         b.qd = max(1, min(qd, qp.ntrk))
         self.opcodes = opcodes
+        self._op_exc: dict[int, BaseException] = {}  # failed requests (ops batches)
+        self._op_futs: list[OpFuture] | None = None
+        self._ops_seen = 0
+        # per request: what its future releases when it is done (set by the namespace layer)
+        self._op_tokens: list[Any] | None = None
+        self._op_release: Callable[[Any], None] | None = None
+        if ops is not None:
+            b.op_of, b.op_left, b.op_done = ops.op_of, ops.op_left, ops.op_done
 
     @property
     def completed(self) -> int:
         return int(self._b.done)
 
+    @property
+    def requests(self) -> int:
+        """Requests in the batch (as the caller counted them)."""
+        return self._ops.n if self._ops is not None else self.n
+
     def statuses(self) -> list[int]:
-        """Per request: the 15-bit NVMe status (0 = success)."""
-        return list(self._status[0:self.n])
+        """Per request: the 15-bit NVMe status (0 = success; for a batch of requests, the first
+        nonzero status of its commands, or NOT_DONE for one that never completed)."""
+        if self._ops is None:
+            return list(self._status[0:self.n])
+        st = self._status_mem
+        first = self._ops.first
+        out = []
+        for k in range(self._ops.n):
+            s = 0
+            for j in range(first[k], first[k + 1]):
+                if st[j]:
+                    s = st[j]
+                    break
+            out.append(s)
+        return out
 
     def latencies_ns(self) -> list[int]:
         return list(self._lat[0:self.n]) if self._lat != self.qp.hot.ffi.NULL else []
+
+    def op_futures(self) -> list["OpFuture"]:
+        """One future per request of a batch of requests (made once; done with the batch)."""
+        if self._ops is None:
+            raise UsageError("op_futures() is for batches of requests (Namespace.submit_ops)")
+        with self.qp.lock:
+            if self._op_futs is None:
+                ops = self._ops
+                self._op_futs = [OpFuture(self, k, ops.opcode(k), ops.mapping(k)) for k in range(ops.n)]
+                self._ops_seen = 0
+                if self.done():
+                    for f in self._op_futs:
+                        f._settle(self._op_exc.get(f.index))
+                else:
+                    self._progress()
+        return self._op_futs
+
+    # Called by QueuePair under its lock after each pump round.
+    def _progress(self) -> None:
+        """Settle the futures of the requests whose every command has completed."""
+        if self._op_futs is None:
+            return
+        end = int(self._b.nops_done)
+        if end == self._ops_seen:
+            return
+        done = self._ops.op_done  # type: ignore[union-attr]
+        futs = self._op_futs
+        for j in range(self._ops_seen, end):
+            k = done[j]
+            futs[k]._settle(self._op_error(k, None))
+        self._ops_seen = end
+
+    def _op_error(self, k: int, not_done: "Callable[[], BaseException] | None") -> BaseException | None:
+        """Request k's failure from its commands' statuses, or None when every one succeeded.
+        not_done() gives the failure of a command that never completed."""
+        ops = self._ops
+        assert ops is not None
+        st = self._status_mem
+        first = ops.first
+        for j in range(first[k], first[k + 1]):
+            s = st[j]
+            if not s:
+                continue
+            if s == NOT_DONE:
+                e = not_done() if not_done is not None else ControllerResetError(f"{ops.what(k)}: not completed")
+            elif s & 0x7FF == ABORT_REQUESTED and self._timeout_exc is not None:
+                e = self._timeout_exc
+            else:
+                e = NvmeStatusError(s, opcode=int(self._ios[j].opc), admin=False, qid=self.qp.qid,
+                                    cid=0, what=f"{ops.what(k)} (request {k} of {ops.n})")
+            e.index = k  # type: ignore[attr-defined]
+            return e
+        return None
 
     def _settled(self) -> bool:
         b = self._b
@@ -205,13 +306,15 @@ class BatchFuture(_FutureBase):
 
     # Called by QueuePair under its lock, once settled (or failed by recovery).
     def _conclude(self) -> None:
-        if self._done.is_set():
+        if self._fin:
             return
         b = self._b
         if self._exc is None and b.refused:
             io = self._ios[b.bad] if b.bad < self.n else None
             self._exc = self.qp.hooks.refused(self.qp, -b.refused, io)
-        if self._exc is None and b.errors:
+        if self._ops is not None:
+            self._conclude_ops(None)
+        elif self._exc is None and b.errors:
             st = self.statuses()
             k = next(i for i, s in enumerate(st) if s)
             opc = int(self._ios[k].opc)
@@ -222,21 +325,127 @@ class BatchFuture(_FutureBase):
         self._keep = None
         self._finish()
 
-    def _fail(self, exc: BaseException) -> None:
-        if self._done.is_set():
+    def _conclude_ops(self, exc_for: "Callable[[OpFuture], BaseException] | None") -> None:
+        """Each request's outcome from its commands' statuses: a nonzero status fails it with
+        NvmeStatusError; a command that never completed fails it with the batch's failure
+        (exc_for(its future) when recovery failed the batch). The first failure is the batch's."""
+        b = self._b
+        ops = self._ops
+        assert ops is not None
+        base_exc = self._exc
+        if b.errors or b.done < b.n:
+            for k in range(ops.n):
+                if exc_for is not None:
+                    def not_done(k: int = k) -> BaseException:
+                        f = self._op_futs[k] if self._op_futs is not None else \
+                            OpFuture(self, k, ops.opcode(k), ops.mapping(k))
+                        e = exc_for(f)
+                        # a reset that a timeout of this batch caused: the timeout is the news
+                        return self._timeout_exc or e
+                else:
+                    def not_done() -> BaseException:
+                        return self._timeout_exc or base_exc or ControllerResetError("not completed")
+                e = self._op_error(k, not_done)
+                if e is not None:
+                    self._op_exc[k] = e
+            if self._op_exc:
+                k0 = min(self._op_exc)
+                self._exc = self._op_exc[k0] if base_exc is None or exc_for is not None else base_exc
+        if self._op_futs is not None:
+            for f in self._op_futs:
+                f._settle(self._op_exc.get(f.index))
+
+    def _fail(self, exc: BaseException, exc_for: "Callable[[OpFuture], BaseException] | None" = None) -> None:
+        """Recovery's: the controller is stopped; what did not complete fails (each request with
+        exc_for(its future) when given)."""
+        if self._fin:
             return
         if self._exc is None:
             self._exc = self._timeout_exc or exc
+        if self._ops is not None:
+            self._conclude_ops(exc_for)
+            self._keep = None
+            self._finish()
+            return
         self._conclude()
 
     def result(self, timeout: float | None = None) -> int:
         self.qp.wait(self, timeout)
         if self._exc is not None:
             raise self._exc
-        return self.n
+        return self.requests
 
 
-class QueuePair:
+@dataclass
+class OpTable:
+    """The requests of a batch as the caller gave them: request k is commands
+    first[k]..first[k+1]-1 (a request larger than MDTS is several)."""
+
+    n: int
+    first: Any                       # uint32 array, n + 1 entries
+    op_of: Any                       # per command: its request (cffi uint32_t[])
+    op_left: Any                     # per request: commands not yet completed (cffi uint32_t[])
+    op_done: Any                     # requests in completion order (cffi uint32_t[])
+    opcodes: Any                     # per request
+    bufi: Any                        # per request: index into mappings, or NO_BUF
+    mappings: list[Any]              # per buffer: its RegMapping or None
+    describe: Callable[[int], str]   # request k in words, for errors
+
+    def opcode(self, k: int) -> int:
+        return int(self.opcodes[k])
+
+    def mapping(self, k: int) -> Any:
+        i = self.bufi[k]
+        return self.mappings[i] if i < len(self.mappings) else None
+
+    def what(self, k: int) -> str:
+        return self.describe(k)
+
+
+class OpFuture(_FutureBase):
+    """One request of a batch of requests: done when its batch is, with its own outcome
+    (``result()`` returns 0 or raises what failed this request; ``index`` names it)."""
+
+    pumped = True
+
+    def __init__(self, batch: BatchFuture, index: int, opcode: int, mapping: Any) -> None:
+        self._exc = None
+        self._fin = False
+        self._callbacks = []
+        self._timeout_exc = None
+        self.qp = batch.qp
+        self.batch = batch
+        self.index = index
+        self.opcode = opcode
+        self.mapping = mapping
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        ops = self.batch._ops
+        return ops.what(self.index) if ops is not None else ""
+
+    def _settle(self, exc: BaseException | None) -> None:
+        if self._fin:
+            return
+        self._exc = exc
+        b = self.batch
+        if b._op_tokens is not None and b._op_release is not None:
+            t = b._op_tokens[self.index]
+            if t is not None:
+                b._op_release(t)
+        self._finish()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.batch._fail(exc)
+
+    def result(self, timeout: float | None = None) -> int:
+        self.qp.wait(self, timeout)
+        if self._exc is not None:
+            raise self._exc
+        return 0
+
+
+class QueuePair(Resource):
     """An SQ/CQ pair (qid 0 is the admin queue), handed its memory, doorbells and hooks."""
 
     def __init__(self, hot: Any, qid: int, depth: int, *, sq: Any, cq: Any, prp: Any, prp_stride: int,
@@ -256,7 +465,7 @@ class QueuePair:
                                    prp.cptr if prp is not None else ffi.NULL,
                                    prp.dma_addr if prp is not None else 0, prp_stride if prp else 0)
         if self.c == ffi.NULL:
-            raise MemoryError(f"queue {qid}: cannot create tracker table for depth {depth}")
+            raise NvmeError(f"queue {qid}: cannot allocate the tracker table for depth {depth}")
         self.c.st = status if status is not None else ffi.NULL
         self._pending: dict[int, tuple[CommandFuture, int]] = {}  # tag -> (future, opcode)
         self._batches: dict[int, BatchFuture] = {}                 # batch id -> future
@@ -291,50 +500,56 @@ class QueuePair:
             raise self.hooks.refused(self, -got, None)
         return got
 
-    def submit_io(self, ios: Any, n: int, futures: list[CommandFuture]) -> int:
-        """Queue n prepared ``struct p2h_io`` (tags preset), one doorbell. Returns how many."""
-        lib = self.hot.lib
-        cids = self._cids if n <= 256 else self.hot.ffi.new("uint16_t[]", n)
-        with self.lock:
-            self.hooks.check_usable()
-            for i in range(n):
-                self._pending[ios[i].tag] = (futures[i], ios[i].opc)
-            ret = lib.p2h_submit_io(self.c, ios, n, cids, self._bad)
-            got = max(ret, 0)
-            for i in range(got, n):
-                self._pending.pop(ios[i].tag, None)
-            for i in range(got):
-                futures[i].cids.append(cids[i])
-            bad = self._bad[0]
-        if ret < 0:
-            if ret == -errno.EIO:
-                self.hooks.state_changed(self)  # recover now (outside the lock), then report
-            raise self.hooks.refused(self, -ret, ios[bad] if bad >= 0 else None)
-        return got
-
-    def submit_all(self, ios: Any, futures: list[CommandFuture]) -> None:
-        """Queue every request, reaping to make room when the ring is full."""
-        n = len(futures)
-        done = 0
-        while done < n:
-            got = self.submit_io(ios + done, n - done, futures[done:])
-            done += got
-            if done < n:
-                self.process()
-                if got == 0:
-                    self.hooks.tick(self)
-                    time.sleep(0)
-
     def submit_batch(self, fut: BatchFuture) -> BatchFuture:
-        """Attach a batch: the pump submits it (up to its qd in flight) whenever the queue is driven."""
-        with self.lock:
-            self.hooks.check_usable()
-            while self.hot.lib.p2h_batch_attach(self.c, fut._b) < 0:
-                self._process_locked()  # 64 batches attached: let one finish
-            self._batches[int(fut._b.id)] = fut
-            self._process_locked()       # first submission round now
+        """Attach a batch: the pump submits it (up to its qd in flight, as slots free, one
+        doorbell per round) whenever the queue is driven. Never raises: a queue that cannot
+        take it (controller resetting, gone) fails the future instead."""
+        try:
+            with self.lock:
+                self.hooks.check_usable()
+                if self.c is None:
+                    raise NvmeError(f"queue {self.qid} is closed")
+                while self.hot.lib.p2h_batch_attach(self.c, fut._b) < 0:
+                    self._process_locked()  # 64 batches attached: let one finish
+                self._batches[int(fut._b.id)] = fut
+                self._process_locked()       # first submission round now
+        except Exception as exc:  # noqa: BLE001 - it arrives through the future
+            with self.lock:
+                if self.c is not None and fut._b.attached:
+                    self.hot.lib.p2h_batch_detach(self.c, fut._b)
+                    self._batches.pop(int(fut._b.id), None)
+                fut._fail(exc)
         self._after_process()
         return fut
+
+    def run_generated(self, *, opc: int, nsid: int, nlb: int, nbytes: int, pages: Any, npages: int,
+                      slot: int, gen: int, span_blocks: int, nslots: int, count: int, qd: int,
+                      seed: int, timeout_s: float, lat: Any = None) -> tuple[int, int]:
+        """The engine's own loop (the benchmark's ceiling): `count` requests generated in C from
+        one template, at uniformly random nlb-aligned LBAs below span_blocks, request i at buffer
+        offset (i % nslots) * nbytes; at most qd in flight; run to completion on this queue pair
+        with nothing else in flight. lat: a uint32_t[count] for per-request latencies, or None.
+        Returns (completed, errors); stops early when nothing completes for timeout_s."""
+        ffi, lib = self.hot.ffi, self.hot.lib
+        tmpl = ffi.new("struct p2h_io *")
+        tmpl.opc, tmpl.nsid, tmpl.nlb, tmpl.nbytes = opc, nsid, nlb, nbytes
+        tmpl.pages, tmpl.npages, tmpl.slot, tmpl.gen = pages, npages, slot, gen
+        b = ffi.new("struct p2h_batch *")
+        b.tmpl = tmpl
+        b.span_blocks = span_blocks
+        b.nslots = nslots
+        b.rng = seed or 1
+        b.n = count
+        b.qd = max(1, min(qd, self.ntrk))
+        b.lat_ns = lat if lat is not None else ffi.NULL
+        with self.lock:
+            self.hooks.check_usable()
+            if self.c is None:
+                raise NvmeError(f"queue {self.qid} is closed")
+            done = lib.p2h_batch_run(self.c, b, int(timeout_s * 1e9))
+        if done < 0:
+            raise NvmeError(f"queue {self.qid}: generated batch refused ({errno.errorcode.get(-done, done)})")
+        return int(done), int(b.errors)
 
     # ---------------------------------------------------------------- completion
 
@@ -377,6 +592,7 @@ class QueuePair:
 
     def _settle_batches(self) -> None:
         for bid, fut in list(self._batches.items()):
+            fut._progress()
             if fut._settled():
                 self.hot.lib.p2h_batch_detach(self.c, fut._b)
                 del self._batches[bid]
@@ -413,7 +629,7 @@ class QueuePair:
         tick = min(0.05, self.timeout_s / 4)
         next_check = time.monotonic() + tick
         spins = 0
-        idle_ns = PUMP_IDLE_NS if isinstance(fut, BatchFuture) else 0
+        idle_ns = PUMP_IDLE_NS if fut.pumped else 0
         while not fut.done():
             got = self.process(idle_ns)
             if fut.done():
@@ -462,7 +678,8 @@ class QueuePair:
             for _tag, (f, opc) in pending.items():
                 f._fail(exc_for(opc, f.cids[-1] if f.cids else 0, f))
             for b in batches.values():
-                b._fail(exc_for(int(b._ios[0].opc) if b.n else 0, 0, b))
+                b._fail(exc_for(int(b._ios[0].opc) if b.n else 0, 0, b),
+                        lambda f: exc_for(f.opcode, 0, f))
         return len(pending) + len(batches)
 
     def set_dead(self) -> None:
@@ -478,7 +695,7 @@ class QueuePair:
                 "doorbells": c.doorbells, "stale_cqes": c.stale_cqes, "refused": c.refused,
                 "outstanding": len(self._pending) + sum(b._b.next - b._b.done for b in self._batches.values())}
 
-    def close(self) -> None:
+    def _close(self) -> None:
         with self.lock:
             if self.c is not None:
                 self.hot.lib.p2h_qp_destroy(self.c)

@@ -25,6 +25,8 @@ request eventfd firing) -> close the fd, then fail everything with
 
 from __future__ import annotations
 
+import enum
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -38,22 +40,59 @@ from .queue import QueuePair, reset_error, timeout_error
 if TYPE_CHECKING:
     from .controller import Controller
 
+log = logging.getLogger(__name__)
+
+
+class ControllerState(enum.Enum):
+    """Where a controller is in its life; changed only through :meth:`Recovery.enter`."""
+
+    NEW = "new"              # Controller(kfile): no I/O yet
+    LIVE = "live"            # enabled, queues created: I/O goes
+    RESETTING = "resetting"  # disabling, failing what was outstanding, re-initialising
+    FENCED = "fenced"        # the kernel turned bus mastering off; recovering from it
+    DEAD = "dead"            # could not be disabled or reset: fd closed (terminal)
+    REMOVED = "removed"      # gone, or the kernel asked for it back: fd closed (terminal)
+    CLOSED = "closed"        # closed by its owner (terminal)
+
+    @property
+    def terminal(self) -> bool:
+        """No way back: the controller fd is closed; open the controller again."""
+        return self in (ControllerState.DEAD, ControllerState.REMOVED, ControllerState.CLOSED)
+
+    @property
+    def recovering(self) -> bool:
+        return self in (ControllerState.RESETTING, ControllerState.FENCED)
+
+    def __str__(self) -> str:
+        return self.value
+
 
 class Recovery:
-    """The recovery state machine of one controller."""
+    """The recovery state machine of one controller; it owns the controller's state."""
 
     def __init__(self, ctrl: "Controller") -> None:
         self.ctrl = ctrl
         self.lock = threading.RLock()
         self._busy = threading.local()
+        self.state = ControllerState.NEW
         self.resets = 0
         self.aborts = 0
         self.fences = 0
 
+    def enter(self, new: ControllerState, why: str) -> None:
+        """Change the controller's state, and log the transition with its reason."""
+        old = self.state
+        if old is new:
+            return
+        self.state = new
+        level = logging.WARNING if new in (ControllerState.RESETTING, ControllerState.FENCED,
+                                           ControllerState.DEAD, ControllerState.REMOVED) else logging.INFO
+        log.log(level, "%s: %s -> %s: %s", self.ctrl.bdf, old.value, new.value, why)
+
     # ---------------------------------------------------------------- ticks
     def tick(self, qp: QueuePair) -> None:
         """Called by a waiting thread: CSTS, then deadlines."""
-        if getattr(self._busy, "on", False) or self.ctrl.state != "live":
+        if getattr(self._busy, "on", False) or self.state is not ControllerState.LIVE:
             return
         if qp.busy:
             csts = self.ctrl.rd32(spec.REG_CSTS)
@@ -111,9 +150,9 @@ class Recovery:
         """Disable, fail every outstanding command, re-initialise. Dead if it cannot be disabled."""
         ctrl = self.ctrl
         with self.lock:
-            if ctrl.state in ("dead", "removed", "closed"):
+            if self.state.terminal:
                 return
-            ctrl.state = "resetting"
+            self.enter(ControllerState.RESETTING, why)
             self.resets += 1
             self._busy.on = True
             try:
@@ -146,7 +185,7 @@ class Recovery:
             else:
                 self.die(f"re-initialising after a reset failed: {exc}")
             return
-        ctrl.state = "live"
+        self.enter(ControllerState.LIVE, "re-initialised")
 
     # ---------------------------------------------------------------- the status page
     def state_changed(self, qp: QueuePair | None) -> None:
@@ -157,7 +196,7 @@ class Recovery:
             return
         with self.lock:
             st = ctrl.status_state()
-            if not st or ctrl.state in ("dead", "removed", "closed"):
+            if not st or self.state.terminal:
                 return
             if st & uapi.NVME_ST_REMOVING:
                 self.remove("the kernel asked for the controller back (unbind or removal)")
@@ -170,7 +209,6 @@ class Recovery:
 
     def _fence(self, st: int) -> None:
         ctrl = self.ctrl
-        ctrl.state = "fenced"
         self.fences += 1
         revoked = ctrl.mappings.revoked()
         names = ", ".join(str(m.handle) for m in revoked)
@@ -178,6 +216,7 @@ class Recovery:
             why = f"the kernel fenced the controller (registration {names or '?'} revoked by its owner)"
         else:
             why = "the kernel reported a PCI error and turned bus mastering off"
+        self.enter(ControllerState.FENCED, why)
         # Bus mastering is off already: nothing outstanding can DMA. Stop the controller so
         # nothing queued before the fence runs again once RESUME turns it back on.
         if not self._stop(why):
@@ -201,19 +240,19 @@ class Recovery:
 
     # ---------------------------------------------------------------- terminal
     def die(self, why: str) -> None:
-        self._terminal("dead", ControllerDeadError(f"{self.ctrl.bdf} is dead: {why}; its fd was closed, "
+        self._terminal(ControllerState.DEAD, why, ControllerDeadError(f"{self.ctrl.bdf} is dead: {why}; its fd was closed, "
                                                    "so the kernel stopped its DMA. Open it again"))
 
     def remove(self, why: str) -> None:
-        self._terminal("removed", ControllerRemovedError(f"{self.ctrl.bdf} was removed: {why}; "
+        self._terminal(ControllerState.REMOVED, why, ControllerRemovedError(f"{self.ctrl.bdf} was removed: {why}; "
                                                          "its fd was closed"))
 
-    def _terminal(self, state: str, exc: NvmeError) -> None:
+    def _terminal(self, state: ControllerState, why: str, exc: NvmeError) -> None:
         ctrl = self.ctrl
         with self.lock:
-            if ctrl.state in ("dead", "removed", "closed"):
+            if self.state.terminal:
                 return
-            ctrl.state = state
+            self.enter(state, why)
             ctrl.terminal_error = exc
             # First the device stops: no more MMIO from any queue, fd closed (the kernel
             # disables the controller and clears bus mastering); only then are futures failed.

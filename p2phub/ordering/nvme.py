@@ -10,7 +10,7 @@ its request's future (the future becomes the access's fence).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..memory import Memory
 from .core import Ordering
@@ -31,20 +31,30 @@ def _ordering_of(buf: Any) -> Ordering | None:
 
 
 def declare(ops: Sequence[Any], what: Iterable[str] | None = None,
-            timeout: float | None = None) -> Declared:
+            timeout: float | None = None, *, name: Callable[[int], str] | None = None) -> Declared:
     """Enter the accesses of a batch (ops with kind, buf, offset, nbytes), then wait for
     the earlier conflicting ones. Raises OrderingError / OrderingTimeout / FenceError
-    with every access of the batch withdrawn."""
-    names = list(what) if what is not None else [""] * len(ops)
+    with every access of the batch withdrawn. Each access is named what[i], or name(i)
+    (called only for the ops that are ordered)."""
+    if name is None:
+        names = list(what) if what is not None else [""] * len(ops)
+        name = names.__getitem__
     out: Declared = []
+    orderings: dict[int, Ordering | None] = {}  # per buffer, looked up once per batch
     try:
         mine: set[int] = set()
         for i, op in enumerate(ops):
             kind = KINDS.get(op.kind)
-            o = _ordering_of(op.buf) if kind is not None else None
-            if o is None or kind is None:
+            if kind is None:
                 continue
-            a = o.enter(op.offset, op.nbytes, kind, names[i])
+            key = id(op.buf)
+            if key in orderings:
+                o = orderings[key]
+            else:
+                o = orderings[key] = _ordering_of(op.buf)
+            if o is None:
+                continue
+            a = o.enter(op.offset, op.nbytes, kind, name(i))
             out.append((i, o, a))
             for d in a.deps:
                 if d.seq in mine:

@@ -13,6 +13,7 @@ from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
 from p2phub.errors import UsageError
 from p2phub.nvme import ReadOp, WriteOp, _build, quiesce_registration
 from p2phub.nvme.controller import Controller
+from p2phub.nvme.recovery import ControllerState
 from p2phub.nvme.errors import NvmeStatusError
 
 pytestmark = pytest.mark.unit

@@ -18,6 +18,7 @@ from p2phub import uapi
 from p2phub.errors import RevokedError
 from p2phub.nvme import _build, spec
 from p2phub.nvme.controller import Controller
+from p2phub.nvme.recovery import ControllerState
 from p2phub.nvme.errors import (ControllerDeadError, ControllerRemovedError, ControllerResetError,
                                 NvmeTimeoutError, RegistrationRevokedError)
 from p2phub.nvme.queue import CommandFuture
@@ -58,9 +59,9 @@ def test_public_constructor_does_no_io_until_start() -> None:
     dev = FakeControllerFile(hot)
     try:
         c = Controller(dev, hot=hot)
-        assert c.state == "new" and dev._regs[spec.REG_CC // 4] == 0 and not dev._mems
+        assert c.state is ControllerState.NEW and dev._regs[spec.REG_CC // 4] == 0 and not dev._mems
         c.start()
-        assert c.state == "live" and c.namespace(1).blocks == 4096 and len(c.io_qps) == 4
+        assert c.state is ControllerState.LIVE and c.namespace(1).blocks == 4096 and len(c.io_qps) == 4
         c.close()
         assert dev.closed and c.closed
     finally:
@@ -116,7 +117,7 @@ def test_all_ones_is_a_terminal_removed_state(rig) -> None:
     dev.set_csts(0xFFFFFFFF)
     with pytest.raises(ControllerRemovedError, match="all ones"):
         fut.result(timeout=10)
-    assert c.state == "removed" and dev.closed
+    assert c.state is ControllerState.REMOVED and dev.closed
     for _ in range(2):  # terminal: not "retry" for ever
         with pytest.raises(ControllerRemovedError):
             c.namespace(1).read(c.identify_buffer, 0, 512)
@@ -132,7 +133,7 @@ def test_reset_that_cannot_disable_closes_the_fd_before_failing_futures(rig) -> 
     fut.add_done_callback(lambda f: seen.append("closed" if dev.closed else "still open"))
     with pytest.raises(ControllerDeadError, match="could not be disabled"):
         fut.result(timeout=20)
-    assert seen == ["closed"] and c.state == "dead"
+    assert seen == ["closed"] and c.state is ControllerState.DEAD
     with pytest.raises(ControllerDeadError):
         _read(c, 1)
 
@@ -172,7 +173,7 @@ def test_fence_fails_outstanding_at_once_then_resumes_for_other_registrations(ri
         f_other.result(timeout=10)
     assert time.monotonic() - t0 < 2  # not the 30 s timeout
     assert "resume" in dev.log and f"unmap {victim.handle}" in dev.log
-    assert c.state == "live" and c.recovery.fences == 1 and not c.holds(victim)
+    assert c.state is ControllerState.LIVE and c.recovery.fences == 1 and not c.holds(victim)
     dev.hold_lbas.clear()
     other.mem[:4096] = b"\x5a" * 4096
     ns.write(other, 10, 4096)
@@ -194,7 +195,7 @@ def test_removal_request_lets_go_before_failing(rig) -> None:
     assert fut.done() and order == ["failed, fd closed"]
     with pytest.raises(ControllerRemovedError, match="asked for the controller back"):
         fut.result()
-    assert c.state == "removed"
+    assert c.state is ControllerState.REMOVED
 
 
 def test_status_state_removing_seen_by_the_poll_loop(rig) -> None:
@@ -216,9 +217,9 @@ def test_fence_with_nobody_waiting_is_handled_by_the_request_watcher(rig) -> Non
     ns.write(victim, 0, 4096)
     dev.revoke(victim.handle)  # FENCED + the request eventfd; no I/O in flight, nobody polling
     deadline = time.monotonic() + 5
-    while not ("resume" in dev.log and c.state == "live") and time.monotonic() < deadline:
+    while not ("resume" in dev.log and c.state is ControllerState.LIVE) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert "resume" in dev.log and c.state == "live" and c.recovery.fences == 1
+    assert "resume" in dev.log and c.state is ControllerState.LIVE and c.recovery.fences == 1
     assert not c.holds(victim)
     with pytest.raises(RevokedError):
         ns.read(victim, 0, 4096)  # MAP_REG again: the kernel says revoked
@@ -235,7 +236,7 @@ def test_use_right_after_a_revocation_sees_revoked_not_a_reset_in_progress(rig) 
     dev.revoke(victim.handle)
     with pytest.raises(RevokedError):
         ns.read(victim, 0, 4096)
-    assert "resume" in dev.log and c.state == "live"
+    assert "resume" in dev.log and c.state is ControllerState.LIVE
     ns.read(other, 0, 4096)
 
 
@@ -250,9 +251,9 @@ def test_revocation_signalled_on_the_request_eventfd_fences_not_removes(rig) -> 
     os.eventfd_write(dev.req_efd, 1)
     deadline = time.monotonic() + 5
     # The watcher counts the fence first and resumes after: wait for both.
-    while not (c.recovery.fences and c.state == "live") and time.monotonic() < deadline:
+    while not (c.recovery.fences and c.state is ControllerState.LIVE) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert c.recovery.fences == 1 and c.state == "live" and not c.holds(victim)
+    assert c.recovery.fences == 1 and c.state is ControllerState.LIVE and not c.holds(victim)
     other.mem[:4096] = b"\x5a" * 4096
     ns.write(other, 10, 4096)
     ns.read(other, 10, 4096, offset=8192)
