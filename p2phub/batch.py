@@ -496,10 +496,40 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         _release(held, p)
         raise
     file_rows = np.flatnonzero(~is_ns)
-    t = threading.Thread(target=_run, name=f"p2phub-{verb}-batch", daemon=True,
-                         args=(hub, write, p, file_rows, parts, fence, held, sync))
-    t.start()
+    _worker(hub).put((hub, write, p, file_rows, parts, fence, held, sync))
     return fence
+
+
+class _Worker:
+    """The hub's batch thread: batches run on it one after another (a thread started per
+    batch costs more than a small batch's I/O on a busy host)."""
+
+    def __init__(self) -> None:
+        import queue
+        self.q: Any = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._loop, name="p2phub-batch", daemon=True)
+        self.t.start()
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            _run(*job)
+
+    def put(self, job: tuple[Any, ...]) -> None:
+        self.q.put(job)
+
+    def close(self) -> None:
+        """Runs the batches already queued, then ends the thread."""
+        self.q.put(None)
+        if self.t is not threading.current_thread():
+            self.t.join()
+
+
+def _worker(hub: "Hub") -> _Worker:
+    stagers = hub.__dict__.setdefault("_stagers", {})
+    w = stagers.get(("batch-worker",))
+    if w is None:
+        w = stagers[("batch-worker",)] = _Worker()
+    return w
 
 
 def _release(held: list[Any], p: _Plan) -> None:

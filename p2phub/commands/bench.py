@@ -41,7 +41,7 @@ from ..exitcodes import Exit
 from ..hostmem import Udmabuf
 from ..hub import Hub
 from ..pci import PciAddress
-from . import bench_kv, bench_load, bench_nvme, bench_ordering
+from . import bench_kv, bench_load, bench_nvme, bench_ordering, bench_restore
 
 SCHEMA = "p2phub.bench.register/2"
 DEFAULT_SIZES = "64K,1M,16M,256M,1G"
@@ -69,6 +69,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     bench_ordering.add_parsers(sub)
     bench_load.add_parsers(sub)
     bench_kv.add_parser(sub)
+    bench_restore.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
     r.add_argument("--device", default=os.environ.get("P2PHUB_BENCH_DEVICE"),
@@ -228,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_load.run(args)
     if args.bench == "kv":
         return bench_kv.run(args)
+    if args.bench == "restore":
+        return bench_restore.run(args)
     try:
         report = _bench_register(args)
     except (P2PHubError, OSError) as exc:
