@@ -5,6 +5,8 @@ disk's own ceiling, in one run.
 
 Per read size and run (page cache dropped before every method; each run starts with another
 method):
+  p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
+               reads go in slot-sized pieces), buf through the page cache (p2phub:d256:s256K)
   ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
                128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's ceiling
   p2phub       hub.load_batch(storage=file, offsets=..., lengths=size, memory=reg,
@@ -146,13 +148,31 @@ class Ceiling:
         return dt
 
 
+def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool]:
+    """p2phub's batch with other settings: "p2phub:d256:s256K:buf" (queue depth 256, 256 KiB
+    staging slots, reads through the page cache)."""
+    direct = True
+    for tok in name.split(":")[1:]:
+        if tok == "buf":
+            direct = False
+        elif tok[:1] == "d" and tok[1:].isdigit():
+            depth = int(tok[1:])
+        elif tok[:1] == "s":
+            slot = _parse_size(tok[1:])
+        else:
+            raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE or buf)")
+    return depth, slot, direct
+
+
 class P2PHubBatch:
-    def __init__(self, dest: Dest, mode: str, depth: int, slot: int) -> None:
+    def __init__(self, dest: Dest, mode: str, depth: int, slot: int, direct: bool = True) -> None:
         from .. import batch
         from ..hub import Hub
         self.hub = Hub(mode=mode)
         batch.configure_batch(self.hub, depth=depth, slot=slot, slots=max(2 * depth, 64))
         self.reg = self.hub.register(dest.buf)
+        self.direct = direct
+        self.settings = {"depth": depth, "slot": slot, "direct": direct}
         self.stats: dict[str, Any] = {}
 
     def warm(self, path: str, size: int) -> None:
@@ -161,7 +181,7 @@ class P2PHubBatch:
     def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
         t0 = time.perf_counter()
         f = self.hub.load_batch(storage=path, offsets=offs, lengths=size, memory=self.reg,
-                                mem_offsets=dsts)
+                                mem_offsets=dsts, direct=self.direct)
         f.wait()
         dt = time.perf_counter() - t0
         self.stats = {k: v for k, v in f.stats.items() if k not in ("seconds", "gbps", "per_s")}
@@ -169,7 +189,7 @@ class P2PHubBatch:
 
     def info(self) -> dict[str, Any]:
         return {"hub_mode": self.hub.mode, "mode_reason": self.hub.mode_reason,
-                "reg_path": self.reg.path, "last_batch": self.stats}
+                "reg_path": self.reg.path, "last_batch": self.stats, **self.settings}
 
     def close(self) -> None:
         self.hub.close()
@@ -315,8 +335,9 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
         try:
             if name == "ceiling":
                 impl[name] = Ceiling(args.file, depths, max_size)
-            elif name == "p2phub":
-                impl[name] = P2PHubBatch(dest, args.mode, args.depth, _parse_size(args.slot))
+            elif name == "p2phub" or name.startswith("p2phub:"):
+                depth, slot, direct = _variant(name, args.depth, _parse_size(args.slot))
+                impl[name] = P2PHubBatch(dest, args.mode, depth, slot, direct)
             elif name == "p2phub-load":
                 impl[name] = P2PHubLoad(dest, args.mode, args.depth, _parse_size(args.slot))
             elif name.startswith("kvikio"):
