@@ -22,7 +22,9 @@ the whole batch with a UsageError (or P2PHubOSError) naming the entry's index.
 The batch returns one fence (``BatchFence``: wait, done, exception, add_done_callback,
 await, on_stream); with ``per_entry=True``, ``fence.entries`` holds one fence per entry.
 ``fence.results`` gives each entry's bytes moved, or -errno; ``fence.stats`` the engine's
-figures and, per file, whether it was read with O_DIRECT or through the page cache.
+figures and, per file, whether it was read with O_DIRECT or through the page cache (by
+default, ``direct="auto"``, entries of 1 MiB and up are read through the page cache and the
+smaller ones with O_DIRECT: see ``configure_batch``).
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
 queue, reused staging slots, host copies by memcpy and GPU copies batched per reaped round.
@@ -51,6 +53,10 @@ __all__ = ["BatchFence", "load_batch", "save_batch", "configure_batch"]
 DEFAULT_DEPTH = 128
 DEFAULT_SLOT = 512 << 10
 DEFAULT_SLOTS = 256
+# direct="auto" reads entries of this size and up through the page cache: on the virtio disk
+# measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
+# reads 1.1x to 1.4x slower buffered
+DEFAULT_BUFFERED_FROM = 1 << 20
 
 
 class BatchFence(Fence):
@@ -74,6 +80,7 @@ class _File:
     fd: int = -1
     owned: bool = False
     direct: bool = False
+    fd_buffered: int = -1     # direct="auto": a second, buffered fd for the large reads
     size: int = 0
     name: str = ""
     regular: bool = True
@@ -100,6 +107,7 @@ class _Plan:
     files: list[_File] = field(default_factory=list)
     mems: list[_Mem] = field(default_factory=list)
     namespaces: dict[int, Any] = field(default_factory=dict)   # storage index -> Namespace
+    buffered_from: int = DEFAULT_BUFFERED_FROM
 
 
 def _np() -> Any:
@@ -267,14 +275,26 @@ def _close_files(files: list[_File]) -> None:
         if f.owned and f.fd >= 0:
             os.close(f.fd)
             f.fd = -1
+        if f.fd_buffered >= 0:
+            os.close(f.fd_buffered)
+            f.fd_buffered = -1
 
 
-def _plan(hub: "Hub", write: bool, direct: bool, cols: tuple[Any, ...]) -> _Plan:
+def _io_name(f: _File, big: int) -> str:
+    if f.fd_buffered >= 0:
+        return f"O_DIRECT below {big} bytes, buffered from {big}"
+    return "O_DIRECT" if f.direct else "buffered"
+
+
+def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) -> _Plan:
     """Every check of the batch, before anything is submitted. Opens the files it names."""
     np = _np()
     storages, memories, off, ln, mo, si, mi = cols
     n = off.size
     p = _Plan(n, off, ln, mo, si, mi)
+    p.buffered_from = hub.__dict__.get("_batch_opts", {}).get("buffered_from", DEFAULT_BUFFERED_FROM)
+    if direct not in (True, False, "auto"):
+        raise UsageError(f"direct={direct!r}: want True, False or 'auto'")
     first_of = lambda idx, k: int(np.argmax(idx == k))  # noqa: E731
     if (i := _first(np, off < 0)) is not None:
         raise UsageError(f"entry {i}: offset {int(off[i])} is negative")
@@ -307,8 +327,14 @@ def _plan(hub: "Hub", write: bool, direct: bool, cols: tuple[Any, ...]) -> _Plan
                 _check_namespace(np, p, k, target, used, write)
                 continue
             aligned = not bool(((off[used] | ln[used]) % ALIGN).any())
-            f = _open_file(target, write, direct and (aligned or not write), i0)
+            f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
             p.files.append(f)
+            if (direct == "auto" and not write and f.owned and f.direct
+                    and bool((used & (ln >= p.buffered_from)).any())):
+                try:
+                    f.fd_buffered = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i0}: open {f.name}") from None
             if write and f.direct and not aligned:
                 i = _first(np, used & (((off | ln) % ALIGN) != 0))
                 raise UsageError(f"entry {i}: {f.name} is open with O_DIRECT and the write "
@@ -416,19 +442,24 @@ class _Engine:
 
 
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
-                    slots: int = DEFAULT_SLOTS) -> None:
+                    slots: int = DEFAULT_SLOTS,
+                    buffered_from: int = DEFAULT_BUFFERED_FROM) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
-    than a slot is read in slot-sized pieces)."""
+    than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
+    bytes and up go through the page cache."""
     if not 1 <= depth <= 4096:
         raise UsageError(f"depth={depth}: want 1..4096")
     if slot <= 0 or slot % ALIGN:
         raise UsageError(f"slot={slot} must be a positive multiple of {ALIGN}")
     if slots < 1:
         raise UsageError(f"slots={slots} must be positive")
+    if buffered_from <= 0:
+        raise UsageError(f"buffered_from={buffered_from} must be positive")
     for key in [k for k in hub.__dict__.get("_stagers", {}) if k[0] == "batch"]:
         hub.__dict__["_stagers"].pop(key).close()
-    hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots}
+    hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
+                                   "buffered_from": buffered_from}
 
 
 def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
@@ -448,9 +479,12 @@ def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
 def load_batch(hub: "Hub", entries: Sequence[Any] | None = None, *, storage: Any = None,
                offsets: Any = None, lengths: Any = None, memory: Any = None,
                mem_offsets: Any = None, storage_index: Any = None, memory_index: Any = None,
-               per_entry: bool = False, direct: bool = True) -> BatchFence:
+               per_entry: bool = False, direct: bool | str = "auto") -> BatchFence:
     """Read every entry's `length` bytes at `offset` of its storage into its memory at the
-    memory offset. See the module's doc for the forms; returns one BatchFence."""
+    memory offset. See the module's doc for the forms; returns one BatchFence. direct: True
+    reads with O_DIRECT where the file system has it, False through the page cache, "auto"
+    (default) O_DIRECT for entries under configure_batch's `buffered_from` (1 MiB) and the
+    page cache for larger ones (two fds on a path; an fd given is used as it is)."""
     return _batch(hub, False, entries, storage, offsets, lengths, memory, mem_offsets,
                   storage_index, memory_index, per_entry, direct, False)
 
@@ -467,7 +501,7 @@ def save_batch(hub: "Hub", entries: Sequence[Any] | None = None, *, storage: Any
 
 def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, lengths: Any,
            memory: Any, mem_offsets: Any, storage_index: Any, memory_index: Any,
-           per_entry: bool, direct: bool, sync: bool) -> BatchFence:
+           per_entry: bool, direct: bool | str, sync: bool) -> BatchFence:
     hub._check_open()
     np = _np()
     cols = _columns(entries, storage, offsets, lengths, memory, mem_offsets, storage_index,
@@ -478,8 +512,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     if per_entry:
         fence.entries = [Fence(f"{verb}_batch entry {i}", int(p.length[i])) for i in range(p.n)]
     fence.results = np.zeros(p.n, np.int64)
-    fence.stats["io"] = {f.name: ("O_DIRECT" if f.direct else "buffered")
-                         for f in p.files if f.fd >= 0}
+    fence.stats["io"] = {f.name: _io_name(f, p.buffered_from) for f in p.files if f.fd >= 0}
     held = [m.reg for m in p.mems if m is not None and isinstance(m.reg, StagedRegistration)]
     try:
         for reg in held:
@@ -574,6 +607,10 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                     fds[sel] = f.fd
                     if f.direct:
                         flags[sel] |= 1
+                    if f.fd_buffered >= 0:
+                        big = sel & (p.length[rows] >= p.buffered_from)
+                        fds[big] = f.fd_buffered
+                        flags[big] &= ~np.uint8(1)
             groups: dict[tuple[str, int], Any] = {}
             for k, m in enumerate(p.mems):
                 if m is None:

@@ -6,7 +6,8 @@ disk's own ceiling, in one run.
 Per read size and run (page cache dropped before every method; each run starts with another
 method):
   p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
-               reads go in slot-sized pieces), buf through the page cache (p2phub:d256:s256K)
+               reads go in slot-sized pieces), buf through the page cache, dio all O_DIRECT
+               (p2phub:d256:s256K); plain p2phub uses the API's defaults (direct="auto")
   ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
                128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's ceiling
   p2phub       hub.load_batch(storage=file, offsets=..., lengths=size, memory=reg,
@@ -148,24 +149,25 @@ class Ceiling:
         return dt
 
 
-def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool]:
+def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str]:
     """p2phub's batch with other settings: "p2phub:d256:s256K:buf" (queue depth 256, 256 KiB
-    staging slots, reads through the page cache)."""
-    direct = True
+    staging slots, reads through the page cache; "dio": every read O_DIRECT)."""
+    direct: bool | str = "auto"
     for tok in name.split(":")[1:]:
-        if tok == "buf":
-            direct = False
+        if tok in ("buf", "dio"):
+            direct = tok == "dio"
         elif tok[:1] == "d" and tok[1:].isdigit():
             depth = int(tok[1:])
         elif tok[:1] == "s":
             slot = _parse_size(tok[1:])
         else:
-            raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE or buf)")
+            raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf or dio)")
     return depth, slot, direct
 
 
 class P2PHubBatch:
-    def __init__(self, dest: Dest, mode: str, depth: int, slot: int, direct: bool = True) -> None:
+    def __init__(self, dest: Dest, mode: str, depth: int, slot: int,
+                 direct: bool | str = "auto") -> None:
         from .. import batch
         from ..hub import Hub
         self.hub = Hub(mode=mode)

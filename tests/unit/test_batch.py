@@ -166,6 +166,25 @@ def test_scattered_writes(hub, tmp_path, where) -> None:
             os.unlink(path)
 
 
+def test_auto_reads_large_entries_through_the_page_cache(hub, disk_file) -> None:
+    path, data = disk_file
+    batch.configure_batch(hub, depth=8, slot=256 * KiB, slots=16, buffered_from=MiB)
+    mem = bytearray(8 * MiB)
+    with hub.register(mem) as reg:
+        entries = [(path, 4096, MiB, reg, 0), (path, 123, 5000, reg, 2 * MiB),
+                   (path, 3 * MiB + 7, 2 * MiB + 1, reg, 4 * MiB)]
+        f = hub.load_batch(entries)
+        f.wait(60)
+        assert f.stats["io"] == {path: f"O_DIRECT below {MiB} bytes, buffered from {MiB}"}
+        for st, o, ln, _r, d in entries:
+            assert bytes(mem[d:d + ln]) == data[o:o + ln].tobytes()
+        f = hub.load_batch(entries, direct=True)
+        f.wait(60)
+        assert f.stats["io"] == {path: "O_DIRECT"}
+        with pytest.raises(UsageError, match="direct='yes'"):
+            hub.load_batch(entries, direct="yes")
+
+
 def test_unaligned_writes_to_a_path_go_through_the_page_cache(hub, tmp_path) -> None:
     path = str(tmp_path / "out.bin")
     mem = bytearray(os.urandom(MiB))
