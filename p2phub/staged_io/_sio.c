@@ -636,6 +636,17 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             ret = -1;
             break;
         }
+        /* load: the reads just queued go to the disk first, then the last round's copies
+         * are issued while the disk works on them */
+        if (!write && e->c_nslots) {
+            int r = e->ring.pending ? ring_enter(&e->ring, 0) : 0;
+            if (r || flush_copies(e, 0, st, err, errlen)) {
+                if (r)
+                    say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                ret = -1;
+                break;
+            }
+        }
         /* write: submit the pieces whose bytes are in their slots */
         while (write && rd.count && inflight < e->depth) {
             submit_io(e, 1, fd, rd.slot[rd.head], st);
@@ -650,8 +661,9 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             break;
         /* 2. hand the SQEs over; wait for a completion only when nothing else can move */
         {
-            int wait = inflight && !progressed &&
-                       !(write && e->held_count) && !(!write && !e->nfree && e->held_count);
+            /* load: step 1 submitted all it could, and the GPU finishes the copies on its
+             * own, so hand over the new reads and wait in the same system call */
+            int wait = write ? inflight && !progressed && !e->held_count : inflight > 0;
             int r = ring_enter(&e->ring, wait ? 1 : 0);
             if (r) {
                 say(err, errlen, "io_uring_enter: %s", strerror(-r));
@@ -686,10 +698,6 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
                 add_copy(e, s, p->mem, (CUdeviceptr)(uintptr_t)(slot_buf(e, s) + p->skip),
                          p->useful, st);
             }
-        }
-        if (!write && flush_copies(e, 0, st, err, errlen)) {
-            ret = -1;
-            break;
         }
         /* 4. completed copy rounds give their slots back (write: to the ready list) */
         if (e->held_count) {
