@@ -210,8 +210,13 @@ def _memory(hub: "Hub", reg: Any, i: int) -> _Mem:
     if type(reg).__name__ == "Registration" and hasattr(reg, "_check_open"):
         if reg.closed:
             raise UsageError(f"entry {i}: {reg} is closed")
-        ops = _ops_of(reg)   # refuses host registrations, naming why
-        return _Mem(reg, reg.source.ptr, reg.length, True, ops, max(reg.source.device, 0))
+        try:
+            ops = _ops_of(reg)   # GPU memory: its backend copies to and from it
+        except UsageError:
+            ops = None           # host or dma-buf memory: NVMe entries only (checked in _plan)
+        src = reg.source
+        return _Mem(reg, getattr(src, "ptr", 0), reg.length, True, ops,
+                    max(getattr(src, "device", 0), 0))
     raise UsageError(f"entry {i}: {type(reg).__name__} is not a registration of this hub "
                      "(use hub.register())")
 
@@ -314,6 +319,16 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
     for k in range(len(memories)):
         if not (mi == k).any():
             p.mems.insert(k, None)  # type: ignore[arg-type]
+    nvme_rows = np.zeros(n, bool)
+    for k, target in enumerate(storages):
+        if _is_namespace(target):
+            nvme_rows |= si == k
+    for k, m in enumerate(p.mems):
+        if m is not None and m.ops is None:
+            if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
+                raise UsageError(f"entry {i}: {m.reg} is not GPU memory of hub.register(); "
+                                 "files reach it only through its own mapping (it serves NVMe "
+                                 "entries)")
     try:
         for k, target in enumerate(storages):
             used = si == k

@@ -577,17 +577,27 @@ def run(args: argparse.Namespace) -> int:
                     progress.advance(task, n)
         return step
 
-    try:
+    def produce() -> dict:
         with progress:
-            report = run_bench(args, show if sys.stderr.isatty() or not args.json else None)
+            return run_bench(args, show if sys.stderr.isatty() or not args.json else None)
+    return emit(args, SCHEMA, f"p2phub bench {args.bench_io}", produce, render,
+                lambda r: "p2phub" in r["methods"])
+
+
+def emit(args: argparse.Namespace, schema: str, what: str, produce: Callable[[], dict],
+         render_: Callable[[dict], None], ok: Callable[[dict], bool]) -> int:
+    """Run a bench and print its report (JSON with --json, else rich tables); a failure is
+    reported with the schema. 0 when `ok(report)`."""
+    try:
+        report = produce()
     except Exception as exc:  # noqa: BLE001 - reported, with the schema, as a failed run
         if args.json:
-            print(json.dumps({"schema": SCHEMA, "error": f"{type(exc).__name__}: {exc}"}))
+            print(json.dumps({"schema": schema, "error": f"{type(exc).__name__}: {exc}"}))
         else:
-            print(f"p2phub bench {args.bench_io}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"{what}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        render(report)
-    return 0 if "p2phub" in report["methods"] else 1
+        render_(report)
+    return 0 if ok(report) else 1

@@ -26,14 +26,12 @@ memory) against the file's pattern. Figures are requests per second; medians ove
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
-from .bench_load import GiB, MiB, SEED, _machine, _parse_size, drop_caches, make_file
+from .bench_load import GiB, SEED, _machine, _parse_size, drop_caches, emit, make_file
 
 SCHEMA = "p2phub.bench.restore/1"
 METHODS = "ceiling,p2phub,p2phub-load,kvikio8,kvikio16,torch"
@@ -213,18 +211,11 @@ class Kvikio:
     def __init__(self, dest: Dest, threads: int) -> None:
         try:
             import kvikio
-            import kvikio.defaults as kd
         except ImportError:
             raise RuntimeError("needs kvikio") from None
         self.kvikio = kvikio
-        for setter in (lambda: kd.set({"num_threads": threads}),
-                       lambda: kd.num_threads_reset(threads)):
-            try:
-                setter()
-                break
-            except Exception:  # noqa: BLE001 - the API moved between kvikio releases
-                continue
         self.threads = threads
+        self._set_threads()
         if dest.kind == "cuda":
             import cupy
             self.arr = cupy.asarray(dest.buf)
@@ -459,21 +450,12 @@ def run(args: argparse.Namespace) -> int:
     total = len(sizes) * args.runs * len([m for m in args.methods.split(",") if m.strip()])
     progress = Progress("[progress.description]{task.description}", BarColumn(),
                         MofNCompleteColumn(), console=Console(stderr=True), transient=True)
-    try:
+    def produce() -> dict:
         with progress:
             task = progress.add_task("restore", total=total)
 
             def step(what: str) -> None:
                 progress.update(task, advance=1, description=what)
-            report = run_bench(args, step)
-    except Exception as exc:  # noqa: BLE001 - reported, with the schema, as a failed run
-        if args.json:
-            print(json.dumps({"schema": SCHEMA, "error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"p2phub bench restore: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        render(report)
-    return 0 if any("p2phub" in r["median_per_s"] for r in report["sizes"].values()) else 1
+            return run_bench(args, step)
+    return emit(args, SCHEMA, "p2phub bench restore", produce, render,
+                lambda r: any("p2phub" in row["median_per_s"] for row in r["sizes"].values()))
