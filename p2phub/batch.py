@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 import threading
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from .hub import Hub
 
 __all__ = ["BatchFence", "load_batch", "save_batch", "configure_batch"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DEPTH = 128
 DEFAULT_SLOT = 512 << 10
@@ -560,7 +563,10 @@ class _Worker:
 
     def _loop(self) -> None:
         while (job := self.q.get()) is not None:
-            _run(*job)
+            try:
+                _run(*job)
+            except BaseException:  # noqa: BLE001 - _run reports through the fence; keep serving
+                log.exception("batch worker")
 
     def put(self, job: tuple[Any, ...]) -> None:
         self.q.put(job)
