@@ -31,7 +31,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .bench_load import GiB, SEED, _machine, _parse_size, drop_caches, emit, make_file
+from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
+                         make_file)
 
 SCHEMA = "p2phub.bench.restore/1"
 METHODS = "ceiling,p2phub,p2phub-load,kvikio8,kvikio16,torch"
@@ -253,39 +254,16 @@ class Kvikio:
 
 
 class TorchDouble:
-    """O_DIRECT preads into two pinned buffers, each copied on a stream while the next is read."""
+    """O_DIRECT preads into two pinned buffers, each copied on a stream while the next is read
+    (bench load's torch method, one piece per request)."""
 
     def __init__(self, dest: Dest, max_size: int) -> None:
         if dest.kind != "cuda":
             raise RuntimeError("needs a CUDA destination (torch copies to the GPU)")
-        import torch
-        self.torch = torch
-        self.gpu = dest.buf
-        self.pinned = [torch.empty(max_size, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        self.views = [memoryview(p.numpy()) for p in self.pinned]
-        self.events = [torch.cuda.Event() for _ in range(2)]
-        self.stream = torch.cuda.Stream()
+        self.method = TorchMethod(dest.buf, max_size)
 
     def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
-        torch = self.torch
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        used = [False, False]
-        try:
-            t0 = time.perf_counter()
-            for i, (o, d) in enumerate(zip(offs, dsts)):
-                k = i & 1
-                if used[k]:
-                    self.events[k].synchronize()
-                if os.preadv(fd, [self.views[k][:size]], int(o)) != size:
-                    raise RuntimeError("torch: a short read")
-                with torch.cuda.stream(self.stream):
-                    self.gpu[int(d):int(d) + size].copy_(self.pinned[k][:size], non_blocking=True)
-                    self.events[k].record(self.stream)
-                used[k] = True
-            self.stream.synchronize()
-            return time.perf_counter() - t0
-        finally:
-            os.close(fd)
+        return self.method.read_into(path, ((int(o), int(d), size) for o, d in zip(offs, dsts)))
 
 
 # ------------------------------------------------------------------ the bench
