@@ -192,4 +192,5 @@ def build_dir() -> Path:
 
 NVME = HotPath("nvme", "_hot")
 KV = HotPath("kv", "_kvhot")
-HOT_PATHS = (NVME, KV)
+SIO = HotPath("staged_io", "_sio")   # the staged I/O engine (p2phub.batch)
+HOT_PATHS = (NVME, KV, SIO)

@@ -443,6 +443,17 @@ class Hub(Resource):
         """Write a registration to storage (file, block device, NVMe namespace); a fence."""
         return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
+    def load_batch(self, entries: Any = None, **kw: Any) -> Any:  # -> p2phub.batch.BatchFence
+        """Many (storage, offset, length, memory, memory offset) reads in one call, checked
+        before any is submitted; one fence (see p2phub.batch)."""
+        from . import batch
+        return batch.load_batch(self, entries, **kw)
+
+    def save_batch(self, entries: Any = None, **kw: Any) -> Any:  # -> p2phub.batch.BatchFence
+        """Many writes of registered memory to storage in one call (see p2phub.batch)."""
+        from . import batch
+        return batch.save_batch(self, entries, **kw)
+
     # ----------------------------------------------------------- registering
 
     @property

@@ -41,7 +41,7 @@ from ..exitcodes import Exit
 from ..hostmem import Udmabuf
 from ..hub import Hub
 from ..pci import PciAddress
-from . import bench_kv, bench_load, bench_nvme, bench_ordering
+from . import bench_kv, bench_load, bench_nvme, bench_ordering, bench_restore
 from . import plot
 from .argtypes import comma_list, new_file, non_negative_seconds, pci_address, positive, size_bytes
 from .progress import steps
@@ -72,6 +72,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     bench_ordering.add_parsers(sub)
     bench_load.add_parsers(sub)
     bench_kv.add_parser(sub)
+    bench_restore.add_parser(sub)
     r = sub.add_parser("register", help="register+unregister latency and cache hits vs ibv_reg_mr")
     r.add_argument("--sizes", type=comma_list(size_bytes), default=DEFAULT_SIZES,
                    help=f"comma-separated (default {DEFAULT_SIZES})")
@@ -245,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_load.run(args)
     if args.bench == "kv":
         return bench_kv.run(args)
+    if args.bench == "restore":
+        return bench_restore.run(args)
     report = _bench_register(args)  # errors: one line from the dispatcher (p2phub/cli.py)
     plot.maybe(args, report)
     if args.json:

@@ -1,0 +1,693 @@
+"""Batches of scattered transfers between storage and registered memory, in one call.
+
+``hub.load_batch(entries)`` reads, and ``hub.save_batch(entries)`` writes, many
+(storage, offset, length, memory, memory offset) entries at once:
+
+    fence = hub.load_batch([(path, 0, 4096, reg, 8192), (path, 1 << 20, 65536, reg2, 0)])
+    fence.wait()
+
+or, for many entries, as columns (numpy arrays or any sequences of ints):
+
+    fence = hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg,
+                           mem_offsets=dst_offs, per_entry=True)
+
+``storage`` is a file or block device path, an open file, an fd, or (P2P mode) a p2phub
+NVMe Namespace; in the column form ``storage`` and ``memory`` may be lists indexed by
+``storage_index`` / ``memory_index`` arrays. ``memory`` is a registration from
+``hub.register`` (GPU memory or, in staged mode, a host buffer). Every entry is checked
+before anything is submitted: a bad one (a range outside its file or registration, an
+unaligned write to an O_DIRECT fd, a closed registration, an fd that is not open) refuses
+the whole batch with a UsageError (or P2PHubOSError) naming the entry's index.
+
+The batch returns one fence (``BatchFence``: wait, done, exception, add_done_callback,
+await, on_stream); with ``per_entry=True``, ``fence.entries`` holds one fence per entry.
+``fence.results`` gives each entry's bytes moved, or -errno; ``fence.stats`` the engine's
+figures and, per file, whether it was read with O_DIRECT or through the page cache (by
+default, ``direct="auto"``, entries of 1 MiB and up are read through the page cache and the
+smaller ones with O_DIRECT: see ``configure_batch``).
+
+Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
+queue, reused staging slots, host copies by memcpy and GPU copies batched per reaped round.
+Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
+declares each request's range to the registration's ordering.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .errors import P2PHubOSError, UsageError
+from .staged import ALIGN, Fence, StagedRegistration, _is_namespace, _ops_of
+
+if TYPE_CHECKING:
+    from .hub import Hub
+
+__all__ = ["BatchFence", "load_batch", "save_batch", "configure_batch"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEPTH = 128
+DEFAULT_SLOT = 512 << 10
+DEFAULT_SLOTS = 256
+# direct="auto" reads entries of this size and up through the page cache: on the virtio disk
+# measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
+# reads 1.1x to 1.4x slower buffered
+DEFAULT_BUFFERED_FROM = 1 << 20
+
+
+class BatchFence(Fence):
+    """Completion of a whole batch. ``entries``: one Fence per entry (per_entry=True) or
+    None; ``results``: per entry, the bytes moved or -errno, once complete."""
+
+    def __init__(self, what: str, nbytes: int, count: int) -> None:
+        super().__init__(what, nbytes)
+        self.count = count
+        self.entries: list[Fence] | None = None
+        self.results: Any = None
+
+
+# ------------------------------------------------------------------ entries
+
+
+@dataclass
+class _File:
+    """One storage target of the batch (a file or block device) and how it is open."""
+    target: Any
+    fd: int = -1
+    owned: bool = False
+    direct: bool = False
+    fd_buffered: int = -1     # direct="auto": a second, buffered fd for the large reads
+    size: int = 0
+    name: str = ""
+    regular: bool = True
+
+
+@dataclass
+class _Mem:
+    reg: Any
+    ptr: int
+    length: int
+    cuda: bool
+    ops: Any
+    device: int
+
+
+@dataclass
+class _Plan:
+    n: int
+    off: Any
+    length: Any
+    moff: Any
+    sidx: Any
+    midx: Any
+    files: list[_File] = field(default_factory=list)
+    mems: list[_Mem] = field(default_factory=list)
+    namespaces: dict[int, Any] = field(default_factory=dict)   # storage index -> Namespace
+    buffered_from: int = DEFAULT_BUFFERED_FROM
+
+
+def _np() -> Any:
+    try:
+        import numpy
+        return numpy
+    except ImportError:  # pragma: no cover - numpy is on every machine p2phub targets
+        raise UsageError("hub.load_batch/save_batch need numpy") from None
+
+
+def _column(np: Any, name: str, value: Any, n: int | None) -> Any:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if n is None:
+            raise UsageError(f"{name}: a single value needs another column that sets the count")
+        return np.full(n, int(value), dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{name}: not a sequence of integers ({exc})") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise UsageError(f"{name}: want a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
+    if n is not None and arr.size != n:
+        raise UsageError(f"{name}: {arr.size} values for {n} entries")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > (1 << 62):
+        raise UsageError(f"{name}: entry {int(arr.argmax())}: {int(arr.max())} is out of range")
+    return arr.astype(np.int64, copy=False)
+
+
+def _columns(entries: Any, storage: Any, offsets: Any, lengths: Any, memory: Any,
+             mem_offsets: Any, storage_index: Any, memory_index: Any) -> tuple[Any, ...]:
+    """(storages, memories, off, length, moff, sidx, midx) from either form."""
+    np = _np()
+    if entries is not None:
+        if any(v is not None for v in (storage, offsets, lengths, memory, mem_offsets)):
+            raise UsageError("give entries, or the columns (storage=, offsets=, ...), not both")
+        entries = list(entries)
+        if not entries:
+            raise UsageError("an empty batch")
+        storages: list[Any] = []
+        memories: list[Any] = []
+        skeys: dict[Any, int] = {}
+        mkeys: dict[int, int] = {}
+        n = len(entries)
+        off = np.empty(n, np.int64)
+        ln = np.empty(n, np.int64)
+        mo = np.empty(n, np.int64)
+        si = np.empty(n, np.int64)
+        mi = np.empty(n, np.int64)
+        for i, e in enumerate(entries):
+            try:
+                st, o, l_, m, moff = e
+            except (TypeError, ValueError):
+                raise UsageError(f"entry {i}: want (storage, offset, length, memory, memory "
+                                 f"offset), got {e!r}") from None
+            for what, v in (("offset", o), ("length", l_), ("memory offset", moff)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise UsageError(f"entry {i}: {what} {v!r} is not an integer")
+            key = os.fspath(st) if isinstance(st, (str, os.PathLike)) else id(st)
+            if key not in skeys:
+                skeys[key] = len(storages)
+                storages.append(st)
+            if id(m) not in mkeys:
+                mkeys[id(m)] = len(memories)
+                memories.append(m)
+            off[i], ln[i], mo[i], si[i], mi[i] = o, l_, moff, skeys[key], mkeys[id(m)]
+        return storages, memories, off, ln, mo, si, mi
+    if storage is None or memory is None or offsets is None:
+        raise UsageError("a batch needs entries, or storage=, offsets=, lengths=, memory=")
+    off = _column(np, "offsets", offsets, None)
+    n = off.size
+    if n == 0:
+        raise UsageError("an empty batch")
+    ln = _column(np, "lengths", lengths, n)
+    mo = _column(np, "mem_offsets", 0 if mem_offsets is None else mem_offsets, n)
+    storages = list(storage) if isinstance(storage, (list, tuple)) else [storage]
+    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
+    si = _column(np, "storage_index", 0 if storage_index is None else storage_index, n)
+    mi = _column(np, "memory_index", 0 if memory_index is None else memory_index, n)
+    for name, idx, pool in (("storage_index", si, storages), ("memory_index", mi, memories)):
+        bad = np.flatnonzero((idx < 0) | (idx >= len(pool)))
+        if bad.size:
+            i = int(bad[0])
+            raise UsageError(f"entry {i}: {name} {int(idx[i])} is not one of the {len(pool)} given")
+    return storages, memories, off, ln, mo, si, mi
+
+
+def _first(np: Any, mask: Any) -> int | None:
+    bad = np.flatnonzero(mask)
+    return int(bad[0]) if bad.size else None
+
+
+def _memory(hub: "Hub", reg: Any, i: int) -> _Mem:
+    if isinstance(reg, StagedRegistration):
+        if reg.closed:
+            raise UsageError(f"entry {i}: {reg} is closed")
+        if reg._hub is not hub:
+            raise UsageError(f"entry {i}: {reg} belongs to another hub")
+        return _Mem(reg, reg.source.ptr, reg.length, reg.source.backend != "host", reg.ops,
+                    max(reg.source.device, 0))
+    if type(reg).__name__ == "Registration" and hasattr(reg, "_check_open"):
+        if reg.closed:
+            raise UsageError(f"entry {i}: {reg} is closed")
+        try:
+            ops = _ops_of(reg)   # GPU memory: its backend copies to and from it
+        except UsageError:
+            ops = None           # host or dma-buf memory: NVMe entries only (checked in _plan)
+        src = reg.source
+        return _Mem(reg, getattr(src, "ptr", 0), reg.length, True, ops,
+                    max(getattr(src, "device", 0), 0))
+    raise UsageError(f"entry {i}: {type(reg).__name__} is not a registration of this hub "
+                     "(use hub.register())")
+
+
+def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
+    """Open (or look at) one storage target; entry i is the first that uses it."""
+    f = _File(target)
+    if isinstance(target, (str, os.PathLike)):
+        f.name = os.fspath(target)
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        flags |= os.O_CLOEXEC
+        f.owned = True
+        if direct:
+            try:
+                f.fd, f.direct = os.open(f.name, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i}: open {f.name}") from None
+        if f.fd < 0:
+            try:
+                f.fd = os.open(f.name, flags, 0o644)
+            except OSError as exc:
+                raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i}: open {f.name}") from None
+    else:
+        if isinstance(target, int) and not isinstance(target, bool):
+            f.fd, f.name = target, f"fd {target}"
+        elif hasattr(target, "fileno"):
+            try:
+                f.fd = target.fileno()
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"entry {i}: {target!r} has no usable fd ({exc})") from None
+            f.name = str(getattr(target, "name", f"fd {f.fd}"))
+        else:
+            raise UsageError(f"entry {i}: {type(target).__name__} is not a path, an open file, "
+                             "an fd or an NVMe Namespace")
+        try:
+            fl = fcntl.fcntl(f.fd, fcntl.F_GETFL)
+        except OSError as exc:
+            raise P2PHubOSError(exc.errno or errno.EBADF, f"entry {i}: {f.name}",
+                                "not an open file descriptor") from None
+        acc = fl & os.O_ACCMODE
+        if (write and acc == os.O_RDONLY) or (not write and acc == os.O_WRONLY):
+            raise P2PHubOSError(errno.EBADF, f"entry {i}: {f.name}",
+                                f"open for {'reading' if write else 'writing'} only")
+        f.direct = bool(fl & os.O_DIRECT)
+    try:
+        st = os.fstat(f.fd)
+        f.regular = stat.S_ISREG(st.st_mode)
+        f.size = st.st_size if f.regular else os.lseek(f.fd, 0, os.SEEK_END)
+    except OSError as exc:
+        _close_files([f])
+        raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i}: {f.name}") from None
+    if not f.regular and not stat.S_ISBLK(st.st_mode):
+        _close_files([f])
+        raise UsageError(f"entry {i}: {f.name} is not a regular file or a block device")
+    return f
+
+
+def _close_files(files: list[_File]) -> None:
+    for f in files:
+        if f.owned and f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+        if f.fd_buffered >= 0:
+            os.close(f.fd_buffered)
+            f.fd_buffered = -1
+
+
+def _io_name(f: _File, big: int) -> str:
+    if f.fd_buffered >= 0:
+        return f"O_DIRECT below {big} bytes, buffered from {big}"
+    return "O_DIRECT" if f.direct else "buffered"
+
+
+def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) -> _Plan:
+    """Every check of the batch, before anything is submitted. Opens the files it names."""
+    np = _np()
+    storages, memories, off, ln, mo, si, mi = cols
+    n = off.size
+    p = _Plan(n, off, ln, mo, si, mi)
+    p.buffered_from = hub.__dict__.get("_batch_opts", {}).get("buffered_from", DEFAULT_BUFFERED_FROM)
+    if direct not in (True, False, "auto"):
+        raise UsageError(f"direct={direct!r}: want True, False or 'auto'")
+    first_of = lambda idx, k: int(np.argmax(idx == k))  # noqa: E731
+    if (i := _first(np, off < 0)) is not None:
+        raise UsageError(f"entry {i}: offset {int(off[i])} is negative")
+    if (i := _first(np, ln <= 0)) is not None:
+        raise UsageError(f"entry {i}: length {int(ln[i])} is not positive")
+    if (i := _first(np, mo < 0)) is not None:
+        raise UsageError(f"entry {i}: memory offset {int(mo[i])} is negative")
+    for k, reg in enumerate(memories):
+        used = mi == k
+        if not used.any():
+            continue
+        m = _memory(hub, reg, first_of(mi, k))
+        if (i := _first(np, used & (mo + ln > m.length))) is not None:
+            raise UsageError(f"entry {i}: memory range {int(mo[i])}+{int(ln[i])} is outside "
+                             f"{reg} ({m.length} bytes)")
+        p.mems.append(m)
+    for k in range(len(memories)):
+        if not (mi == k).any():
+            p.mems.insert(k, None)  # type: ignore[arg-type]
+    nvme_rows = np.zeros(n, bool)
+    for k, target in enumerate(storages):
+        if _is_namespace(target):
+            nvme_rows |= si == k
+    for k, m in enumerate(p.mems):
+        if m is not None and m.ops is None:
+            if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
+                raise UsageError(f"entry {i}: {m.reg} is not GPU memory of hub.register(); "
+                                 "files reach it only through its own mapping (it serves NVMe "
+                                 "entries)")
+    try:
+        for k, target in enumerate(storages):
+            used = si == k
+            if not used.any():
+                p.files.append(_File(None))
+                continue
+            i0 = first_of(si, k)
+            if _is_namespace(target):
+                p.files.append(_File(target))
+                p.namespaces[k] = target
+                _check_namespace(np, p, k, target, used, write)
+                continue
+            aligned = not bool(((off[used] | ln[used]) % ALIGN).any())
+            f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
+            p.files.append(f)
+            if (direct == "auto" and not write and f.owned and f.direct
+                    and bool((used & (ln >= p.buffered_from)).any())):
+                try:
+                    f.fd_buffered = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i0}: open {f.name}") from None
+            if write and f.direct and not aligned:
+                i = _first(np, used & (((off | ln) % ALIGN) != 0))
+                raise UsageError(f"entry {i}: {f.name} is open with O_DIRECT and the write "
+                                 f"{int(off[i])}+{int(ln[i])} is not aligned to {ALIGN} bytes")
+            past = used & (off + ln > f.size) if (not write or not f.regular) else None
+            if past is not None and (i := _first(np, past)) is not None:
+                raise UsageError(f"entry {i}: range {int(off[i])}+{int(ln[i])} is past the end "
+                                 f"of {f.name} ({f.size} bytes)")
+    except BaseException:
+        _close_files(p.files)
+        raise
+    return p
+
+
+def _check_namespace(np: Any, p: _Plan, k: int, ns: Any, used: Any, write: bool) -> None:
+    lba = ns.lba_size
+    if (i := _first(np, used & (((p.off | p.length) % lba) != 0))) is not None:
+        raise UsageError(f"entry {i}: {int(p.off[i])}+{int(p.length[i])} is not a multiple of "
+                         f"{ns}'s {lba}-byte LBA")
+    if (i := _first(np, used & (p.off + p.length > ns.blocks * lba))) is not None:
+        raise UsageError(f"entry {i}: range {int(p.off[i])}+{int(p.length[i])} is past the end "
+                         f"of {ns} ({ns.blocks * lba} bytes)")
+    for i in np.flatnonzero(used):
+        m = p.mems[int(p.midx[i])]
+        if isinstance(m.reg, StagedRegistration):
+            raise UsageError(f"entry {int(i)}: an NVMe {'write' if write else 'read'} straight "
+                             f"into {m.reg} needs peer-to-peer mode ({m.reg.reason})")
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class _Engine:
+    """One staged I/O engine (p2phub.staged_io) and its staging memory, for one copy engine
+    and device of a hub; batches on it run one at a time on its worker thread."""
+
+    def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int) -> None:
+        from .staged_io import load as load_sio
+        self.mod = load_sio()
+        self.ops, self.device = ops, device
+        self.depth, self.slot, self.slots = depth, slot, slots
+        self.lock = threading.Lock()
+        self.cuda = getattr(ops, "name", "") != "host"
+        self._eng = None
+        self._stage = None
+        self._stream = 0
+        self._closed = False
+
+    def _ensure(self) -> Any:
+        if self._eng is None:
+            ffi, lib = self.mod.ffi, self.mod.lib
+            self.ops.bind_thread(self.device)
+            self._stage = self.ops.pinned(self.slot * self.slots)
+            if self.cuda:
+                self._stream = self.ops.stream_create()
+            err = ffi.new("char[]", 256)
+            eng = lib.sio_open(self.depth, self.slot, self.slots, ffi.cast("void *", self._stage.ptr),
+                               self._stream, err, 256)
+            if eng == ffi.NULL:
+                self._free()
+                raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
+            self._eng = eng
+        return self._eng
+
+    def _free(self) -> None:
+        if self._stream:
+            self.ops.stream_destroy(self._stream)
+            self._stream = 0
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
+
+    def run(self, write: bool, fd: Any, off: Any, ln: Any, mem: Any, flags: Any,
+            result: Any) -> tuple[int, dict[str, Any]]:
+        ffi, lib = self.mod.ffi, self.mod.lib
+        with self.lock:
+            if self._closed:
+                raise UsageError("the hub's staged I/O engine is closed")
+            self.ops.bind_thread(self.device)
+            eng = self._ensure()
+            st = ffi.new("struct sio_stats *")
+            err = ffi.new("char[]", 256)
+            rc = lib.sio_run(eng, int(write), len(off), ffi.from_buffer("int[]", fd),
+                             ffi.from_buffer("unsigned long long[]", off),
+                             ffi.from_buffer("unsigned long long[]", ln),
+                             ffi.from_buffer("unsigned long long[]", mem),
+                             ffi.from_buffer("unsigned char[]", flags),
+                             ffi.from_buffer("long long[]", result, require_writable=True),
+                             st, err, 256)
+            stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
+                                                       "merged", "slot_waits", "max_inflight")}
+            stats["batch_copy_api"] = bool(st.batch_api)
+            if rc < 0:
+                raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
+            return rc, stats
+
+    def close(self) -> None:
+        with self.lock:
+            if self._eng is not None:
+                self.ops.bind_thread(self.device)
+                self.mod.lib.sio_close(self._eng)
+                self._eng = None
+            self._free()
+            self._closed = True
+
+
+def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
+                    slots: int = DEFAULT_SLOTS,
+                    buffered_from: int = DEFAULT_BUFFERED_FROM) -> None:
+    """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
+    bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
+    than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
+    bytes and up go through the page cache."""
+    if not 1 <= depth <= 4096:
+        raise UsageError(f"depth={depth}: want 1..4096")
+    if slot <= 0 or slot % ALIGN:
+        raise UsageError(f"slot={slot} must be a positive multiple of {ALIGN}")
+    if slots < 1:
+        raise UsageError(f"slots={slots} must be positive")
+    if buffered_from <= 0:
+        raise UsageError(f"buffered_from={buffered_from} must be positive")
+    for key in [k for k in hub.__dict__.get("_stagers", {}) if k[0] == "batch"]:
+        hub.__dict__["_stagers"].pop(key).close()
+    hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
+                                   "buffered_from": buffered_from}
+
+
+def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
+    # kept with the hub's stagers, so that Hub.close() (staged.close_stagers) closes it
+    key = ("batch", getattr(ops, "name", type(ops).__name__), device)
+    stagers = hub.__dict__.setdefault("_stagers", {})
+    if key not in stagers:
+        opts = hub.__dict__.get("_batch_opts", {})
+        stagers[key] = _Engine(ops, device, opts.get("depth", DEFAULT_DEPTH),
+                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS))
+    return stagers[key]
+
+
+# ------------------------------------------------------------------ load / save
+
+
+def load_batch(hub: "Hub", entries: Sequence[Any] | None = None, *, storage: Any = None,
+               offsets: Any = None, lengths: Any = None, memory: Any = None,
+               mem_offsets: Any = None, storage_index: Any = None, memory_index: Any = None,
+               per_entry: bool = False, direct: bool | str = "auto") -> BatchFence:
+    """Read every entry's `length` bytes at `offset` of its storage into its memory at the
+    memory offset. See the module's doc for the forms; returns one BatchFence. direct: True
+    reads with O_DIRECT where the file system has it, False through the page cache, "auto"
+    (default) O_DIRECT for entries under configure_batch's `buffered_from` (1 MiB) and the
+    page cache for larger ones (two fds on a path; an fd given is used as it is)."""
+    return _batch(hub, False, entries, storage, offsets, lengths, memory, mem_offsets,
+                  storage_index, memory_index, per_entry, direct, False)
+
+
+def save_batch(hub: "Hub", entries: Sequence[Any] | None = None, *, storage: Any = None,
+               offsets: Any = None, lengths: Any = None, memory: Any = None,
+               mem_offsets: Any = None, storage_index: Any = None, memory_index: Any = None,
+               per_entry: bool = False, direct: bool = True, sync: bool = True) -> BatchFence:
+    """Write every entry's `length` bytes of its memory (at the memory offset) to `offset`
+    of its storage; with `sync`, the files are fsynced before the fence completes."""
+    return _batch(hub, True, entries, storage, offsets, lengths, memory, mem_offsets,
+                  storage_index, memory_index, per_entry, direct, sync)
+
+
+def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, lengths: Any,
+           memory: Any, mem_offsets: Any, storage_index: Any, memory_index: Any,
+           per_entry: bool, direct: bool | str, sync: bool) -> BatchFence:
+    hub._check_open()
+    np = _np()
+    cols = _columns(entries, storage, offsets, lengths, memory, mem_offsets, storage_index,
+                    memory_index)
+    p = _plan(hub, write, direct, cols)
+    verb = "save" if write else "load"
+    fence = BatchFence(f"{verb}_batch of {p.n} entries", int(p.length.sum()), p.n)
+    if per_entry:
+        fence.entries = [Fence(f"{verb}_batch entry {i}", int(p.length[i])) for i in range(p.n)]
+    fence.results = np.zeros(p.n, np.int64)
+    fence.stats["io"] = {f.name: _io_name(f, p.buffered_from) for f in p.files if f.fd >= 0}
+    held = [m.reg for m in p.mems if m is not None and isinstance(m.reg, StagedRegistration)]
+    try:
+        for reg in held:
+            reg._hold(1)
+    except BaseException:
+        _close_files(p.files)
+        raise
+    is_ns = np.isin(p.sidx, np.fromiter(p.namespaces, np.int64, len(p.namespaces)))
+    parts: list[Any] = []
+    try:
+        if p.namespaces:
+            parts += _namespace_parts(p, write, is_ns, fence)
+    except BaseException:
+        _release(held, p)
+        raise
+    file_rows = np.flatnonzero(~is_ns)
+    _worker(hub).put((hub, write, p, file_rows, parts, fence, held, sync))
+    return fence
+
+
+class _Worker:
+    """The hub's batch thread: batches run on it one after another (a thread started per
+    batch costs more than a small batch's I/O on a busy host)."""
+
+    def __init__(self) -> None:
+        import queue
+        self.q: Any = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._loop, name="p2phub-batch", daemon=True)
+        self.t.start()
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            try:
+                _run(*job)
+            except BaseException:  # noqa: BLE001 - _run reports through the fence; keep serving
+                log.exception("batch worker")
+
+    def put(self, job: tuple[Any, ...]) -> None:
+        self.q.put(job)
+
+    def close(self) -> None:
+        """Runs the batches already queued, then ends the thread."""
+        self.q.put(None)
+        if self.t is not threading.current_thread():
+            self.t.join()
+
+
+def _worker(hub: "Hub") -> _Worker:
+    stagers = hub.__dict__.setdefault("_stagers", {})
+    w = stagers.get(("batch-worker",))
+    if w is None:
+        w = stagers[("batch-worker",)] = _Worker()
+    return w
+
+
+def _release(held: list[Any], p: _Plan) -> None:
+    for reg in held:
+        with reg._lock:
+            reg._busy -= 1
+    _close_files(p.files)
+
+
+def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> list[Any]:
+    """One Namespace.submit per namespace: (rows, futures) pairs."""
+    from .nvme.controller import Op
+    import numpy as np
+    kind = "write" if write else "read"
+    out = []
+    for k, ns in p.namespaces.items():
+        rows = np.flatnonzero(p.sidx == k)
+        lba = ns.lba_size
+        ops = [Op(kind, p.mems[int(p.midx[i])].reg, int(p.off[i]) // lba, int(p.length[i]),
+                  int(p.moff[i])) for i in rows]
+        out.append((rows, ns.submit(ops)))
+    return out
+
+
+def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: BatchFence,
+         held: list[Any], sync: bool) -> None:
+    import time
+
+    import numpy as np
+    t0 = time.perf_counter()
+    err: BaseException | None = None
+    res = fence.results
+    try:
+        if rows.size:
+            flags = np.zeros(rows.size, np.uint8)
+            fds = np.empty(rows.size, np.int32)
+            mem = np.empty(rows.size, np.uint64)
+            sidx, midx = p.sidx[rows], p.midx[rows]
+            for k, f in enumerate(p.files):
+                sel = sidx == k
+                if f.fd >= 0 and sel.any():
+                    fds[sel] = f.fd
+                    if f.direct:
+                        flags[sel] |= 1
+                    if f.fd_buffered >= 0:
+                        big = sel & (p.length[rows] >= p.buffered_from)
+                        fds[big] = f.fd_buffered
+                        flags[big] &= ~np.uint8(1)
+            groups: dict[tuple[str, int], Any] = {}
+            for k, m in enumerate(p.mems):
+                if m is None:
+                    continue
+                sel = midx == k
+                if not sel.any():
+                    continue
+                mem[sel] = m.ptr + p.moff[rows][sel]
+                if m.cuda:
+                    flags[sel] |= 2
+                key = (getattr(m.ops, "name", type(m.ops).__name__), m.device)
+                groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool)])[2] |= sel
+            stats: dict[str, Any] = {}
+            for (_name, dev), (ops, _d, sel) in groups.items():
+                sub = rows[sel]
+                out = np.zeros(sub.size, np.int64)
+                _rc, st = _engine(hub, ops, dev).run(
+                    write, np.ascontiguousarray(fds[sel]),
+                    np.ascontiguousarray(p.off[sub].astype(np.uint64)),
+                    np.ascontiguousarray(p.length[sub].astype(np.uint64)),
+                    np.ascontiguousarray(mem[sel]), np.ascontiguousarray(flags[sel]), out)
+                res[sub] = out
+                for key, v in st.items():
+                    stats[key] = (stats.get(key, 0) + v) if not isinstance(v, bool) else v
+            fence.stats.update(stats)
+            if write and sync:
+                for f in p.files:
+                    if f.fd >= 0:
+                        os.fsync(f.fd)
+        for nrows, futs in parts:
+            for i, fut in zip(nrows, futs):
+                exc = fut.exception()
+                res[i] = -(getattr(exc, "errno", None) or errno.EIO) if exc else p.length[i]
+        bad = np.flatnonzero(res < 0)
+        if bad.size:
+            i = int(bad[0])
+            more = f" (and {bad.size - 1} more entries)" if bad.size > 1 else ""
+            f = p.files[int(p.sidx[i])]
+            err = P2PHubOSError(int(-res[i]), f"entry {i}: {'write' if write else 'read'} "
+                                f"{f.name or f.target}[{int(p.off[i])}:+{int(p.length[i])}]{more}")
+    except BaseException as exc:  # noqa: BLE001 - delivered through the fence
+        err = exc
+    finally:
+        dt = time.perf_counter() - t0
+        fence.stats.update(seconds=dt, gbps=(fence.nbytes / dt / 1e9) if dt > 0 else 0.0,
+                           entries=p.n, per_s=(p.n / dt) if dt > 0 else 0.0)
+        try:
+            _release(held, p)
+        except BaseException as exc:  # noqa: BLE001
+            err = err or exc
+        if fence.entries is not None:
+            for i, ef in enumerate(fence.entries):
+                if res[i] < 0:
+                    ef._finish(P2PHubOSError(int(-res[i]), f"{ef.what}"))
+                elif err is not None and res[i] == 0:
+                    ef._finish(err)
+                else:
+                    ef._finish()
+        fence._finish(err)

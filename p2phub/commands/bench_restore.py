@@ -1,0 +1,439 @@
+"""`p2phub bench restore`: the KV-cache restore pattern. Thousands of random aligned reads
+of one big file land in scattered places of one buffer (GPU memory, or host memory with
+--device host), at several read sizes, p2phub's batch beside the other ways to do it and the
+disk's own ceiling, in one run.
+
+Per read size and run (page cache dropped before every method; each run starts with another
+method):
+  p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
+               reads go in slot-sized pieces), buf through the page cache, dio all O_DIRECT
+               (p2phub:d256:s256K); plain p2phub uses the API's defaults (direct="auto")
+  ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
+               128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's ceiling
+  p2phub       hub.load_batch(storage=file, offsets=..., lengths=size, memory=reg,
+               mem_offsets=...): one call, one fence
+  p2phub-load  hub.load(file, reg, offset, size, dest_offset) per request, the fences awaited
+               together
+  kvikio8/16   kvikio.CuFile(file).pread(view, size, offset) futures, its thread pool at 8 and
+               16 threads, awaited together
+  torch        O_DIRECT preads into two pinned buffers, each copied to the GPU on a stream while
+               the next is read (double-buffered)
+
+Every byte of a sample of requests is checked on the destination (on the GPU for GPU
+memory) against the file's pattern. Figures are requests per second; medians over --runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
+                         make_file)
+
+SCHEMA = "p2phub.bench.restore/1"
+METHODS = "ceiling,p2phub,p2phub-load,kvikio8,kvikio16,torch"
+
+
+def add_parser(sub: Any) -> None:
+    help_ = ("the KV-cache restore pattern: thousands of random aligned reads into scattered "
+             "places of one buffer; p2phub's batch vs kvikio, torch, per-request hub.load and "
+             "the C io_uring ceiling")
+    p = sub.add_parser("restore", help=help_, description=help_)
+    p.add_argument("--file", default="/var/tmp/p2phub-bench.bin",
+                   help="the file to read (made with a checkable pattern if missing or of "
+                        "another size)")
+    p.add_argument("--size", default="4G", help="file size (default 4G)")
+    p.add_argument("--count", type=int, default=4096, help="reads per batch (default 4096)")
+    p.add_argument("--sizes", default="4K,64K,256K,1M", help="read sizes (default 4K,64K,256K,1M)")
+    p.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
+    p.add_argument("--methods", default=METHODS, help=f"methods, in order (default {METHODS})")
+    p.add_argument("--depths", default="64,128,256", help="queue depths of the ceiling")
+    p.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
+                   help="destination memory (default: cuda where torch sees a GPU, else host)")
+    p.add_argument("--sample", type=int, default=64, help="requests checked per method and run")
+    p.add_argument("--depth", type=int, default=128, help="p2phub batch queue depth")
+    p.add_argument("--slot", default="1M", help="p2phub batch staging slot size")
+    p.add_argument("--mode", choices=("auto", "p2p", "staged"), default="auto",
+                   help="Hub mode for p2phub (default auto)")
+    p.add_argument("--seed", type=int, default=21)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(bench_restore=True)
+
+
+# ------------------------------------------------------------------ destinations
+
+
+class Dest:
+    """The destination buffer: a torch CUDA tensor or a numpy host array."""
+
+    def __init__(self, kind: str, nbytes: int) -> None:
+        import numpy as np
+        self.kind = kind
+        self.nbytes = nbytes
+        if kind == "cuda":
+            import torch
+            self.torch = torch
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        else:
+            self.buf = np.zeros(nbytes, np.uint8)
+
+    def clear(self) -> None:
+        if self.kind == "cuda":
+            self.buf.zero_()
+            self.torch.cuda.synchronize()
+        else:
+            self.buf[:] = 0
+
+    def sync(self) -> None:
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize()
+
+    def check(self, offs: Any, dsts: Any, size: int, sample: Any) -> bool:
+        """Every byte of the sampled requests is the file's pattern (checked where it lives)."""
+        for i in sample:
+            off, dst = int(offs[i]), int(dsts[i])
+            if self.kind == "cuda":
+                torch = self.torch
+                got = self.buf[dst:dst + size].view(torch.int64)
+                exp = torch.arange(off // 8, (off + size) // 8, dtype=torch.int64,
+                                   device=got.device) ^ SEED
+                if not torch.equal(got, exp):
+                    return False
+            else:
+                import numpy as np
+                got = self.buf[dst:dst + size].view(np.int64)
+                exp = np.arange(off // 8, (off + size) // 8, dtype=np.int64) ^ SEED
+                if not np.array_equal(got, exp):
+                    return False
+        return True
+
+
+# ------------------------------------------------------------------ methods
+
+
+class Ceiling:
+    """C io_uring, O_DIRECT, into host memory: the disk's ceiling for this pattern."""
+
+    def __init__(self, path: str, depths: list[int], max_size: int) -> None:
+        import mmap
+
+        from ..staged_io import load
+        self.mod = load()
+        self.path = path
+        self.depths = depths
+        self.bufs = {d: mmap.mmap(-1, d * max_size) for d in depths}
+
+    def run(self, offs: Any, size: int, depth: int) -> float:
+        import numpy as np
+        ffi, lib = self.mod.ffi, self.mod.lib
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            o = np.ascontiguousarray(offs.astype(np.uint64))
+            ln = np.full(offs.size, size, np.uint64)
+            err = ffi.new("char[]", 256)
+            buf = ffi.from_buffer(self.bufs[depth])
+            t0 = time.perf_counter()
+            rc = lib.sio_ceiling(fd, offs.size, ffi.from_buffer("unsigned long long[]", o),
+                                 ffi.from_buffer("unsigned long long[]", ln), depth, buf, size,
+                                 err, 256)
+            dt = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        if rc:
+            raise OSError(-rc, f"ceiling: {ffi.string(err).decode()}")
+        return dt
+
+
+def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str]:
+    """p2phub's batch with other settings: "p2phub:d256:s256K:buf" (queue depth 256, 256 KiB
+    staging slots, reads through the page cache; "dio": every read O_DIRECT)."""
+    direct: bool | str = "auto"
+    for tok in name.split(":")[1:]:
+        if tok in ("buf", "dio"):
+            direct = tok == "dio"
+        elif tok[:1] == "d" and tok[1:].isdigit():
+            depth = int(tok[1:])
+        elif tok[:1] == "s":
+            slot = _parse_size(tok[1:])
+        else:
+            raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf or dio)")
+    return depth, slot, direct
+
+
+class P2PHubBatch:
+    def __init__(self, dest: Dest, mode: str, depth: int, slot: int,
+                 direct: bool | str = "auto") -> None:
+        from .. import batch
+        from ..hub import Hub
+        self.hub = Hub(mode=mode)
+        batch.configure_batch(self.hub, depth=depth, slot=slot, slots=max(2 * depth, 64))
+        self.reg = self.hub.register(dest.buf)
+        self.direct = direct
+        self.settings = {"depth": depth, "slot": slot, "direct": direct}
+        self.stats: dict[str, Any] = {}
+
+    def warm(self, path: str, size: int) -> None:
+        self.hub.load_batch([(path, 0, size, self.reg, 0)]).wait()
+
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        t0 = time.perf_counter()
+        f = self.hub.load_batch(storage=path, offsets=offs, lengths=size, memory=self.reg,
+                                mem_offsets=dsts, direct=self.direct)
+        f.wait()
+        dt = time.perf_counter() - t0
+        self.stats = {k: v for k, v in f.stats.items() if k not in ("seconds", "gbps", "per_s")}
+        return dt
+
+    def info(self) -> dict[str, Any]:
+        return {"hub_mode": self.hub.mode, "mode_reason": self.hub.mode_reason,
+                "reg_path": self.reg.path, "last_batch": self.stats, **self.settings}
+
+    def close(self) -> None:
+        self.hub.close()
+
+
+class P2PHubLoad(P2PHubBatch):
+    def warm(self, path: str, size: int) -> None:
+        self.hub.load(path, self.reg, 0, size).wait()
+
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        t0 = time.perf_counter()
+        fences = [self.hub.load(path, self.reg, int(o), size, int(d)) for o, d in zip(offs, dsts)]
+        for f in fences:
+            f.wait()
+        return time.perf_counter() - t0
+
+
+class Kvikio:
+    def __init__(self, dest: Dest, threads: int) -> None:
+        try:
+            import kvikio
+        except ImportError:
+            raise RuntimeError("needs kvikio") from None
+        self.kvikio = kvikio
+        self.threads = threads
+        self._set_threads()
+        if dest.kind == "cuda":
+            import cupy
+            self.arr = cupy.asarray(dest.buf)
+        else:
+            self.arr = dest.buf
+
+    def _set_threads(self) -> None:
+        import kvikio.defaults as kd
+        for setter in (lambda: kd.set({"num_threads": self.threads}),
+                       lambda: kd.num_threads_reset(self.threads)):
+            try:
+                setter()
+                return
+            except Exception:  # noqa: BLE001
+                continue
+
+    def warm(self, path: str, size: int) -> None:
+        self._set_threads()
+        with self.kvikio.CuFile(path, "r") as f:
+            f.pread(self.arr[:size], size, 0).get()
+
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        self._set_threads()
+        arr = self.arr
+        t0 = time.perf_counter()
+        with self.kvikio.CuFile(path, "r") as f:
+            futs = [f.pread(arr[int(d):int(d) + size], size, int(o)) for o, d in zip(offs, dsts)]
+            for fut in futs:
+                if fut.get() != size:
+                    raise RuntimeError("kvikio: a short read")
+        return time.perf_counter() - t0
+
+    def info(self) -> dict[str, Any]:
+        return {"version": getattr(self.kvikio, "__version__", "?"), "threads": self.threads}
+
+
+class TorchDouble:
+    """O_DIRECT preads into two pinned buffers, each copied on a stream while the next is read
+    (bench load's torch method, one piece per request)."""
+
+    def __init__(self, dest: Dest, max_size: int) -> None:
+        if dest.kind != "cuda":
+            raise RuntimeError("needs a CUDA destination (torch copies to the GPU)")
+        self.method = TorchMethod(dest.buf, max_size)
+
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        return self.method.read_into(path, ((int(o), int(d), size) for o, d in zip(offs, dsts)))
+
+
+# ------------------------------------------------------------------ the bench
+
+
+def _requests(seed: int, file_size: int, count: int, size: int) -> tuple[Any, Any]:
+    """count random 4 KiB-aligned offsets in the file, and a permutation of count slots of
+    `size` bytes in the destination."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    offs = rng.integers(0, (file_size - size) // 4096 + 1, count, dtype=np.int64) * 4096
+    dsts = rng.permutation(count).astype(np.int64) * size
+    return offs, dsts
+
+
+def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = None) -> dict:
+    import numpy as np
+    file_size = _parse_size(args.size)
+    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    depths = [int(d) for d in args.depths.split(",")]
+    kind = args.device
+    if kind == "auto":
+        try:
+            import torch
+            kind = "cuda" if torch.cuda.is_available() else "host"
+        except ImportError:
+            kind = "host"
+    make_file(args.file, file_size)
+    max_size = max(sizes)
+    dest = Dest(kind, args.count * max_size)
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _machine(), "file": args.file, "file_bytes": file_size, "count": args.count,
+        "runs": args.runs, "device": kind, "methods": methods, "sizes": {}, "errors": {},
+        "info": {},
+    }
+    impl: dict[str, Any] = {}
+    for name in methods:
+        try:
+            if name == "ceiling":
+                impl[name] = Ceiling(args.file, depths, max_size)
+            elif name == "p2phub" or name.startswith("p2phub:"):
+                depth, slot, direct = _variant(name, args.depth, _parse_size(args.slot))
+                impl[name] = P2PHubBatch(dest, args.mode, depth, slot, direct)
+            elif name == "p2phub-load":
+                impl[name] = P2PHubLoad(dest, args.mode, args.depth, _parse_size(args.slot))
+            elif name.startswith("kvikio"):
+                impl[name] = Kvikio(dest, int(name[6:] or 8))
+            elif name == "torch":
+                impl[name] = TorchDouble(dest, max_size)
+            else:
+                report["errors"][name] = "unknown method"
+        except Exception as exc:  # noqa: BLE001 - a method that cannot run is reported
+            msg = str(exc) if str(exc).startswith("needs ") else f"{type(exc).__name__}: {exc}"
+            report["errors"][name] = msg
+    cache = "?"
+    for size in sizes:
+        row: dict[str, Any] = {"per_s": {}, "verified": {}}
+        report["sizes"][str(size)] = row
+        for name, m in impl.items():
+            if hasattr(m, "warm"):
+                try:
+                    m.warm(args.file, size)
+                except Exception as exc:  # noqa: BLE001
+                    report["errors"][name] = f"warm-up: {type(exc).__name__}: {exc}"
+        live = [n for n in methods if n in impl]
+        for run in range(args.runs):
+            offs, dsts = _requests(args.seed * 1000 + run, file_size, args.count, size)
+            rng = np.random.default_rng(run)
+            sample = np.unique(np.concatenate([[0, args.count - 1],
+                                               rng.integers(0, args.count, args.sample)]))
+            order = live[run % len(live):] + live[:run % len(live)] if live else []
+            for name in order:
+                m = impl.get(name)
+                if m is None:
+                    continue
+                if step:
+                    step(f"{size >> 10} KiB run {run + 1} {name}")
+                try:
+                    if name == "ceiling":
+                        best = 0.0
+                        for d in depths:
+                            cache = drop_caches(args.file)
+                            rate = args.count / m.run(offs, size, d)
+                            row["per_s"].setdefault(f"ceiling_qd{d}", []).append(rate)
+                            best = max(best, rate)
+                        row["per_s"].setdefault("ceiling", []).append(best)
+                        continue
+                    dest.clear()
+                    cache = drop_caches(args.file)
+                    dt = m.run(args.file, offs, dsts, size)
+                    dest.sync()
+                    ok = dest.check(offs, dsts, size, sample)
+                    row["verified"][name] = row["verified"].get(name, True) and ok
+                    if not ok:
+                        raise RuntimeError("the destination does not hold the file's bytes")
+                    row["per_s"].setdefault(name, []).append(args.count / dt)
+                except Exception as exc:  # noqa: BLE001
+                    report["errors"][name] = f"{size} B: {type(exc).__name__}: {exc}"
+                    impl.pop(name, None)
+                    if hasattr(m, "close"):
+                        m.close()
+        row["median_per_s"] = {k: round(statistics.median(v), 1) for k, v in row["per_s"].items()}
+        row["per_s"] = {k: [round(x, 1) for x in v] for k, v in row["per_s"].items()}
+        med = row["median_per_s"]
+        ratios: dict[str, float] = {}
+        if "p2phub" in med:
+            for other in ("ceiling", "kvikio8", "kvikio16", "torch", "p2phub-load"):
+                if med.get(other):
+                    ratios[f"p2phub_vs_{other}"] = round(med["p2phub"] / med[other], 3)
+            kv = [med[k] for k in ("kvikio8", "kvikio16") if med.get(k)]
+            if kv:
+                ratios["p2phub_vs_best_kvikio"] = round(med["p2phub"] / max(kv), 3)
+        row["ratios"] = ratios
+        if "p2phub" in impl:
+            row["p2phub_batch"] = impl["p2phub"].info()["last_batch"]
+    for name, m in impl.items():
+        if hasattr(m, "info"):
+            report["info"][name] = m.info()
+        if hasattr(m, "close"):
+            m.close()
+    report["cache"] = cache
+    return report
+
+
+def render(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    t = Table(title=f"p2phub bench restore: {report['count']} random reads of "
+                    f"{report['file_bytes'] / GiB:.1f} GiB into {report['device']} memory, "
+                    f"{report['runs']} runs, page cache {report.get('cache')} (reads/s, median)")
+    names: list[str] = []
+    for row in report["sizes"].values():
+        for k in row["median_per_s"]:
+            if k not in names:
+                names.append(k)
+    t.add_column("method")
+    for s in report["sizes"]:
+        t.add_column(f"{int(s) >> 10} KiB", justify="right")
+    for n in names:
+        t.add_row(n, *[f"{row['median_per_s'][n]:,.0f}" if n in row["median_per_s"] else ""
+                       for row in report["sizes"].values()])
+    for key in ("p2phub_vs_ceiling", "p2phub_vs_best_kvikio", "p2phub_vs_torch",
+                "p2phub_vs_p2phub-load"):
+        t.add_row(key.replace("_vs_", " / "),
+                  *[f"{row['ratios'][key]:.2f}x" if key in row["ratios"] else ""
+                    for row in report["sizes"].values()])
+    con.print(t)
+    for name, err in report["errors"].items():
+        con.print(f"[yellow]{name}[/]: {err}")
+    if report.get("cache") != "dropped":
+        con.print(f"[yellow]page cache[/]: not dropped globally ({report.get('cache')}: "
+                  "/proc/sys/vm/drop_caches is not writable here)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress
+    sizes = [s for s in args.sizes.split(",") if s.strip()]
+    total = len(sizes) * args.runs * len([m for m in args.methods.split(",") if m.strip()])
+    progress = Progress("[progress.description]{task.description}", BarColumn(),
+                        MofNCompleteColumn(), console=Console(stderr=True), transient=True)
+    def produce() -> dict:
+        with progress:
+            task = progress.add_task("restore", total=total)
+
+            def step(what: str) -> None:
+                progress.update(task, advance=1, description=what)
+            return run_bench(args, step)
+    return emit(args, SCHEMA, "p2phub bench restore", produce, render,
+                lambda r: any("p2phub" in row["median_per_s"] for row in r["sizes"].values()))

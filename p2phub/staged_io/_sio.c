@@ -1,0 +1,802 @@
+/* p2phub staged I/O engine (see _sio.h). One thread drives one engine: it keeps up to
+ * `depth` reads (writes) in flight through io_uring, each in its own staging slot, and moves
+ * the bytes between the slots and memory: memcpy for host memory, and for CUDA memory one
+ * batched driver call per reaped round (cuMemcpyBatchAsync where the driver has it, else
+ * one cuMemcpy*Async per contiguous run), an event recorded after each round. A slot is
+ * reused once the event of the copy that used it has completed, so reads of the next pieces
+ * run while the GPU copies the last ones. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "_sio.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <linux/io_uring.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define NEVENTS 64
+#define MAX_COPY_BATCH 512
+
+/* ------------------------------------------------------------------ CUDA driver */
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUstream;
+typedef void *CUevent;
+struct cu_location { int type; int id; };
+struct cu_copy_attrs {
+    int src_access_order;            /* CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1 */
+    struct cu_location src_hint, dst_hint;
+    unsigned int flags;
+};
+
+static struct {
+    int state;  /* -1 not opened, 0 opened, 1 failed */
+    CUresult (*h2d)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*d2h)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*ev_create)(CUevent *, unsigned int);
+    CUresult (*ev_destroy)(CUevent);
+    CUresult (*ev_record)(CUevent, CUstream);
+    CUresult (*ev_query)(CUevent);
+    CUresult (*ev_sync)(CUevent);
+    CUresult (*stream_sync)(CUstream);
+    CUresult (*get_error_name)(CUresult, const char **);
+    /* CUDA 13: no failIdx; CUDA 12.8: failIdx before the stream */
+    CUresult (*batch13)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, struct cu_copy_attrs *,
+                        size_t *, size_t, CUstream);
+    CUresult (*batch128)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, struct cu_copy_attrs *,
+                         size_t *, size_t, size_t *, CUstream);
+} cu = { .state = -1 };
+
+#define CUDA_ERROR_NOT_READY 600
+
+static void say(char *err, int errlen, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!err || errlen <= 0)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static const char *cu_name(CUresult r)
+{
+    const char *s = NULL;
+
+    if (cu.get_error_name && cu.get_error_name(r, &s) == 0 && s)
+        return s;
+    return "CUDA error";
+}
+
+static int cu_open(char *err, int errlen)
+{
+    void *h;
+
+    if (cu.state == 0)
+        return 0;
+    if (cu.state == 1) {
+        say(err, errlen, "the CUDA driver (libcuda.so.1) could not be opened");
+        return -1;
+    }
+    h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) {
+        cu.state = 1;
+        say(err, errlen, "dlopen libcuda.so.1: %s", dlerror());
+        return -1;
+    }
+#define SYM(field, name) (*(void **)&cu.field = dlsym(h, name))
+    SYM(h2d, "cuMemcpyHtoDAsync_v2");
+    SYM(d2h, "cuMemcpyDtoHAsync_v2");
+    SYM(ev_create, "cuEventCreate");
+    SYM(ev_destroy, "cuEventDestroy_v2");
+    SYM(ev_record, "cuEventRecord");
+    SYM(ev_query, "cuEventQuery");
+    SYM(ev_sync, "cuEventSynchronize");
+    SYM(stream_sync, "cuStreamSynchronize");
+    SYM(get_error_name, "cuGetErrorName");
+    if (!SYM(batch13, "cuMemcpyBatchAsync_v2"))
+        SYM(batch128, "cuMemcpyBatchAsync");
+#undef SYM
+    if (!cu.h2d || !cu.d2h || !cu.ev_create || !cu.ev_destroy || !cu.ev_record ||
+        !cu.ev_query || !cu.ev_sync || !cu.stream_sync) {
+        cu.state = 1;
+        say(err, errlen, "libcuda.so.1 lacks the copy and event calls p2phub needs");
+        return -1;
+    }
+    if (getenv("P2PHUB_NO_BATCH_COPY"))
+        cu.batch13 = NULL, cu.batch128 = NULL;
+    cu.state = 0;
+    return 0;
+}
+
+int sio_cuda_batch_api(void)
+{
+    if (cu.state != 0)
+        return -1;
+    return cu.batch13 || cu.batch128;
+}
+
+/* ------------------------------------------------------------------ io_uring */
+
+struct ring {
+    int fd;
+    unsigned entries;
+    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array;
+    unsigned *cq_head, *cq_tail, *cq_mask;
+    struct io_uring_sqe *sqes;
+    struct io_uring_cqe *cqes;
+    void *sq_map, *cq_map;
+    size_t sq_len, cq_len, sqe_len;
+    unsigned pending;  /* SQEs written, not yet handed to the kernel */
+};
+
+static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
+{
+    struct io_uring_params p;
+    void *sq, *cq;
+
+    memset(r, 0, sizeof(*r));
+    memset(&p, 0, sizeof(p));
+    p.flags = IORING_SETUP_CQSIZE;
+    p.cq_entries = entries * 2;
+    r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    if (r->fd < 0) {
+        int e = errno;
+        say(err, errlen, "io_uring_setup(%u): %s", entries, strerror(e));
+        return -e;
+    }
+    r->entries = p.sq_entries;
+    r->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    r->cq_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        if (r->cq_len > r->sq_len)
+            r->sq_len = r->cq_len;
+        r->cq_len = r->sq_len;
+    }
+    sq = mmap(NULL, r->sq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
+              IORING_OFF_SQ_RING);
+    if (sq == MAP_FAILED)
+        goto fail;
+    r->sq_map = sq;
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        cq = sq;
+    } else {
+        cq = mmap(NULL, r->cq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
+                  IORING_OFF_CQ_RING);
+        if (cq == MAP_FAILED)
+            goto fail;
+    }
+    r->cq_map = cq;
+    r->sqe_len = p.sq_entries * sizeof(struct io_uring_sqe);
+    r->sqes = mmap(NULL, r->sqe_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
+                   IORING_OFF_SQES);
+    if (r->sqes == MAP_FAILED) {
+        r->sqes = NULL;
+        goto fail;
+    }
+    r->sq_head = (unsigned *)((char *)sq + p.sq_off.head);
+    r->sq_tail = (unsigned *)((char *)sq + p.sq_off.tail);
+    r->sq_mask = (unsigned *)((char *)sq + p.sq_off.ring_mask);
+    r->sq_array = (unsigned *)((char *)sq + p.sq_off.array);
+    r->cq_head = (unsigned *)((char *)cq + p.cq_off.head);
+    r->cq_tail = (unsigned *)((char *)cq + p.cq_off.tail);
+    r->cq_mask = (unsigned *)((char *)cq + p.cq_off.ring_mask);
+    r->cqes = (struct io_uring_cqe *)((char *)cq + p.cq_off.cqes);
+    return 0;
+fail:
+    {
+        int e = errno;
+        say(err, errlen, "io_uring mmap: %s", strerror(e));
+        if (r->sqes)
+            munmap(r->sqes, r->sqe_len);
+        if (r->cq_map && r->cq_map != r->sq_map)
+            munmap(r->cq_map, r->cq_len);
+        if (r->sq_map)
+            munmap(r->sq_map, r->sq_len);
+        close(r->fd);
+        return -e;
+    }
+}
+
+static void ring_close(struct ring *r)
+{
+    munmap(r->sqes, r->sqe_len);
+    if (r->cq_map != r->sq_map)
+        munmap(r->cq_map, r->cq_len);
+    munmap(r->sq_map, r->sq_len);
+    close(r->fd);
+}
+
+static void ring_push(struct ring *r, int op, int fd, void *addr, unsigned len,
+                      unsigned long long off, unsigned long long data)
+{
+    unsigned tail = *r->sq_tail;
+    unsigned idx = tail & *r->sq_mask;
+    struct io_uring_sqe *sqe = &r->sqes[idx];
+
+    memset(sqe, 0, sizeof(*sqe));
+    sqe->opcode = (unsigned char)op;
+    sqe->fd = fd;
+    sqe->addr = (unsigned long long)(uintptr_t)addr;
+    sqe->len = len;
+    sqe->off = off;
+    sqe->user_data = data;
+    r->sq_array[idx] = idx;
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    r->pending++;
+}
+
+/* Hand pending SQEs to the kernel and wait for at least `wait` completions. */
+static int ring_enter(struct ring *r, unsigned wait)
+{
+    for (;;) {
+        long ret = syscall(__NR_io_uring_enter, r->fd, r->pending, wait,
+                           wait ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+        if (ret >= 0) {
+            r->pending -= (unsigned)ret < r->pending ? (unsigned)ret : r->pending;
+            return 0;
+        }
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
+static int ring_peek(struct ring *r, unsigned long long *data, int *res)
+{
+    unsigned head = *r->cq_head;
+    struct io_uring_cqe *c;
+
+    if (head == __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE))
+        return 0;
+    c = &r->cqes[head & *r->cq_mask];
+    *data = c->user_data;
+    *res = c->res;
+    __atomic_store_n(r->cq_head, head + 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* ------------------------------------------------------------------ the engine */
+
+struct slot {
+    unsigned long long entry;   /* the entry this slot serves */
+    unsigned long long pos;     /* file offset of the I/O (aligned for O_DIRECT) */
+    unsigned long long done;    /* bytes of the I/O done so far */
+    unsigned long long need;    /* bytes the I/O must reach (read: skip + useful) */
+    unsigned long long io_len;  /* bytes of the I/O (aligned up for O_DIRECT) */
+    unsigned long long skip;    /* bytes at the slot's start before the useful ones */
+    unsigned long long useful;  /* useful bytes */
+    unsigned long long mem;     /* memory address of the useful bytes */
+    unsigned long long seq;     /* the copy round whose event frees the slot */
+};
+
+struct sio_engine {
+    struct ring ring;
+    unsigned depth;
+    unsigned long long slot_bytes;
+    unsigned nslots;
+    char *stage;
+    CUstream stream;
+    CUevent events[NEVENTS];
+    int nevents;
+    struct slot *slots;
+    unsigned *free_list;
+    unsigned nfree;
+    unsigned *held;             /* slots waiting for a copy round's event, FIFO */
+    unsigned held_head, held_count;
+    unsigned long long next_seq, done_seq;  /* copy rounds recorded / known complete */
+    /* one copy round being built */
+    CUdeviceptr *c_dst, *c_src;
+    size_t *c_size;
+    unsigned *c_slots;
+    unsigned c_n, c_nslots;
+};
+
+struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
+                            void *stage, unsigned long long stream, char *err, int errlen)
+{
+    struct sio_engine *e;
+    unsigned i;
+
+    if (depth == 0 || depth > 4096 || nslots < 1 || slot_bytes == 0 ||
+        slot_bytes % SIO_ALIGN || ((uintptr_t)stage % SIO_ALIGN)) {
+        say(err, errlen, "bad engine settings: depth %u, %u slots of %llu bytes at %p", depth,
+            nslots, slot_bytes, stage);
+        return NULL;
+    }
+    e = calloc(1, sizeof(*e));
+    if (!e) {
+        say(err, errlen, "out of memory");
+        return NULL;
+    }
+    e->depth = depth;
+    e->slot_bytes = slot_bytes;
+    e->nslots = nslots;
+    e->stage = stage;
+    e->stream = (CUstream)(uintptr_t)stream;
+    e->slots = calloc(nslots, sizeof(*e->slots));
+    e->free_list = calloc(nslots, sizeof(unsigned));
+    e->held = calloc(nslots, sizeof(unsigned));
+    e->c_dst = calloc(nslots, sizeof(CUdeviceptr));
+    e->c_src = calloc(nslots, sizeof(CUdeviceptr));
+    e->c_size = calloc(nslots, sizeof(size_t));
+    e->c_slots = calloc(nslots, sizeof(unsigned));
+    if (!e->slots || !e->free_list || !e->held || !e->c_dst || !e->c_src || !e->c_size ||
+        !e->c_slots) {
+        say(err, errlen, "out of memory");
+        goto fail;
+    }
+    for (i = 0; i < nslots; i++)
+        e->free_list[i] = nslots - 1 - i;
+    e->nfree = nslots;
+    if (stream) {
+        if (cu_open(err, errlen))
+            goto fail;
+        for (i = 0; i < NEVENTS; i++) {
+            CUresult r = cu.ev_create(&e->events[i], 2 /* CU_EVENT_DISABLE_TIMING */);
+            if (r) {
+                say(err, errlen, "cuEventCreate: %s", cu_name(r));
+                goto fail;
+            }
+            e->nevents++;
+        }
+    }
+    if (ring_setup(&e->ring, depth, err, errlen))
+        goto fail;
+    return e;
+fail:
+    for (i = 0; i < (unsigned)e->nevents; i++)
+        cu.ev_destroy(e->events[i]);
+    free(e->slots), free(e->free_list), free(e->held);
+    free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    free(e);
+    return NULL;
+}
+
+void sio_close(struct sio_engine *e)
+{
+    int i;
+
+    if (!e)
+        return;
+    if (e->stream)
+        cu.stream_sync(e->stream);
+    for (i = 0; i < e->nevents; i++)
+        cu.ev_destroy(e->events[i]);
+    ring_close(&e->ring);
+    free(e->slots), free(e->free_list), free(e->held);
+    free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    free(e);
+}
+
+static char *slot_buf(struct sio_engine *e, unsigned s)
+{
+    return e->stage + (unsigned long long)s * e->slot_bytes;
+}
+
+/* Issue the copy round being built (CUDA only): one batched call, or one call per run. */
+static int flush_copies(struct sio_engine *e, int write, struct sio_stats *st, char *err,
+                        int errlen)
+{
+    CUresult r = 0;
+    unsigned i, ev;
+
+    if (!e->c_nslots)
+        return 0;
+    if (e->next_seq - e->done_seq >= (unsigned long long)e->nevents) {
+        /* every event is in use: the oldest round must finish first */
+        r = cu.ev_sync(e->events[e->done_seq % e->nevents]);
+        if (r) {
+            say(err, errlen, "cuEventSynchronize: %s", cu_name(r));
+            return -1;
+        }
+        e->done_seq++;
+    }
+    if (cu.batch13 || cu.batch128) {
+        struct cu_copy_attrs a;
+        size_t zero = 0, fail = 0;
+
+        memset(&a, 0, sizeof(a));
+        a.src_access_order = 1;
+        for (i = 0; i < e->c_n && !r; i += MAX_COPY_BATCH) {
+            size_t k = e->c_n - i < MAX_COPY_BATCH ? e->c_n - i : MAX_COPY_BATCH;
+            if (cu.batch13)
+                r = cu.batch13(e->c_dst + i, e->c_src + i, e->c_size + i, k, &a, &zero, 1,
+                               e->stream);
+            else
+                r = cu.batch128(e->c_dst + i, e->c_src + i, e->c_size + i, k, &a, &zero, 1,
+                                &fail, e->stream);
+            st->copy_calls++;
+        }
+        st->batch_api = 1;
+        if (r) {
+            say(err, errlen, "cuMemcpyBatchAsync of %u copies: %s", e->c_n, cu_name(r));
+            return -1;
+        }
+    } else {
+        for (i = 0; i < e->c_n; i++) {
+            if (write)
+                r = cu.d2h((void *)(uintptr_t)e->c_dst[i], e->c_src[i], e->c_size[i], e->stream);
+            else
+                r = cu.h2d(e->c_dst[i], (const void *)(uintptr_t)e->c_src[i], e->c_size[i],
+                           e->stream);
+            st->copy_calls++;
+            if (r) {
+                say(err, errlen, "cuMemcpy%sAsync(%zu bytes): %s", write ? "DtoH" : "HtoD",
+                    e->c_size[i], cu_name(r));
+                return -1;
+            }
+        }
+    }
+    st->copies += e->c_n;
+    ev = (unsigned)(e->next_seq % e->nevents);
+    r = cu.ev_record(e->events[ev], e->stream);
+    if (r) {
+        say(err, errlen, "cuEventRecord: %s", cu_name(r));
+        return -1;
+    }
+    for (i = 0; i < e->c_nslots; i++) {
+        unsigned s = e->c_slots[i];
+        e->slots[s].seq = e->next_seq;
+        e->held[(e->held_head + e->held_count) % e->nslots] = s;
+        e->held_count++;
+    }
+    e->next_seq++;
+    e->c_n = 0;
+    e->c_nslots = 0;
+    return 0;
+}
+
+/* Add one copy to the round, merged into the previous one when both sides continue it. */
+static void add_copy(struct sio_engine *e, unsigned s, CUdeviceptr dst, CUdeviceptr src,
+                     size_t n, struct sio_stats *st)
+{
+    unsigned k = e->c_n;
+
+    if (k && e->c_dst[k - 1] + e->c_size[k - 1] == dst &&
+        e->c_src[k - 1] + e->c_size[k - 1] == src) {
+        e->c_size[k - 1] += n;
+        st->merged++;
+    } else {
+        e->c_dst[k] = dst;
+        e->c_src[k] = src;
+        e->c_size[k] = n;
+        e->c_n++;
+    }
+    e->c_slots[e->c_nslots++] = s;
+}
+
+/* The slots that wait to be written (write direction): a ring of nslots. */
+struct ready {
+    unsigned *slot;
+    unsigned head, count;
+};
+
+/* Held slots of rounds known complete go back to the free list, or (write) to `ready`. */
+static int drop_held(struct sio_engine *e, struct ready *ready)
+{
+    int released = 0;
+
+    while (e->held_count && e->slots[e->held[e->held_head]].seq < e->done_seq) {
+        unsigned s = e->held[e->held_head];
+        e->held_head = (e->held_head + 1) % e->nslots;
+        e->held_count--;
+        if (ready)
+            ready->slot[(ready->head + ready->count++) % e->nslots] = s;
+        else
+            e->free_list[e->nfree++] = s;
+        released++;
+    }
+    return released;
+}
+
+/* Completed copy rounds release their slots. block: wait for the oldest round when none
+ * has completed. Returns slots released, -1 on a CUDA failure. */
+static int release_rounds(struct sio_engine *e, int block, struct ready *ready, char *err,
+                          int errlen)
+{
+    int released = drop_held(e, ready);
+
+    while (e->done_seq < e->next_seq) {
+        CUevent ev = e->events[e->done_seq % e->nevents];
+        CUresult r = block && !released ? cu.ev_sync(ev) : cu.ev_query(ev);
+        if (r == CUDA_ERROR_NOT_READY)
+            break;
+        if (r) {
+            say(err, errlen, "waiting for copies: %s", cu_name(r));
+            return -1;
+        }
+        e->done_seq++;
+        released += drop_held(e, ready);
+    }
+    return released;
+}
+
+/* The piece cursor: walks the entries, cutting each into slot-sized pieces. */
+struct cursor {
+    unsigned long long i;      /* entry */
+    unsigned long long done;   /* useful bytes of entry i already given out */
+};
+
+/* Next piece into slot s; 0 when the entries are exhausted. */
+static int next_piece(struct sio_engine *e, struct cursor *c, unsigned long long n,
+                      const unsigned long long *off, const unsigned long long *len,
+                      const unsigned long long *mem, const unsigned char *flags,
+                      const long long *result, struct slot *p)
+{
+    unsigned long long start, skip, useful;
+
+    while (c->i < n && (c->done >= len[c->i] || result[c->i] < 0)) {
+        c->i++;
+        c->done = 0;
+    }
+    if (c->i >= n)
+        return 0;
+    start = off[c->i] + c->done;
+    skip = (flags[c->i] & SIO_DIRECT) ? start % SIO_ALIGN : 0;
+    useful = len[c->i] - c->done;
+    if (useful > e->slot_bytes - skip)
+        useful = e->slot_bytes - skip;
+    p->entry = c->i;
+    p->pos = start - skip;
+    p->skip = skip;
+    p->useful = useful;
+    p->need = skip + useful;
+    p->io_len = p->need;
+    if (flags[c->i] & SIO_DIRECT)
+        p->io_len = (p->need + SIO_ALIGN - 1) / SIO_ALIGN * SIO_ALIGN;
+    p->done = 0;
+    p->mem = mem[c->i] + c->done;
+    c->done += useful;
+    return 1;
+}
+
+static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s,
+                      struct sio_stats *st)
+{
+    struct slot *p = &e->slots[s];
+
+    ring_push(&e->ring, write ? IORING_OP_WRITE : IORING_OP_READ, fd[p->entry],
+              slot_buf(e, s) + p->done, (unsigned)(p->io_len - p->done), p->pos + p->done, s);
+    st->pieces++;
+}
+
+static void fail_entry(long long *result, unsigned long long i, int res, int *failed)
+{
+    if (result[i] >= 0) {
+        result[i] = res;
+        (*failed)++;
+    }
+}
+
+int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+            const unsigned long long *off, const unsigned long long *len,
+            const unsigned long long *mem, const unsigned char *flags, long long *result,
+            struct sio_stats *st, char *err, int errlen)
+{
+    struct cursor cur = { 0, 0 };
+    unsigned inflight = 0;
+    struct ready rd = { NULL, 0, 0 };   /* write: slots whose bytes are in place */
+    int failed = 0, more = 1, ret = 0, need_cuda = 0;
+    unsigned long long i;
+
+    memset(st, 0, sizeof(*st));
+    for (i = 0; i < n; i++) {
+        result[i] = 0;
+        if (flags[i] & SIO_CUDA)
+            need_cuda = 1;
+    }
+    if (need_cuda && !e->stream) {
+        say(err, errlen, "CUDA memory in a batch on an engine without a CUDA stream");
+        return -1;
+    }
+    if (write) {
+        rd.slot = calloc(e->nslots, sizeof(unsigned));
+        if (!rd.slot) {
+            say(err, errlen, "out of memory");
+            return -1;
+        }
+    }
+    for (;;) {
+        unsigned long long data;
+        int res, progressed = 0;
+
+        /* 1. start new pieces while slots and queue room last */
+        while (more && e->nfree && inflight + rd.count < e->depth) {
+            unsigned s = e->free_list[e->nfree - 1];
+            struct slot *p = &e->slots[s];
+
+            if (!next_piece(e, &cur, n, off, len, mem, flags, result, p)) {
+                more = 0;
+                break;
+            }
+            e->nfree--;
+            progressed = 1;
+            if (!write) {
+                submit_io(e, 0, fd, s, st);
+                inflight++;
+            } else if (flags[p->entry] & SIO_CUDA) {
+                add_copy(e, s, (CUdeviceptr)(uintptr_t)(slot_buf(e, s) + p->skip), p->mem,
+                         p->useful, st);
+            } else {
+                memcpy(slot_buf(e, s) + p->skip, (void *)(uintptr_t)p->mem, p->useful);
+                rd.slot[(rd.head + rd.count++) % e->nslots] = s;
+            }
+        }
+        if (write && flush_copies(e, 1, st, err, errlen)) {
+            ret = -1;
+            break;
+        }
+        /* load: the reads just queued go to the disk first, then the last round's copies
+         * are issued while the disk works on them */
+        if (!write && e->c_nslots) {
+            int r = e->ring.pending ? ring_enter(&e->ring, 0) : 0;
+            if (r || flush_copies(e, 0, st, err, errlen)) {
+                if (r)
+                    say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                ret = -1;
+                break;
+            }
+        }
+        /* write: submit the pieces whose bytes are in their slots */
+        while (write && rd.count && inflight < e->depth) {
+            submit_io(e, 1, fd, rd.slot[rd.head], st);
+            rd.head = (rd.head + 1) % e->nslots;
+            rd.count--;
+            inflight++;
+            progressed = 1;
+        }
+        if (inflight > st->max_inflight)
+            st->max_inflight = inflight;
+        if (!inflight && !more && !e->held_count && !rd.count)
+            break;
+        /* 2. hand the SQEs over; wait for a completion only when nothing else can move */
+        {
+            /* load: step 1 submitted all it could, and the GPU finishes the copies on its
+             * own, so hand over the new reads and wait in the same system call */
+            int wait = write ? inflight && !progressed && !e->held_count : inflight > 0;
+            int r = ring_enter(&e->ring, wait ? 1 : 0);
+            if (r) {
+                say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                ret = -1;
+                break;
+            }
+        }
+        /* 3. reap */
+        while (ring_peek(&e->ring, &data, &res)) {
+            unsigned s = (unsigned)data;
+            struct slot *p = &e->slots[s];
+
+            inflight--;
+            if (res < 0 || (res == 0 && p->done < p->need)) {
+                fail_entry(result, p->entry, res < 0 ? res : -EIO, &failed);
+                e->free_list[e->nfree++] = s;
+                continue;
+            }
+            p->done += (unsigned long long)res;
+            if (p->done < p->need || (write && p->done < p->io_len)) {
+                submit_io(e, write, fd, s, st);   /* short: the rest */
+                inflight++;
+                continue;
+            }
+            result[p->entry] += (long long)p->useful;
+            st->bytes += p->useful;
+            if (write || !(flags[p->entry] & SIO_CUDA)) {
+                if (!write)
+                    memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
+                e->free_list[e->nfree++] = s;
+            } else {
+                add_copy(e, s, p->mem, (CUdeviceptr)(uintptr_t)(slot_buf(e, s) + p->skip),
+                         p->useful, st);
+            }
+        }
+        /* 4. completed copy rounds give their slots back (write: to the ready list) */
+        if (e->held_count) {
+            int block = write ? (!inflight && !rd.count)
+                              : (!e->nfree && !inflight) || (!more && !inflight);
+            if (!write && !e->nfree)
+                st->slot_waits++;
+            if (release_rounds(e, block, write ? &rd : NULL, err, errlen) < 0) {
+                ret = -1;
+                break;
+            }
+        }
+    }
+    if (ret < 0) {
+        /* drain what is in flight so no I/O lands in a slot after we return */
+        while (inflight) {
+            unsigned long long data;
+            int res;
+            if (ring_enter(&e->ring, 1))
+                break;
+            while (ring_peek(&e->ring, &data, &res))
+                inflight--;
+        }
+        if (e->stream)
+            cu.stream_sync(e->stream);
+        e->done_seq = e->next_seq;
+        while (e->held_count) {
+            e->free_list[e->nfree++] = e->held[e->held_head];
+            e->held_head = (e->held_head + 1) % e->nslots;
+            e->held_count--;
+        }
+        e->c_n = e->c_nslots = 0;
+        /* reset the free list: every slot is free again */
+        e->nfree = e->nslots;
+        for (i = 0; i < e->nslots; i++)
+            e->free_list[i] = (unsigned)(e->nslots - 1 - i);
+    }
+    free(rd.slot);
+    return ret < 0 ? -1 : failed;
+}
+
+int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
+                const unsigned long long *len, unsigned depth, void *buf,
+                unsigned long long slot_bytes, char *err, int errlen)
+{
+    struct ring r;
+    unsigned *free_slots;
+    unsigned nfree, inflight = 0, i;
+    unsigned long long next = 0;
+    int ret = 0;
+
+    ret = ring_setup(&r, depth, err, errlen);
+    if (ret)
+        return ret;
+    free_slots = calloc(depth, sizeof(unsigned));
+    if (!free_slots) {
+        ring_close(&r);
+        return -ENOMEM;
+    }
+    for (i = 0; i < depth; i++)
+        free_slots[i] = i;
+    nfree = depth;
+    while (next < n || inflight) {
+        unsigned long long data;
+        int res;
+
+        while (next < n && nfree) {
+            unsigned s = free_slots[--nfree];
+            unsigned long long l = len[next] < slot_bytes ? len[next] : slot_bytes;
+            ring_push(&r, IORING_OP_READ, fd, (char *)buf + s * slot_bytes, (unsigned)l,
+                      off[next], s);
+            next++;
+            inflight++;
+        }
+        ret = ring_enter(&r, 1);
+        if (ret) {
+            say(err, errlen, "io_uring_enter: %s", strerror(-ret));
+            break;
+        }
+        while (ring_peek(&r, &data, &res)) {
+            inflight--;
+            free_slots[nfree++] = (unsigned)data;
+            if (res <= 0 && !ret) {
+                ret = res < 0 ? res : -EIO;
+                say(err, errlen, "read: %s", strerror(-ret));
+            }
+        }
+        if (ret)
+            break;
+    }
+    while (inflight) {
+        unsigned long long data;
+        int res;
+        if (ring_enter(&r, 1))
+            break;
+        while (ring_peek(&r, &data, &res))
+            inflight--;
+    }
+    free(free_slots);
+    ring_close(&r);
+    return ret;
+}

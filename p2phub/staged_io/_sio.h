@@ -1,0 +1,51 @@
+/* p2phub staged I/O engine: batches of scattered reads (writes) between files and memory,
+ * submitted through io_uring (raw system calls), landing in reused staging slots, copied to
+ * (from) host memory with memcpy or to (from) CUDA memory with batched async copies.
+ *
+ * This header is also what cffi parses: plain declarations only. */
+
+struct sio_engine;
+
+struct sio_stats {
+    unsigned long long pieces;       /* reads (writes) submitted, resubmissions included */
+    unsigned long long bytes;        /* useful bytes moved */
+    unsigned long long copy_calls;   /* driver calls that issued copies */
+    unsigned long long copies;       /* copies issued (after merging contiguous runs) */
+    unsigned long long merged;       /* pieces merged into the copy before them */
+    unsigned long long slot_waits;   /* times no staging slot was free */
+    unsigned long long max_inflight; /* deepest the queue went */
+    int batch_api;                   /* 1: cuMemcpyBatchAsync was used for CUDA copies */
+};
+
+/* Flags of one entry. */
+#define SIO_DIRECT 1   /* the fd is O_DIRECT: reads (writes) aligned to SIO_ALIGN */
+#define SIO_CUDA 2     /* mem is CUDA device memory (else host memory) */
+#define SIO_ALIGN 4096
+
+/* A new engine: an io_uring of `depth` entries, `nslots` staging slots of `slot_bytes`
+ * (a multiple of SIO_ALIGN) at `stage` (SIO_ALIGN-aligned, slot_bytes * nslots bytes,
+ * pinned where CUDA copies use it), copies on CUDA stream `stream` (0: host copies only).
+ * NULL on failure, with the reason in err. */
+struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
+                            void *stage, unsigned long long stream, char *err, int errlen);
+void sio_close(struct sio_engine *e);
+
+/* Run one batch to the end: write 0 reads file -> mem, 1 writes mem -> file. Per entry i:
+ * fd[i], file offset off[i], length len[i], memory address mem[i], flags[i]. result[i] gets
+ * the bytes moved, or -errno. Returns 0 when every entry succeeded, the number of failed
+ * entries (> 0), or -1 on an engine failure (message in err). `max_batch` caps the copies
+ * handed to one driver call (0: the engine's default). */
+int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+            const unsigned long long *off, const unsigned long long *len,
+            const unsigned long long *mem, const unsigned char *flags, long long *result,
+            struct sio_stats *stats, char *err, int errlen);
+
+/* The host-only ceiling: n reads (fd O_DIRECT or not) of len[i] bytes at off[i], `depth` in
+ * flight, each into its own slot of `buf` (depth slots of slot_bytes). Returns 0, or -errno. */
+int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
+                const unsigned long long *len, unsigned depth, void *buf,
+                unsigned long long slot_bytes, char *err, int errlen);
+
+/* 1 when the CUDA driver offers cuMemcpyBatchAsync (after the first CUDA batch), 0 when not,
+ * -1 before the driver was opened. */
+int sio_cuda_batch_api(void);

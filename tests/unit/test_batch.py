@@ -1,0 +1,306 @@
+"""The batch API on a staged hub, end to end on the host: scattered reads and writes between
+real files (O_DIRECT, and buffered with direct=False) and host memory through the
+io_uring engine, every byte checked against the file; bad entries refused before anything
+is submitted, naming the entry."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from p2phub import batch
+from p2phub.errors import P2PHubOSError, UsageError
+from p2phub.hub import Hub
+
+KiB, MiB = 1 << 10, 1 << 20
+SHM = "/dev/shm"
+
+
+@pytest.fixture()
+def hub():
+    h = Hub(mode="staged")
+    # small slots and a shallow queue: entries split into pieces, slots run out and are reused
+    batch.configure_batch(h, depth=16, slot=64 * KiB, slots=24)
+    yield h
+    h.close()
+
+
+def _file(path, size: int, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    data.tofile(path)
+    return data
+
+
+@pytest.fixture()
+def disk_file(tmp_path):
+    p = tmp_path / "data.bin"
+    return str(p), _file(p, 8 * MiB + 512, 1)
+
+
+@pytest.fixture()
+def shm_file(tmp_path):
+    if not os.path.isdir(SHM):
+        pytest.skip("no /dev/shm")
+    p = os.path.join(SHM, f"p2phub-batch-{os.getpid()}.bin")
+    data = _file(p, 2 * MiB + 100, 2)
+    yield p, data
+    os.unlink(p)
+
+
+def _scatter(rng, n, length_choices, file_size, mem_size, aligned):
+    lens = rng.choice(length_choices, n)
+    offs = np.array([rng.integers(0, file_size - ln) for ln in lens], np.int64)
+    if aligned:
+        offs -= offs % 4096
+    # disjoint destinations: slots of the largest length, in random order
+    slot = int(max(length_choices))
+    dst = rng.permutation(mem_size // slot)[:n].astype(np.int64) * slot
+    return offs, lens.astype(np.int64), dst
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_scattered_reads_direct(hub, disk_file, aligned) -> None:
+    path, data = disk_file
+    mem = bytearray(32 * MiB)
+    reg = hub.register(mem)
+    rng = np.random.default_rng(3)
+    offs, lens, dst = _scatter(rng, 150, [4 * KiB, 12 * KiB, 64 * KiB, 200 * KiB], data.size,
+                               len(mem), aligned)
+    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst)
+    f.wait(60)
+    assert f.stats["io"] == {path: "O_DIRECT"}
+    assert f.stats["pieces"] >= 150 and f.stats["max_inflight"] <= 16
+    m = np.frombuffer(mem, np.uint8)
+    for o, ln, d in zip(offs, lens, dst):
+        assert np.array_equal(m[d:d + ln], data[o:o + ln])
+    assert list(f.results) == list(lens)
+    reg.close()
+
+
+def test_read_to_the_last_byte_of_an_unaligned_file(hub, disk_file) -> None:
+    path, data = disk_file
+    mem = bytearray(MiB)
+    with hub.register(mem) as reg:
+        f = hub.load_batch([(path, data.size - 5000, 5000, reg, 0),
+                            (path, data.size - 1, 1, reg, 8192)])
+        f.wait(30)
+    assert bytes(mem[:5000]) == data[-5000:].tobytes()
+    assert mem[8192] == data[-1]
+
+
+def test_buffered_reads(hub, shm_file) -> None:
+    path, data = shm_file
+    mem = bytearray(40 * MiB)
+    reg = hub.register(mem)
+    rng = np.random.default_rng(4)
+    offs, lens, dst = _scatter(rng, 500, [1, 100, 4 * KiB, 70 * KiB], data.size, len(mem), False)
+    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst,
+                       direct=False)
+    f.wait(60)
+    assert f.stats["io"] == {path: "buffered"}
+    m = np.frombuffer(mem, np.uint8)
+    for o, ln, d in zip(offs, lens, dst):
+        assert np.array_equal(m[d:d + ln], data[o:o + ln])
+    reg.close()
+
+
+def test_entries_across_files_and_registrations(hub, disk_file, shm_file, tmp_path) -> None:
+    (p1, d1), (p2, d2) = disk_file, shm_file
+    a, b = bytearray(MiB), bytearray(MiB)
+    ra, rb = hub.register(a), hub.register(b)
+    with open(p2, "rb") as fobj:
+        fd = os.open(p1, os.O_RDONLY)
+        try:
+            f = hub.load_batch([(p1, 4096, 8192, ra, 0), (fobj, 7, 93, rb, 5),
+                                (fd, 123, 4000, ra, 100000), (p2, 0, 65536, rb, 200000)],
+                               per_entry=True)
+            f.wait(30)
+        finally:
+            os.close(fd)
+    assert bytes(a[:8192]) == d1[4096:12288].tobytes()
+    assert bytes(b[5:98]) == d2[7:100].tobytes()
+    assert bytes(a[100000:104000]) == d1[123:4123].tobytes()
+    assert bytes(b[200000:265536]) == d2[:65536].tobytes()
+    assert len(f.entries) == 4 and all(e.done() and e.exception() is None for e in f.entries)
+    assert list(f.results) == [8192, 93, 4000, 65536]
+
+
+@pytest.mark.parametrize("where", ["disk", "shm"])
+def test_scattered_writes(hub, tmp_path, where) -> None:
+    direct = where == "disk"
+    if where == "shm":
+        if not os.path.isdir(SHM):
+            pytest.skip("no /dev/shm")
+        path = os.path.join(SHM, f"p2phub-batch-out-{os.getpid()}.bin")
+    else:
+        path = str(tmp_path / "out.bin")
+    size = 4 * MiB
+    np.zeros(size, np.uint8).tofile(path)
+    try:
+        src = np.random.default_rng(5).integers(0, 256, 2 * MiB, dtype=np.uint8)
+        mem = bytearray(src.tobytes())
+        reg = hub.register(mem)
+        n = 200
+        rng = np.random.default_rng(6)
+        lens = rng.choice([4 * KiB, 16 * KiB, 128 * KiB], n).astype(np.int64)
+        # disjoint file places (slots of 128 KiB), so the expected file is well defined
+        offs = rng.permutation(size // (128 * KiB))[:n % 32 or 32].astype(np.int64) * 128 * KiB
+        n = offs.size
+        lens = lens[:n]
+        moff = rng.integers(0, (len(mem) - 128 * KiB) // 4096, n).astype(np.int64) * 4096
+        f = hub.save_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=moff,
+                           direct=direct)
+        f.wait(60)
+        assert f.stats["io"] == {path: "O_DIRECT" if direct else "buffered"}
+        out = np.fromfile(path, np.uint8)
+        expect = np.zeros(size, np.uint8)
+        for o, ln, m in zip(offs, lens, moff):
+            expect[o:o + ln] = src[m:m + ln]
+        assert np.array_equal(out, expect)
+        reg.close()
+    finally:
+        if where == "shm":
+            os.unlink(path)
+
+
+def test_auto_reads_large_entries_through_the_page_cache(hub, disk_file) -> None:
+    path, data = disk_file
+    batch.configure_batch(hub, depth=8, slot=256 * KiB, slots=16, buffered_from=MiB)
+    mem = bytearray(8 * MiB)
+    with hub.register(mem) as reg:
+        entries = [(path, 4096, MiB, reg, 0), (path, 123, 5000, reg, 2 * MiB),
+                   (path, 3 * MiB + 7, 2 * MiB + 1, reg, 4 * MiB)]
+        f = hub.load_batch(entries)
+        f.wait(60)
+        assert f.stats["io"] == {path: f"O_DIRECT below {MiB} bytes, buffered from {MiB}"}
+        for st, o, ln, _r, d in entries:
+            assert bytes(mem[d:d + ln]) == data[o:o + ln].tobytes()
+        f = hub.load_batch(entries, direct=True)
+        f.wait(60)
+        assert f.stats["io"] == {path: "O_DIRECT"}
+        with pytest.raises(UsageError, match="direct='yes'"):
+            hub.load_batch(entries, direct="yes")
+
+
+def test_unaligned_writes_to_a_path_go_through_the_page_cache(hub, tmp_path) -> None:
+    path = str(tmp_path / "out.bin")
+    mem = bytearray(os.urandom(MiB))
+    with hub.register(mem) as reg:
+        f = hub.save_batch([(path, 10, 5000, reg, 3), (path, 70000, 1, reg, 900)])
+        f.wait(30)
+    assert f.stats["io"] == {path: "buffered"}
+    out = open(path, "rb").read()
+    assert out[10:5010] == bytes(mem[3:5003]) and out[70000] == mem[900]
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _untouched(mem: bytearray) -> bool:
+    return not any(mem)
+
+
+def test_bad_entries_are_refused_by_index_and_nothing_is_submitted(hub, disk_file, tmp_path) -> None:
+    path, data = disk_file
+    mem = bytearray(MiB)
+    reg = hub.register(mem)
+    good = [(path, i * 4096, 4096, reg, i * 4096) for i in range(10)]
+
+    def refused(bad_index, bad, match, exc=UsageError):
+        entries = list(good)
+        entries.insert(bad_index, bad)
+        with pytest.raises(exc, match=match):
+            hub.load_batch(entries)
+        assert _untouched(mem), "a refused batch moved bytes"
+
+    refused(3, (path, data.size - 100, 4096, reg, 0), r"entry 3: range .* past the end")
+    refused(7, (path, 0, 4096, reg, MiB - 100), r"entry 7: memory range .* outside")
+    refused(0, (path, -4096, 4096, reg, 0), r"entry 0: offset -4096 is negative")
+    refused(5, (path, 0, 0, reg, 0), r"entry 5: length 0 is not positive")
+    refused(2, (path, 0, 4096, reg, -1), r"entry 2: memory offset -1 is negative")
+    refused(4, (path, 0, "4096", reg, 0), r"entry 4: length '4096' is not an integer")
+    refused(6, (path, 0, 4096, bytearray(10), 0), r"entry 6: bytearray is not a registration")
+    refused(9, (path, 0, 4096), r"entry 9: want \(storage, offset")
+    refused(8, (3.5, 0, 4096, reg, 0), r"entry 8: float is not a path")
+    refused(1, (str(tmp_path / "missing"), 0, 4096, reg, 0), r"entry 1: open .*missing",
+            P2PHubOSError)
+    # an fd that is not open
+    with pytest.raises(P2PHubOSError, match=r"entry 10: fd 999999: .*not an open file") as ei:
+        hub.load_batch(good + [(999999, 0, 4096, reg, 0)])
+    assert ei.value.errno == errno.EBADF
+    # a closed registration
+    other = hub.register(bytearray(MiB))
+    other.close()
+    with pytest.raises(UsageError, match=r"entry 4: .* is closed"):
+        hub.load_batch(good[:4] + [(path, 0, 4096, other, 0)] + good[4:])
+    assert _untouched(mem)
+    reg.close()
+
+
+def test_column_form_refusals(hub, disk_file) -> None:
+    path, data = disk_file
+    mem = bytearray(MiB)
+    reg = hub.register(mem)
+    offs = np.arange(100, dtype=np.int64) * 4096
+    offs[57] = data.size
+    with pytest.raises(UsageError, match=r"entry 57: range .* past the end"):
+        hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg,
+                       mem_offsets=np.arange(100) * 4096)
+    with pytest.raises(UsageError, match=r"lengths: 3 values for 100 entries"):
+        hub.load_batch(storage=path, offsets=offs, lengths=[1, 2, 3], memory=reg)
+    with pytest.raises(UsageError, match=r"entry 1: memory_index 5 is not one of the 1"):
+        hub.load_batch(storage=path, offsets=[0, 0], lengths=8, memory=reg, memory_index=[0, 5])
+    with pytest.raises(UsageError, match="an empty batch"):
+        hub.load_batch([])
+    with pytest.raises(UsageError, match="not both"):
+        hub.load_batch([(path, 0, 1, reg, 0)], storage=path)
+    assert _untouched(mem)
+    reg.close()
+
+
+def test_unaligned_write_to_an_odirect_fd_is_refused(hub, tmp_path) -> None:
+    path = str(tmp_path / "out.bin")
+    np.zeros(MiB, np.uint8).tofile(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        pytest.skip("no O_DIRECT on this file system")
+    mem = bytearray(b"\x55" * MiB)
+    try:
+        with hub.register(mem) as reg:
+            with pytest.raises(UsageError, match=r"entry 1: .*O_DIRECT .*10\+4096 is not aligned"):
+                hub.save_batch([(fd, 0, 4096, reg, 0), (fd, 10, 4096, reg, 0)])
+            ro = os.open(path, os.O_RDONLY)
+            try:
+                with pytest.raises(P2PHubOSError, match=r"entry 0: .* open for reading only"):
+                    hub.save_batch([(ro, 0, 4096, reg, 0)])
+            finally:
+                os.close(ro)
+    finally:
+        os.close(fd)
+    assert not np.fromfile(path, np.uint8).any(), "a refused batch wrote bytes"
+
+
+def test_registration_is_busy_during_a_batch_and_hub_close_closes_the_engine(disk_file) -> None:
+    path, data = disk_file
+    h = Hub(mode="staged")
+    mem = bytearray(8 * MiB)
+    reg = h.register(mem)
+    f = h.load_batch(storage=path, offsets=np.arange(1000) * 4096, lengths=4096, memory=reg,
+                     mem_offsets=np.arange(1000) * 4096)
+    f.wait(60)
+    assert bytes(mem[:4096000]) == data[:4096000].tobytes()
+    assert reg._busy == 0
+    h.close()
+    with pytest.raises(Exception, match="closed"):
+        h.load_batch([(path, 0, 4096, reg, 0)])
+
+
+def test_configure_batch_refusals(hub) -> None:
+    with pytest.raises(UsageError, match="depth"):
+        batch.configure_batch(hub, depth=0)
+    with pytest.raises(UsageError, match="multiple of 4096"):
+        batch.configure_batch(hub, slot=1000)
