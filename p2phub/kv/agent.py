@@ -17,10 +17,16 @@ Lower level, as in NIXL: ``prep_local`` / ``prep_remote`` make descriptor lists 
 ``make_xfer(peer, local, lidx, remote, ridx, notif)`` builds a transfer by index that
 ``post`` sends (and can send again once it is done).
 
-Every wait has a deadline: a peer that dies or stalls for ``stall_timeout`` seconds fails
-its transfers on both sides (KVPeerError); a failed request never completes its fences;
+Bounded failure: every transfer has a deadline (``xfer_timeout``, or ``post(x, timeout=)``,
+``expect(..., deadline=)``) after which it fails; connected agents exchange heartbeats, so a
+peer that dies, freezes or is cut off for ``peer_timeout`` seconds fails the transfers in
+flight on both sides with a KVPeerError naming it; a send or receive that makes no progress
+for ``stall_timeout`` fails too. A transfer's ``status`` is "pending", "done" or "failed",
+and leaves "pending" by its deadline. A failed request never completes its fences;
 connections to other peers and the pool stay usable, and the next transfer to the peer
-connects anew (``add_remote`` the metadata of a restarted peer first).
+connects anew: a peer restarted at the same address is taken under its name (its new
+metadata comes with the handshake); one that moved is looked up again in the agent's
+``rendezvous`` when it has one (else ``add_remote`` its new metadata).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import array
 import errno
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Iterable, Sequence
 
 from ..errors import UsageError
@@ -42,6 +50,8 @@ from .layout import KVLayout
 from .pool import KVPool
 
 __all__ = ["Agent", "DescList", "RemoteAgent"]
+
+log = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
 
@@ -97,17 +107,32 @@ def _int32(values: Iterable[int] | array.array) -> array.array:
 
 
 class Agent:
-    """A KV transfer agent over TCP. ``stall_timeout``: seconds without progress after which
-    a peer counts as dead or stalled (its transfers fail on both sides)."""
+    """A KV transfer agent over TCP.
+
+    ``stall_timeout``: seconds a send or receive may make no progress, and a transfer's
+    last byte may wait for its acknowledgement. ``peer_timeout`` (default stall_timeout):
+    seconds a connected peer may send nothing, not even a heartbeat (heartbeats go out every
+    quarter of it), before it counts as dead and its transfers fail on both sides.
+    ``xfer_timeout``: the deadline of every transfer posted and every request expected,
+    in seconds (overridden per call). ``rendezvous``: where to publish this agent's metadata
+    and look a peer up again when its address no longer answers (a restarted peer)."""
 
     def __init__(self, name: str, pool: KVPool | None = None, host: str = "127.0.0.1",
-                 port: int = 0, stall_timeout: float = 5.0) -> None:
+                 port: int = 0, stall_timeout: float = 5.0, *,
+                 peer_timeout: float | None = None, xfer_timeout: float = 120.0,
+                 rendezvous: Any = None) -> None:
         if not name or not isinstance(name, str):
             raise UsageError("agent name must be a non-empty string")
-        if stall_timeout <= 0:
-            raise UsageError(f"stall_timeout={stall_timeout} must be > 0")
+        for what, v in (("stall_timeout", stall_timeout), ("peer_timeout", peer_timeout),
+                        ("xfer_timeout", xfer_timeout)):
+            if v is not None and not v > 0:
+                raise UsageError(f"{what}={v} must be > 0")
         self.name = name
         self.stall_timeout = float(stall_timeout)
+        self.peer_timeout = float(peer_timeout or stall_timeout)
+        self.xfer_timeout = float(xfer_timeout)
+        self.rendezvous = rendezvous
+        self._live: set[tp.Xfer] = set()      # posted, not yet done: watched for deadlines
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._lock = threading.RLock()
         self._segments: list[tuple[int, int]] = []
@@ -130,8 +155,46 @@ class Agent:
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kv-accept-{name}")
         self._accept_thread.start()
+        self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                              name=f"kv-watch-{name}")
+        self._watch_thread.start()
         if pool is not None:
             self.register_pool(pool)
+        if rendezvous is not None:
+            rendezvous.publish(self.name, self.metadata())
+
+    # ------------------------------------------------------------------ liveness, deadlines
+    def _watch_loop(self) -> None:
+        """Heartbeats on quiet connections; transfers and requests past their deadline fail."""
+        period = min(self.peer_timeout / 4, 0.25)
+        while not self._closed:
+            time.sleep(period)
+            with self._lock:
+                conns = list(self._out.values()) + list(self._in.values())
+                late = [x for x in self._live if x.deadline < time.monotonic()]
+                overdue = [r for r in self._inbound_reqs.values()
+                           if r.deadline < time.monotonic() and not r.done.done()]
+            for c in conns:
+                c.heartbeat(self.peer_timeout / 4)
+            for x in late:
+                self._expire(x)
+            for r in overdue:
+                r._fail(KVPeerError(r.peer, "timed out", f"request {r.req} not complete "
+                                    f"within its deadline ({r.deadline - r.created:.1f} s)"))
+
+    def _expire(self, x: tp.Xfer) -> None:
+        """Fail `x` past its deadline. One whose bytes are on the wire takes its connection
+        with it (the stream cannot be cut mid-message; the receiver fails the request and
+        the next transfer reconnects); one still queued is never sent."""
+        exc = KVPeerError(x.peer, "timed out", f"transfer {x.id} not done within its "
+                          f"deadline ({x.timeout:.1f} s)")
+        if x.started:
+            with self._lock:
+                conn = self._out.get(x.peer)
+            if conn is not None:
+                conn._fail_transfer(x, exc)
+                return
+        x._finish(exc)
 
     # ------------------------------------------------------------------ memory
     def register_memory(self, addr: int, length: int) -> int:
@@ -206,6 +269,42 @@ class Agent:
             stale.close()
         return ra.name
 
+    def _adopt(self, peer: str, md: Any) -> RemoteAgent:
+        """Load the metadata a restarted `peer` sent in its handshake (keeping the
+        connection this is called from)."""
+        if not md:
+            raise UsageError("its handshake carried no metadata")
+        new = RemoteAgent(json.loads(md) if isinstance(md, (str, bytes)) else md)
+        if new.name != peer:
+            raise UsageError(f"its metadata names {new.name!r}")
+        old = self.remote(peer)
+        if (old.layout is None) != (new.layout is None) or (
+                old.layout is not None and old.layout.to_dict() != new.layout.to_dict()):
+            raise UsageError("its KV layout changed")
+        log.info("kv peer %r restarted (incarnation %d -> %d); reconnecting under its name",
+                 peer, old.incarnation, new.incarnation)
+        with self._lock:
+            self._remotes[peer] = new
+        return new
+
+    def _lookup_again(self, peer: str, old: RemoteAgent) -> RemoteAgent | None:
+        """`peer`'s metadata from the rendezvous, if it has moved (a restart elsewhere)."""
+        if self.rendezvous is None:
+            return None
+        try:
+            md = self.rendezvous.lookup(peer, self.stall_timeout)
+        except Exception as exc:   # the rendezvous is down too: report the first failure
+            log.info("kv peer %r: rendezvous lookup failed: %s", peer, exc)
+            return None
+        try:
+            new = RemoteAgent(json.loads(md) if isinstance(md, (bytes, str)) else md)
+        except (UsageError, json.JSONDecodeError):
+            return None
+        if new.incarnation == old.incarnation or new.name != peer:
+            return None
+        self.add_remote(md)
+        return self.remote(peer)
+
     def remove_remote(self, name: str) -> None:
         with self._lock:
             self._remotes.pop(name, None)
@@ -257,7 +356,7 @@ class Agent:
                 sock.close()
                 return
             peer = str(hello["name"])
-            tp.send_hello(sock, self.name, self.incarnation)
+            tp.send_hello(sock, self.name, self.incarnation, self.metadata())
             sock.settimeout(None)
             _tune(sock)
         except (OSError, KVError, KeyError, ValueError, UsageError):
@@ -281,9 +380,18 @@ class Agent:
         try:
             sock = socket.create_connection((ra.host, ra.port), timeout=self.stall_timeout)
         except OSError as exc:
-            raise KVPeerError(peer, "unreachable",
-                              f"connect to {ra.host}:{ra.port}: {exc.strerror or exc} (a restarted "
-                              "peer needs its new metadata: add_remote)") from None
+            moved = self._lookup_again(peer, ra)
+            if moved is None:
+                raise KVPeerError(peer, "unreachable",
+                                  f"connect to {ra.host}:{ra.port}: {exc.strerror or exc} (a "
+                                  "restarted peer needs its new metadata: add_remote, or give "
+                                  "the agent a rendezvous)") from None
+            ra = moved
+            try:
+                sock = socket.create_connection((ra.host, ra.port), timeout=self.stall_timeout)
+            except OSError as exc2:
+                raise KVPeerError(peer, "unreachable", f"connect to {ra.host}:{ra.port} (looked "
+                                  f"up again): {exc2.strerror or exc2}") from None
         try:
             _tune(sock)
             tp.send_hello(sock, self.name, self.incarnation)
@@ -292,12 +400,20 @@ class Agent:
         except (OSError, KVError) as exc:
             sock.close()
             raise KVPeerError(peer, "unreachable", f"handshake with {ra.host}:{ra.port}: {exc}") from None
-        if hello.get("name") != peer or int(hello.get("incarnation", -1)) != ra.incarnation:
+        if hello.get("name") != peer:
             sock.close()
             raise KVPeerError(peer, "restarted",
-                              f"{ra.host}:{ra.port} is now {hello.get('name')!r} incarnation "
-                              f"{hello.get('incarnation')}, not the one whose metadata was loaded; "
-                              "add_remote its new metadata")
+                              f"{ra.host}:{ra.port} is now agent {hello.get('name')!r}; "
+                              "add_remote the new metadata of the one wanted")
+        if int(hello.get("incarnation", -1)) != ra.incarnation:
+            # The same name restarted at the same address: take its new metadata, checked
+            # as add_remote checks it, so a changed layout is refused and not mixed up.
+            try:
+                ra = self._adopt(peer, hello.get("metadata"))
+            except UsageError as exc:
+                sock.close()
+                raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} restarted with "
+                                  f"metadata that does not fit: {exc}") from None
         conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
         with self._lock:
             self._out[peer] = conn
@@ -316,23 +432,32 @@ class Agent:
             r._fail(exc)
 
     # ------------------------------------------------------------------ receiving side
-    def _inbound(self, peer: str, req: int) -> tp.InboundRequest:
+    def _inbound(self, peer: str, req: int, deadline: float | None = None) -> tp.InboundRequest:
         with self._lock:
             r = self._inbound_reqs.get((peer, req))
             if r is None:
-                r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout)
+                dl = time.monotonic() + (self.xfer_timeout if deadline is None else deadline)
+                r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout, dl)
+            elif deadline is not None and not r.done.done():
+                r.deadline = time.monotonic() + deadline
             return r
 
     def expect(self, peer: str, req: int, blocks: Sequence[int] | None = None,
-               timeout: float | None = None) -> tp.InboundRequest:
+               timeout: float | None = None, *,
+               deadline: float | None = None) -> tp.InboundRequest:
         """The receiving side of request `req` from `peer`: ``layer(l)`` and ``done`` fences.
 
         With `blocks` (the pages the request fills), each layer's pages become a producer
         access of the pool's registrations, completed by that layer's fence, so a consumer
         of those pages (an NVMe write, a GPU kernel) waits for its layer and fails with the
         request. This first waits (up to `timeout`) for earlier readers of the pages; strict
-        ordering raises instead. Call it before the sender starts."""
-        r = self._inbound(peer, req)
+        ordering raises instead. Call it before the sender starts.
+
+        `deadline` (seconds from now, default the agent's xfer_timeout): a request not
+        complete by then fails (KVPeerError "timed out"), and so does the sender's transfer."""
+        if deadline is not None and not deadline > 0:
+            raise UsageError(f"deadline={deadline} must be > 0 seconds")
+        r = self._inbound(peer, req, deadline)
         if blocks is not None:
             if self.pool is None:
                 raise UsageError(f"agent {self.name!r} has no KV pool to declare blocks on")
@@ -367,7 +492,6 @@ class Agent:
 
     def wait_notif(self, peer: str, msg: bytes, timeout: float) -> None:
         """Block until `peer` sent notification `msg` (kept for get_new_notifs otherwise)."""
-        import time
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
@@ -443,10 +567,11 @@ class Agent:
 
     def send_request(self, peer: str, req: int, local_blocks: Sequence[int],
                      remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
-                     notif: bytes = b"", end: bool = True) -> tp.Xfer:
-        """make_request + post."""
+                     notif: bytes = b"", end: bool = True, *,
+                     timeout: float | None = None) -> tp.Xfer:
+        """make_request + post (`timeout`: the transfer's deadline, as for post)."""
         x = self.make_request(peer, req, local_blocks, remote_blocks, layers, notif, end)
-        self.post(x)
+        self.post(x, timeout)
         return x
 
     # ------------------------------------------------------------------ sending side: NIXL-like
@@ -518,11 +643,14 @@ class Agent:
         self.post(x)
         x.wait(timeout or self.stall_timeout * 2)
 
-    def post(self, xfer: tp.Xfer) -> str:
+    def post(self, xfer: tp.Xfer, timeout: float | None = None) -> str:
         """Send `xfer` (again, once it is done). Returns its state: "PROC", or "ERR" at once
-        when the peer cannot be reached (xfer.error says why)."""
+        when the peer cannot be reached (xfer.error says why). It fails ("timed out") if
+        not acknowledged within `timeout` seconds (default the agent's xfer_timeout)."""
         if self._closed:
             raise UsageError(f"agent {self.name!r} is closed")
+        if timeout is not None and not timeout > 0:
+            raise UsageError(f"timeout={timeout} must be > 0 seconds")
         if xfer.fence.done():
             xfer._reset(next(self._xids))
         elif xfer.posted:
@@ -537,16 +665,24 @@ class Agent:
             except BaseException as exc:
                 xfer._finish(exc)    # ends the accesses declared so far
                 raise
-        import time
         xfer.posted = time.monotonic()
+        xfer.timeout = self.xfer_timeout if timeout is None else float(timeout)
+        xfer.deadline = xfer.posted + xfer.timeout
+        xfer.on_done = self._xfer_done
+        with self._lock:
+            self._live.add(xfer)
         try:
             conn = self.connect(xfer.peer)
         except KVPeerError as exc:
             xfer._finish(exc)
             return xfer.state
-        xfer.on_done = _clear_posted
         conn.submit(xfer)
         return xfer.state
+
+    def _xfer_done(self, x: tp.Xfer) -> None:
+        x.posted = 0.0
+        with self._lock:
+            self._live.discard(x)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -574,10 +710,6 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
-
-
-def _clear_posted(x: tp.Xfer) -> None:
-    x.posted = 0.0
 
 
 def _tune(sock: socket.socket) -> None:

@@ -14,6 +14,8 @@ Wire format (little endian). Every message starts with a 40-byte header:
     ACK    receiver -> sender: the transfer `xfer` has landed (after its LAST message)
     ERR    receiver -> sender: the transfer was refused; n bytes of reason
     FAIL   sender -> receiver: the sender gave the transfer up; n bytes of reason
+    HB     either way, no body: a heartbeat, sent on a connection that has been quiet for a
+           quarter of the peer timeout (a peer silent for the whole timeout is dropped)
 
 The sender's last message of a transfer carries F_LAST; the receiver answers it with ACK.
 Payload bytes go from the sender's pool to the socket and from the socket into the
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 MAGIC = 0x564B3250  # b"P2KV"
 HDR = struct.Struct("<IHHQQIIQ")
 WIRE_RUN = 24
-HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ = 1, 2, 3, 4, 5, 6, 7
+HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ, HB = 1, 2, 3, 4, 5, 6, 7, 8
 F_LAST = 1      # the last message of a transfer: the receiver ACKs it
 F_REQ_END = 2   # the last message of a request: the receiver completes its `done` fence
 F_READ_RESP = 4  # DATA answering a READ: the payload lands in the reader's planned ranges
@@ -99,24 +101,36 @@ class Xfer:
         self.nbytes = sum(m.nbytes for m in messages)
         self.on_done: Callable[["Xfer"], None] | None = None
         self.reads: tuple[Any, list[int]] | None = None   # (pages, layers) of the sender's pool
+        self.deadline = float("inf")   # monotonic time by which it must be done (set by post)
+        self.timeout = 0.0             # the seconds that deadline allowed
+        self.started = False           # its first byte went to the socket
 
     def _reset(self, xid: int) -> None:
         self.id = xid
         self.fence = HostFence(f"kv xfer {xid} to {self.peer}")
         self.error = None
+        self.started = False
 
     @property
     def state(self) -> str:
+        """NIXL's words: "PROC" (pending), "DONE", "ERR" (failed)."""
         if not self.fence.done():
             return self.PROC
         return self.ERR if self.fence.failed() else self.DONE
 
+    @property
+    def status(self) -> str:
+        """"pending", "done" or "failed": a posted transfer leaves "pending" by its deadline."""
+        return _STATUS[self.state]
+
     def _finish(self, exc: BaseException | None) -> None:
+        """Complete it (the first completion wins: a late ACK does not undo a failure)."""
         if exc is not None:
+            if not self.fence.fail(exc):
+                return
             self.error = exc
-            self.fence.fail(exc)
-        else:
-            self.fence.set()
+        elif not self.fence.set():
+            return
         if self.on_done is not None:
             self.on_done(self)
 
@@ -133,13 +147,19 @@ class Xfer:
         yield from self.fence.__await__()
 
 
+_STATUS = {Xfer.PROC: "pending", Xfer.DONE: "done", Xfer.ERR: "failed"}
+
+
 class InboundRequest:
     """What a receiver knows of one request from one peer: a fence per layer, completed when
     that layer's pages have all landed, failed (never completed) when the request fails."""
 
-    def __init__(self, peer: str, req: int, layout: Any = None) -> None:
+    def __init__(self, peer: str, req: int, layout: Any = None,
+                 deadline: float = float("inf")) -> None:
         self.peer = peer
         self.req = req
+        self.deadline = deadline   # monotonic time by which it must be done, or it fails
+        self.created = time.monotonic()
         self._lock = threading.Lock()
         self._fences: dict[int, HostFence] = {}
         self._runs: dict[int, bytes] = {}
@@ -147,8 +167,24 @@ class InboundRequest:
         self.done = HostFence(f"kv request {req} from {peer}")
         self._layout = layout
 
+    @property
+    def status(self) -> str:
+        """"pending", "done" (every layer landed) or "failed"."""
+        if not self.done.done():
+            return "pending"
+        return "failed" if self.done.failed() else "done"
+
     def layer(self, layer: int) -> HostFence:
-        """The fence of `layer` (made pending if nothing arrived for it yet)."""
+        """The fence of `layer` (made pending if nothing arrived for it yet); a layer the
+        layout does not have is refused (UsageError), never left pending."""
+        nlayers = self._layout.num_layers if self._layout is not None else 1
+        if not isinstance(layer, int) or not 0 <= layer < nlayers:
+            from ..errors import UsageError
+            raise UsageError(f"kv request {self.req} from {self.peer}: no layer {layer!r} "
+                             f"(the layout has {nlayers}: 0..{nlayers - 1})")
+        return self._fence(layer)
+
+    def _fence(self, layer: int) -> HostFence:
         with self._lock:
             f = self._fences.get(layer)
             if f is None:
@@ -162,7 +198,7 @@ class InboundRequest:
             if self.error is not None:
                 return
             self._runs[layer] = self._runs.get(layer, b"") + wire
-        self.layer(layer).set()
+        self._fence(layer).set()
 
     def _complete(self) -> None:
         with self._lock:
@@ -213,10 +249,12 @@ class Connection:
         self.outbound = outbound
         self.closed = False
         self._lock = threading.Lock()
+        self._tx = threading.Lock()        # one sender of bytes at a time (state: _lock)
         self._queue: "queue.Queue[Xfer | None]" = queue.Queue()
         self._pending: dict[int, tuple[Xfer, float]] = {}   # sent, awaiting ACK: deadline
         self._active: dict[int, set[int]] = {}              # inbound: xfer -> requests
         self._last_rx = time.monotonic()
+        self._last_tx = time.monotonic()
         self._skip: set[int] = set()                        # inbound: refused transfers
         self.error: BaseException | None = None
         self.cuda = agent.cuda_device                      # None: host pool, no staging
@@ -236,6 +274,33 @@ class Connection:
     def timeout_ms(self) -> int:
         return int(self.agent.stall_timeout * 1000)
 
+    def heartbeat(self, quiet: float) -> None:
+        """Send HB when nothing was sent for `quiet` seconds. Never waits: a connection whose
+        lock is held is sending (the peer hears that), and a full socket buffer is the
+        peer not reading (its own deadline), so a heartbeat is skipped rather than queued."""
+        if self.closed or time.monotonic() - self._last_tx < quiet:
+            return
+        if not self._tx.acquire(blocking=False):
+            return
+        try:
+            if self.closed:
+                return
+            hdr = HDR.pack(MAGIC, HB, 0, 0, 0, 0, 0, 0)
+            try:
+                n = self.sock.send(hdr, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                return          # the reader sees the connection end
+            if n < len(hdr):    # rare: keep the stream in step, within the send deadline
+                rc = hot().lib.kv_send(self.fd, hdr[n:], len(hdr) - n, hot().ffi.NULL, 0,
+                                       hot().ffi.NULL, 0, self.timeout_ms)
+                if rc < 0:
+                    return
+            self._last_tx = time.monotonic()
+        finally:
+            self._tx.release()
+
     # ------------------------------------------------------------------ sending
     def _send_raw(self, type_: int, flags: int, xfer: int, req: int, layer: int,
                   body: bytes = b"", wire: Any = None, nruns: int = 0, iov: Any = None,
@@ -245,12 +310,13 @@ class Connection:
         hdr = HDR.pack(MAGIC, type_, flags, xfer, req, layer, n, nbytes)
         if type_ not in (DATA, READ):
             hdr += body
-        with self._lock:
+        with self._tx:
             if self.closed:
                 raise self._closed_error()
             rc = h.lib.kv_send(self.fd, hdr, len(hdr),
                                wire if wire is not None else h.ffi.NULL, nruns,
                                iov if iov is not None else h.ffi.NULL, niov, self.timeout_ms)
+            self._last_tx = time.monotonic()
         if rc < 0:
             if rc == -errno.ETIMEDOUT:
                 raise KVPeerError(self.peer, "stalled",
@@ -270,6 +336,9 @@ class Connection:
                 if xfer is not None:
                     xfer._finish(self._closed_error())
                 break
+            if xfer.fence.done():   # failed while queued (its deadline): never started
+                continue
+            xfer.started = True
             try:
                 msgs = xfer.messages
                 with self._lock:
@@ -335,12 +404,13 @@ class Connection:
                 self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
                 continue
             hdr = HDR.pack(MAGIC, DATA, flags, xfer.id, m.req, m.layer, m.nruns, m.nbytes)
-            with self._lock:
+            with self._tx:
                 if self.closed:
                     raise self._closed_error()
                 rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), m.wire, m.nruns, m.iov,
                                         m.nruns, st.stage, st.chunk, st.streams, self.timeout_ms,
                                         st.cuerr, st.sent)
+                self._last_tx = time.monotonic()
             if rc == -errno.EIO:
                 exc = st.error(f"device-to-host copy of request {m.req} layer {m.layer}")
                 if st.sent[0]:
@@ -382,12 +452,23 @@ class Connection:
         raise KVPeerError(self.peer, "reset", f"receive failed: {_c_err(rc)}")
 
     def _wait_readable(self) -> bool:
-        """Wait for the next header; raise KVPeerError when a deadline passes first."""
+        """Wait for the next header; raise KVPeerError when a deadline passes first, or
+        when the peer sent nothing, not even a heartbeat, for its peer timeout."""
+        tick = time.monotonic()
         while not self.closed:
             r, _, _ = select.select([self.fd], [], [], 0.1)
             if r:
                 return True
             now = time.monotonic()
+            if now - tick > 1.0:
+                # This process was frozen (stopped, starved): the silence was ours.
+                self._last_rx = max(self._last_rx, now)
+            tick = now
+            silent = now - self._last_rx
+            if silent > self.agent.peer_timeout:
+                raise KVPeerError(self.peer, "silent",
+                                  f"no message or heartbeat for {silent:.1f} s (peer timeout "
+                                  f"{self.agent.peer_timeout} s): dead, frozen or partitioned")
             with self._lock:
                 late = [x for x, dl in self._pending.values() if dl < now]
                 busy = bool(self._active)
@@ -436,6 +517,9 @@ class Connection:
                                                             body.decode(errors="replace")))
                 elif type_ == ACK:
                     self._acked(xid, None)
+                elif type_ == HB:
+                    if n or nbytes:
+                        raise KVPeerError(self.peer, "reset", "a heartbeat with a body")
                 else:
                     raise KVPeerError(self.peer, "reset", f"unknown message type {type_}")
         except KVPeerError as exc:
@@ -584,8 +668,16 @@ class Connection:
         self._send_raw(type_, 0, xid, req, layer, body=body)
 
     def _finish_inbound(self, xid: int) -> None:
+        """The transfer's last message arrived: ACK it, or ERR when one of its requests
+        failed here meanwhile (its deadline, a release), so both sides report the failure."""
         with self._lock:
-            self._active.pop(xid, None)
+            reqs = self._active.pop(xid, set())
+        for r in reqs:
+            with self.agent._lock:
+                inb = self.agent._inbound_reqs.get((self.peer, r))
+            if inb is not None and inb.error is not None:
+                self._send_ctrl(ERR, xid, r, 0, f"request {r}: {inb.error}".encode()[:MAX_CTRL])
+                return
         self._send_ctrl(ACK, xid, 0, 0)
 
     def _fail_inbound(self, xid: int, exc: BaseException) -> None:
@@ -626,6 +718,15 @@ class Connection:
         self._queue.put(None)
         self.agent._connection_failed(self, exc)
 
+    def _fail_transfer(self, xfer: Xfer, exc: BaseException) -> None:
+        """Fail `xfer` (its deadline passed); if its bytes are on this connection, drop the
+        connection: the receiver fails the request, the next transfer reconnects."""
+        with self._lock:
+            on_wire = self._pending.pop(xfer.id, None) is not None
+        xfer._finish(exc)
+        if on_wire:
+            self._fail_connection(KVPeerError(self.peer, "reset", f"dropped: {exc}"))
+
     def alive(self) -> bool:
         """Whether one of its threads still runs (a dropped connection's end their work:
         Agent.close waits for them, so staging buffers are freed when it returns)."""
@@ -642,12 +743,16 @@ class Connection:
             pass
 
 
-def hello_body(name: str, incarnation: int) -> bytes:
-    return json.dumps({"name": name, "incarnation": incarnation}).encode()
+def hello_body(name: str, incarnation: int, metadata: bytes | None = None) -> bytes:
+    d: dict = {"name": name, "incarnation": incarnation}
+    if metadata is not None:
+        d["metadata"] = metadata.decode()
+    return json.dumps(d).encode()
 
 
-def send_hello(sock: socket.socket, name: str, incarnation: int) -> None:
-    body = hello_body(name, incarnation)
+def send_hello(sock: socket.socket, name: str, incarnation: int,
+               metadata: bytes | None = None) -> None:
+    body = hello_body(name, incarnation, metadata)
     sock.sendall(HDR.pack(MAGIC, HELLO, 0, 0, 0, 0, len(body), 0) + body)
 
 
