@@ -1,4 +1,6 @@
-"""The KV transfer agent: one per process, in the vocabulary serving stacks already use.
+"""The KV transfer agent: one per process, in the vocabulary serving stacks already use,
+over TCP or, with ``rdma_devices``, RDMA (kv/rdma.py: the payload WRITTEN over every NIC
+named, the TCP connection kept for control).
 
     a = Agent("prefill-0", pool=pool)            # registers the pool's segments
     b_md = rendezvous.lookup("decode-0")          # or a.handshake(host, port)
@@ -70,6 +72,12 @@ class RemoteAgent:
             self.segments = [(int(a), int(n)) for a, n in md["segments"]]
             self.layout = KVLayout.from_dict(md["layout"]) if md.get("layout") else None
             self.device = str(md.get("device", "cpu"))
+            self.rdma: list[dict] = list(md.get("rdma") or [])   # its rails, if any
+            devs = md.get("devices")
+            self.devices = ([int(d) for d in devs] if devs is not None
+                            else [-1] * len(self.segments))   # per segment: -1 host, or CUDA
+            if len(self.devices) != len(self.segments):
+                raise ValueError("one device per segment")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, UsageError):
                 raise
@@ -115,14 +123,26 @@ class Agent:
     quarter of it), before it counts as dead and its transfers fail on both sides.
     ``xfer_timeout``: the deadline of every transfer posted and every request expected,
     in seconds (overridden per call). ``rendezvous``: where to publish this agent's metadata
-    and look a peer up again when its address no longer answers (a restarted peer)."""
+    and look a peer up again when its address no longer answers (a restarted peer).
+
+    ``rdma_devices``: the RDMA NICs this agent moves payload through (each one used, a
+    request's runs striped across them); ``transport``: "auto" (RDMA to a peer that
+    published rails when this agent has some, TCP otherwise), "tcp" or "rdma" (refuse a
+    peer without rails). ``transport_to(peer)`` says which a peer gets."""
 
     def __init__(self, name: str, pool: KVPool | None = None, host: str = "127.0.0.1",
                  port: int = 0, stall_timeout: float = 5.0, *,
                  peer_timeout: float | None = None, xfer_timeout: float = 120.0,
-                 rendezvous: Any = None) -> None:
+                 rendezvous: Any = None, transport: str = "auto",
+                 rdma_devices: Sequence[str] | None = None) -> None:
         if not name or not isinstance(name, str):
             raise UsageError("agent name must be a non-empty string")
+        if transport not in ("auto", "tcp", "rdma"):
+            raise UsageError(f"transport={transport!r}: want 'auto', 'tcp' or 'rdma'")
+        if transport == "rdma" and not rdma_devices:
+            raise UsageError("transport='rdma' needs rdma_devices (the NICs to use)")
+        if isinstance(rdma_devices, str):
+            rdma_devices = [rdma_devices]
         for what, v in (("stall_timeout", stall_timeout), ("peer_timeout", peer_timeout),
                         ("xfer_timeout", xfer_timeout)):
             if v is not None and not v > 0:
@@ -133,9 +153,17 @@ class Agent:
         self.xfer_timeout = float(xfer_timeout)
         self.rendezvous = rendezvous
         self._live: set[tp.Xfer] = set()      # posted, not yet done: watched for deadlines
+        self.transport = transport
+        self.rails: Any = None                # kv.rdma.Rails: this agent's NICs
+        if rdma_devices and transport != "tcp":
+            from .rdma import Rails
+            self.rails = Rails(list(rdma_devices))
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._lock = threading.RLock()
         self._segments: list[tuple[int, int]] = []
+        self._segdev: list[int] = []           # per segment: -1 host, else its CUDA ordinal
+        self._any_cuda = False
+        self._segidx = tp.SegmentIndex()
         self._segc: Any = None
         self._remotes: dict[str, RemoteAgent] = {}
         self._out: dict[str, tp.Connection] = {}
@@ -197,16 +225,40 @@ class Agent:
         x._finish(exc)
 
     # ------------------------------------------------------------------ memory
-    def register_memory(self, addr: int, length: int) -> int:
-        """Register a host range for transfers; returns its segment index."""
+    def register_memory(self, addr: int, length: int, registration: Any = None, *,
+                        device: int | None = None) -> int:
+        """Register a range for transfers; returns its segment index. `device` None: host
+        memory; an int: memory of that CUDA device (VRAM), moved over TCP through pinned
+        staging buffers. With RDMA rails a host range becomes an MR on each (``reg_mr`` on
+        `registration`, a p2phub registration of exactly that range, else a VA MR); a CUDA
+        range does too where it has a registration the NIC can map (``reg_mr``: dma-buf or
+        peer memory), and otherwise this agent moves payload over TCP (staged), or refuses
+        under transport='rdma'."""
         if addr <= 0 or length <= 0:
             raise UsageError(f"register_memory: address {addr:#x} / length {length} must be > 0")
-        if self.cuda_device is not None:
-            raise UsageError("this agent's KV pool is CUDA memory; its segments are device "
-                             "memory only (register host memory with another agent)")
+        if device is not None:
+            if not isinstance(device, int) or device < 0:
+                raise UsageError(f"register_memory: device={device!r} must be a CUDA ordinal >= 0")
+            from . import cuda
+            cuda.driver().primary_context(device)   # UsageError where there is no CUDA
         h = tp.hot()
+        if self.rails is not None:
+            try:
+                if device is not None and registration is None:
+                    raise UsageError("CUDA memory without a p2phub registration has no RDMA MR")
+                self.rails.add_segment(addr, length, registration)
+            except Exception as exc:
+                if device is None or self.transport == "rdma":
+                    raise
+                log.info("kv %s: cuda:%d memory cannot be an RDMA MR (%s); payload goes over "
+                         "TCP, staged through pinned host memory", self.name, device, exc)
+                self.rails.close()
+                self.rails = None
         with self._lock:
             self._segments.append((addr, length))
+            self._segdev.append(-1 if device is None else device)
+            self._any_cuda = self._any_cuda or device is not None
+            self._segidx.add(addr, length)
             c = h.ffi.new("struct kv_iov[]", len(self._segments))
             for i, (a, n) in enumerate(self._segments):
                 c[i].addr, c[i].len = a, n
@@ -228,8 +280,14 @@ class Agent:
             raise UsageError("the KV pool is closed")
         if self._segments:
             raise UsageError("register the KV pool before any other memory (segment ids 0..n-1)")
+        dev = pool.cuda_device if pool.device == "cuda" else None
+        if dev is not None and self.rails is not None and self.transport == "rdma" and any(
+                s.registration is None for s in pool.segments):
+            raise UsageError("transport='rdma' needs an RDMA MR of every segment; this CUDA pool "
+                             "has no p2phub registration (KVPool.from_tensors has; or use "
+                             "transport='auto' or 'tcp': it is staged over TCP)")
         for s in pool.segments:
-            self.register_memory(s.addr, s.length)
+            self.register_memory(s.addr, s.length, s.registration, device=dev)
         if pool.device == "cuda":
             self.cuda_device = pool.cuda_device
         self.pool = pool
@@ -246,8 +304,25 @@ class Agent:
             "v": METADATA_VERSION, "name": self.name, "host": self.host, "port": self.port,
             "incarnation": self.incarnation, "segments": self._segments,
             "device": "cpu" if self.cuda_device is None else "cuda",
+            "devices": self._segdev,
             "layout": self.layout.to_dict() if self.layout else None,
+            "rdma": self.rails.metadata() if self.rails is not None else None,
         }).encode()
+
+    def transport_to(self, peer: str) -> str:
+        """"rdma" or "tcp": how payload goes to `peer` (RDMA when both ends have rails and
+        this agent was not told "tcp"). A peer without rails under transport="rdma" is
+        refused (UsageError)."""
+        ra = self.remote(peer)
+        if self.rails is not None and ra.rdma:
+            return "rdma"
+        if self.transport == "rdma":
+            raise UsageError(f"transport='rdma' but peer {peer!r} published no RDMA rails")
+        return "tcp"
+
+    def rail_bytes(self) -> dict[str, int]:
+        """Payload bytes WRITTEN through each of this agent's NICs (empty without RDMA)."""
+        return self.rails.stats() if self.rails is not None else {}
 
     def add_remote(self, md: bytes | str | dict) -> str:
         """Load a peer's metadata (replacing what was known of it: a restarted peer)."""
@@ -356,13 +431,25 @@ class Agent:
                 sock.close()
                 return
             peer = str(hello["name"])
-            tp.send_hello(sock, self.name, self.incarnation, self.metadata())
+            link = None
+            if hello.get("qps") and self.rails is not None:
+                from .rdma import Link
+                link = Link(self.rails, len(hello["qps"]), peer)
+                try:
+                    link.connect(hello["qps"])
+                except BaseException:
+                    link.close()
+                    raise
+            tp.send_hello(sock, self.name, self.incarnation, self.metadata(),
+                          extra={"qps": link.infos()} if link is not None else None)
             sock.settimeout(None)
             _tune(sock)
-        except (OSError, KVError, KeyError, ValueError, UsageError):
+        except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
+            log.info("kv %s: handshake refused: %s", self.name, exc)
             sock.close()
             return
         conn = tp.Connection(self, sock, peer, outbound=False, incarnation=int(hello.get("incarnation", 0)))
+        conn.rdma = link
         with self._lock:
             old = self._in.get(peer)
             self._in[peer] = conn
@@ -392,16 +479,39 @@ class Agent:
             except OSError as exc2:
                 raise KVPeerError(peer, "unreachable", f"connect to {ra.host}:{ra.port} (looked "
                                   f"up again): {exc2.strerror or exc2}") from None
+        link = None
+        try:
+            if self.transport_to(peer) == "rdma":
+                from .rdma import Link
+                link = Link(self.rails, len(self.rails), peer)
+        except BaseException:
+            sock.close()
+            raise
         try:
             _tune(sock)
-            tp.send_hello(sock, self.name, self.incarnation)
+            tp.send_hello(sock, self.name, self.incarnation,
+                          extra={"qps": link.infos()} if link is not None else None)
             hello = tp.recv_hello(sock, self.stall_timeout)
             sock.settimeout(None)
-        except (OSError, KVError) as exc:
+            if link is not None:
+                if not hello.get("qps"):
+                    raise KVError("the peer answered without queue pairs (it has no RDMA rails "
+                                  "now)")
+                link.connect(hello["qps"], ra.rdma)
+        except (OSError, KVError, TypeError, ValueError) as exc:
             sock.close()
+            if link is not None:
+                link.close()
             raise KVPeerError(peer, "unreachable", f"handshake with {ra.host}:{ra.port}: {exc}") from None
+        except BaseException:
+            sock.close()
+            if link is not None:
+                link.close()
+            raise
         if hello.get("name") != peer:
             sock.close()
+            if link is not None:
+                link.close()
             raise KVPeerError(peer, "restarted",
                               f"{ra.host}:{ra.port} is now agent {hello.get('name')!r}; "
                               "add_remote the new metadata of the one wanted")
@@ -412,9 +522,14 @@ class Agent:
                 ra = self._adopt(peer, hello.get("metadata"))
             except UsageError as exc:
                 sock.close()
+                if link is not None:
+                    link.close()
                 raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} restarted with "
                                   f"metadata that does not fit: {exc}") from None
         conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
+        conn.rdma = link
+        log.info("kv %s -> %s: %s", self.name, peer,
+                 f"RDMA over {', '.join(self.rails.devices)}" if link is not None else "TCP")
         with self._lock:
             self._out[peer] = conn
         conn.start()
@@ -463,7 +578,11 @@ class Agent:
                 raise UsageError(f"agent {self.name!r} has no KV pool to declare blocks on")
             layers = range(self.pool.layout.num_layers)
             try:
-                self.pool.declare(blocks, layers, AccessKind.SOCKET_RECV,
+                with self._lock:
+                    ra = self._remotes.get(peer)
+                rdma = self.rails is not None and ra is not None and bool(ra.rdma)
+                self.pool.declare(blocks, layers,
+                                  AccessKind.RDMA_WRITE_TARGET if rdma else AccessKind.SOCKET_RECV,
                                   [r.layer(ly) for ly in layers],
                                   f"kv request {req} from {peer}", timeout)
             except BaseException as exc:
@@ -531,7 +650,9 @@ class Agent:
             if rc < 0:
                 raise KVError(f"request {req}: planning runs failed ({rc})")
             used += rc
-        return tp.Message(tp.DATA, req, layer, wire, liov, used, n * lay.kv * lay.block_bytes)
+        m = tp.Message(tp.DATA, req, layer, wire, liov, used, n * lay.kv * lay.block_bytes)
+        m.dev = -1 if self.cuda_device is None else self.cuda_device
+        return m
 
     def make_request(self, peer: str, req: int, local_blocks: Sequence[int],
                      remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
@@ -609,10 +730,6 @@ class Agent:
         if remote.peer != peer or local.peer is not None:
             raise UsageError("make_xfer: want a local list and a list prepared for this peer")
         ra = self.remote(peer)
-        if op == "READ" and (self.cuda_device is not None or ra.device != "cpu"):
-            side = f"agent {self.name!r}" if self.cuda_device is not None else f"peer {peer!r}"
-            raise UsageError(f"READ over TCP moves host pools only; {side} has a CUDA pool: "
-                             "let the peer WRITE instead")
         h = tp.hot()
         li, ri = _int32(local_idx), _int32(remote_idx)
         if len(li) != len(ri):
@@ -630,11 +747,38 @@ class Agent:
                              f"lists ({local.count} local, {remote.count} remote)")
         if rc == -errno.EINVAL:
             raise UsageError(f"index pair {bad[0]}: local and remote descriptors differ in length")
-        msgs = [tp.Message(tp.DATA if op == "WRITE" else tp.READ, req, 0, wire, liov, rc,
-                           int(total[0]))]
+        msgs = self._by_device(tp.DATA if op == "WRITE" else tp.READ, req, ra, wire, liov, rc,
+                               int(total[0]))
         if notif:
             msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
         return tp.Xfer(peer, msgs, next(self._xids))
+
+    def _by_device(self, type_: int, req: int, ra: RemoteAgent, wire: Any, liov: Any, n: int,
+                   total: int) -> list[tp.Message]:
+        """One message per (local device, remote device) pair of the planned runs (a message
+        is staged through one device's buffers on each side); READ messages carry their
+        index in the layer field, which the answer echoes."""
+        if not self._any_cuda and all(d < 0 for d in ra.devices):
+            return [tp.Message(type_, req, 0, wire, liov, n, total)]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(n):
+            ldev = self._segdev[self._segidx.find(liov[i].addr, liov[i].len)]
+            groups.setdefault((ldev, ra.devices[wire[i].seg]), []).append(i)
+        h = tp.hot()
+        msgs = []
+        for k, ((ldev, _rdev), idx) in enumerate(groups.items()):
+            if len(groups) == 1:
+                lv, wv = liov, wire
+            else:
+                lv = h.ffi.new("struct kv_iov[]", len(idx))
+                wv = h.ffi.new("struct kv_wire[]", len(idx))
+                for j, i in enumerate(idx):
+                    lv[j], wv[j] = liov[i], wire[i]
+            m = tp.Message(type_, req, k if type_ == tp.READ else 0, wv, lv, len(idx),
+                           sum(int(liov[i].len) for i in idx))
+            m.dev = ldev
+            msgs.append(m)
+        return msgs
 
     def send_notif(self, peer: str, msg: bytes, timeout: float | None = None) -> None:
         """A notification alone (ordered after every transfer posted to `peer` before it)."""
@@ -660,7 +804,9 @@ class Agent:
             # transfer failed); this waits for earlier writers of those pages.
             pages, layers = xfer.reads
             try:
-                self.pool.declare(pages, layers, AccessKind.SOCKET_SEND, [xfer.fence] * len(layers),
+                kind = (AccessKind.RDMA_SEND if self.transport_to(xfer.peer) == "rdma"
+                        else AccessKind.SOCKET_SEND)
+                self.pool.declare(pages, layers, kind, [xfer.fence] * len(layers),
                                   f"kv xfer {xfer.id} to {xfer.peer}", None)
             except BaseException as exc:
                 xfer._finish(exc)    # ends the accesses declared so far
@@ -701,6 +847,9 @@ class Agent:
             self._failed = []
         for c in conns:
             c.close()
+        if self.rails is not None:
+            self.rails.close()
+            self.rails = None
 
     def __enter__(self) -> "Agent":
         return self

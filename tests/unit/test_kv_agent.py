@@ -394,3 +394,20 @@ def test_timeouts_must_be_positive(pair) -> None:
     with pytest.raises(UsageError, match="timeout=-1 must be > 0"):
         a.post(x, timeout=-1)
     assert x.status == "pending" and not x.posted   # refused before anything was sent
+
+
+def test_the_transport_is_chosen_per_peer_and_can_be_told(pair) -> None:
+    a, b = pair
+    assert a.transport_to("b") == "tcp" and a.rail_bytes() == {}    # no NIC on either end
+    md = json.loads(b.metadata())
+    assert md["rdma"] is None
+    md["rdma"] = [{"device": "mlx5_9", "gid": "::1", "mrs": [[4096, 7]]}]
+    a.add_remote(md)
+    assert a.transport_to("b") == "tcp"          # the peer has a NIC, this agent has none
+    with pytest.raises(UsageError, match="transport='rdma' needs rdma_devices"):
+        Agent("r", transport="rdma")
+    with pytest.raises(UsageError, match="transport='udp': want 'auto', 'tcp' or 'rdma'"):
+        Agent("r", transport="udp")
+    with Agent("t", transport="tcp", rdma_devices=["no-such-nic"]) as t:   # told: never opened
+        t.add_remote(md)
+        assert t.rails is None and t.transport_to("b") == "tcp"
