@@ -30,7 +30,7 @@ from typing import Any
 
 SCHEMA = "p2phub.bench.kv/1"
 METHODS = ("raw", "p2phub", "nixl", "mooncake")
-CUDA_METHODS = ("raw", "p2phub", "torch")
+CUDA_METHODS = ("raw", "p2phub", "p2phub-read", "torch")
 
 
 def _size(text: str) -> int:
@@ -52,7 +52,8 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--timeout", type=float, default=120.0, help="seconds per run of one method")
     k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the KV pools live: cpu (host memory) or cuda (torch tensors on "
-                        "cuda:0, staged through pinned memory; methods raw, p2phub, torch)")
+                        "cuda:0, staged through pinned memory; methods raw, p2phub, "
+                        "p2phub-read (VRAM descriptors pulled with READ), torch)")
     k.add_argument("--json", action="store_true", help="print JSON")
 
 
