@@ -625,6 +625,17 @@ class Connection:
         return (f"run {i} (segment {seg}, offset {off}, {ln} bytes) is outside the "
                 f"{nsegs} registered segment(s)")
 
+    def _runs_iov(self, wire: bytes, nruns: int) -> tuple[Any, int, int, int, int]:
+        """`wire`'s runs as addresses in our segments: (iov, rc, index of the first bad
+        run, total bytes, segment count); rc < 0 when a run is outside every segment."""
+        h = hot()
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        return iov, rc, bad[0], total[0], nsegs
+
     def _runs_device(self, wire: bytes, nruns: int) -> int | None:
         """The device of the segments `wire`'s runs land in (-1 host); None when they are
         on more than one device (a sender plans one message per device pair)."""
@@ -671,15 +682,10 @@ class Connection:
                 self._skip.discard(xid)
             return
         self._track(xid, req)
-        h = hot()
-        segs, nsegs = self.agent._seg_table()
-        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
-        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
-        if rc < 0 or total[0] != nbytes:
-            why = (self._bad_run(wire, bad[0], nsegs) if rc < 0
-                   else f"runs add up to {total[0]} bytes, not {nbytes}")
+        _iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
+        if rc < 0 or total != nbytes:
+            why = (self._bad_run(wire, bad, nsegs) if rc < 0
+                   else f"runs add up to {total} bytes, not {nbytes}")
             return self._refuse(flags, xid, req, layer,
                                 KVRejected(self.peer, f"request {req} layer {layer}: {why}"))
         self._land(flags, xid, req, layer, wire)
@@ -690,14 +696,10 @@ class Connection:
         chunk into the staging halves, each chunk's host-to-device copies queued while the
         next is read; the layer lands once both streams are synchronized."""
         h = hot()
-        segs, nsegs = self.agent._seg_table()
-        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
-        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
         if rc < 0:
-            return self._reject(flags, xid, req, layer, nbytes, self._bad_run(wire, bad[0], nsegs))
-        if total[0] != nbytes:
+            return self._reject(flags, xid, req, layer, nbytes, self._bad_run(wire, bad, nsegs))
+        if total != nbytes:
             return self._reject(flags, xid, req, layer, nbytes,
                                 f"runs add up to other than the {nbytes} payload bytes")
         st = self._stage("receive from", dev)
@@ -713,7 +715,6 @@ class Connection:
         """Serve a READ: check the runs against our segments, send their bytes back."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
-        h = hot()
         wire = self._recv(nruns * WIRE_RUN)
         dev = self._runs_device(wire, nruns)
         if dev is None:
@@ -722,14 +723,10 @@ class Connection:
             if not flags & F_LAST:
                 self._skip.add(xid)
             return
-        segs, nsegs = self.agent._seg_table()
-        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
-        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
-        if rc < 0 or total[0] != nbytes:
-            why = (f"run {bad[0]} is outside the {nsegs} registered segment(s)" if rc < 0
-                   else f"runs add up to {total[0]} bytes, not {nbytes}")
+        iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
+        if rc < 0 or total != nbytes:
+            why = (f"run {bad} is outside the {nsegs} registered segment(s)" if rc < 0
+                   else f"runs add up to {total} bytes, not {nbytes}")
             self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: {why}".encode())
             if not flags & F_LAST:
                 self._skip.add(xid)

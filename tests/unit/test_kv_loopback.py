@@ -308,15 +308,22 @@ def test_restarted_peer_at_the_same_address_is_reconnected_under_its_name(procs)
     assert b2.call("verify", seed=3, local=ids, remote=ids[::-1])["bad"] == 0
 
 
-def test_frozen_sender_is_found_by_heartbeat_while_nothing_is_in_flight(procs) -> None:
-    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=4096)
-    a, _ = start(procs, "prefill", lay, stall=30.0, peer_timeout=HB)
-    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=HB)
-    a.call("fill", seed=4)
+def _connected(procs, seed: int, peer_timeout: float, block_bytes: int = 4096) -> tuple[Proc, Proc]:
+    """prefill -> decode, connected by one request that landed; a 30 s stall timeout, so
+    only the heartbeat (peer_timeout) or a deadline can end what follows early."""
+    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=block_bytes)
+    a, _ = start(procs, "prefill", lay, stall=30.0, peer_timeout=peer_timeout)
+    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=peer_timeout)
+    a.call("fill", seed=seed)
     a.call("add_remote", md=bmd)
     b.send("expect", peer="prefill", req=1, timeout=20)
     assert a.call("send", peer="decode", req=1, local=[0], remote=[0])["state"] == "DONE"
-    b.reply()
+    assert b.reply()["status"] == "done"
+    return a, b
+
+
+def test_frozen_sender_is_found_by_heartbeat_while_nothing_is_in_flight(procs) -> None:
+    a, b = _connected(procs, 4, HB)
     b.send("expect", peer="prefill", req=2, timeout=20)   # expected, nothing sent yet
     time.sleep(0.3)
     os.kill(a.p.pid, signal.SIGSTOP)                       # partitioned: silent, socket open
@@ -329,14 +336,7 @@ def test_frozen_sender_is_found_by_heartbeat_while_nothing_is_in_flight(procs) -
 
 
 def test_frozen_receiver_fails_the_sender_by_heartbeat_before_the_stall_timeout(procs) -> None:
-    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=4096)
-    a, _ = start(procs, "prefill", lay, stall=30.0, peer_timeout=HB)
-    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=HB)
-    a.call("fill", seed=5)
-    a.call("add_remote", md=bmd)
-    b.send("expect", peer="prefill", req=1, timeout=20)
-    assert a.call("send", peer="decode", req=1, local=[0], remote=[0])["state"] == "DONE"
-    b.reply()
+    a, b = _connected(procs, 5, HB)
     os.kill(b.p.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()     # 128 KiB: fits the socket buffers, so only the ACK is missing
@@ -350,14 +350,7 @@ def test_frozen_receiver_fails_the_sender_by_heartbeat_before_the_stall_timeout(
 
 def test_transfer_deadline_fails_both_sides(procs) -> None:
     # 32 MiB: more than the socket buffers hold, so the deadline finds it on the wire
-    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=262144)
-    a, _ = start(procs, "prefill", lay, stall=30.0, peer_timeout=30.0)
-    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=30.0)
-    a.call("fill", seed=6)
-    a.call("add_remote", md=bmd)
-    b.send("expect", peer="prefill", req=1, timeout=20)
-    assert a.call("send", peer="decode", req=1, local=[0], remote=[0])["state"] == "DONE"
-    b.reply()
+    a, b = _connected(procs, 6, 30.0, block_bytes=262144)
     os.kill(b.p.pid, signal.SIGSTOP)      # no heartbeat timeout can fire: only the deadline
     try:
         t0 = time.monotonic()
