@@ -344,6 +344,22 @@ class Agent:
             stale.close()
         return ra.name
 
+    def _check_hello(self, peer: str, ra: RemoteAgent, hello: dict) -> RemoteAgent:
+        """The peer's handshake answer: the agent wanted, or that agent restarted at the same
+        address (its new metadata taken, checked as add_remote checks it, so a changed
+        layout is refused and not mixed up). Returns what is known of it now."""
+        if hello.get("name") != peer:
+            raise KVPeerError(peer, "restarted",
+                              f"{ra.host}:{ra.port} is now agent {hello.get('name')!r}; "
+                              "add_remote the new metadata of the one wanted")
+        if int(hello.get("incarnation", -1)) == ra.incarnation:
+            return ra
+        try:
+            return self._adopt(peer, hello.get("metadata"))
+        except UsageError as exc:
+            raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} restarted with "
+                              f"metadata that does not fit: {exc}") from None
+
     def _adopt(self, peer: str, md: Any) -> RemoteAgent:
         """Load the metadata a restarted `peer` sent in its handshake (keeping the
         connection this is called from)."""
@@ -493,39 +509,21 @@ class Agent:
                           extra={"qps": link.infos()} if link is not None else None)
             hello = tp.recv_hello(sock, self.stall_timeout)
             sock.settimeout(None)
-            if link is not None:
+            ra = self._check_hello(peer, ra, hello)
+            if link is not None:   # after _check_hello: a restarted peer's MRs are new
                 if not hello.get("qps"):
                     raise KVError("the peer answered without queue pairs (it has no RDMA rails "
                                   "now)")
                 link.connect(hello["qps"], ra.rdma)
-        except (OSError, KVError, TypeError, ValueError) as exc:
+        except BaseException as exc:
             sock.close()
             if link is not None:
                 link.close()
-            raise KVPeerError(peer, "unreachable", f"handshake with {ra.host}:{ra.port}: {exc}") from None
-        except BaseException:
-            sock.close()
-            if link is not None:
-                link.close()
+            if isinstance(exc, (OSError, TypeError, ValueError)) or (
+                    isinstance(exc, KVError) and not isinstance(exc, KVPeerError)):
+                raise KVPeerError(peer, "unreachable",
+                                  f"handshake with {ra.host}:{ra.port}: {exc}") from None
             raise
-        if hello.get("name") != peer:
-            sock.close()
-            if link is not None:
-                link.close()
-            raise KVPeerError(peer, "restarted",
-                              f"{ra.host}:{ra.port} is now agent {hello.get('name')!r}; "
-                              "add_remote the new metadata of the one wanted")
-        if int(hello.get("incarnation", -1)) != ra.incarnation:
-            # The same name restarted at the same address: take its new metadata, checked
-            # as add_remote checks it, so a changed layout is refused and not mixed up.
-            try:
-                ra = self._adopt(peer, hello.get("metadata"))
-            except UsageError as exc:
-                sock.close()
-                if link is not None:
-                    link.close()
-                raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} restarted with "
-                                  f"metadata that does not fit: {exc}") from None
         conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
         conn.rdma = link
         log.info("kv %s -> %s: %s", self.name, peer,
