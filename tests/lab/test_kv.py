@@ -110,7 +110,8 @@ def test_32_layers_scattered_pages_every_byte_and_layer0_first(hub: Hub, lab) ->
             done_at: dict[int, float] = {}
             for ly in (0, LAY.num_layers - 1):
                 r.layer(ly).add_done_callback(lambda _f, ly=ly: done_at.setdefault(ly, time.monotonic()))
-            sender = threading.Thread(target=_send_paced, args=(tx, "decode", 5, src, dst, 0.05))
+            sender = threading.Thread(target=_send_paced, args=(tx, "decode", 5, src, dst, 0.05),
+                                      daemon=True)
             sender.start()
             r.layer(0).wait(60)
             assert not r.layer(LAY.num_layers - 1).done()     # layer 0 usable, 31 still to come
