@@ -201,7 +201,10 @@ def test_stalled_receiver_is_detected_within_the_deadline(procs) -> None:
         took = time.monotonic() - t0
     finally:
         os.kill(b.p.pid, signal.SIGCONT)
-    assert sent["state"] == "ERR" and "stalled" in sent["errors"][0], sent
+    # the blocked send (stall_timeout) or the missing heartbeats (peer_timeout, the same
+    # 3 s here) find it first, whichever the scheduler lets run
+    assert sent["state"] == "ERR" and ("'decode' stalled" in sent["errors"][0]
+                                       or "'decode' silent" in sent["errors"][0]), sent
     assert took < STALL + 3, took
     # the receiver, resumed, saw its sender give up on it: nothing of req 5 is visible
     got = b.call("expect", peer="prefill", req=5, timeout=STALL + 3)
