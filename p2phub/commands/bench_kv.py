@@ -37,7 +37,7 @@ from .argtypes import (choice_list, comma_list, gpu_present, mem_available, posi
 
 SCHEMA = "p2phub.bench.kv/1"
 METHODS = ("raw", "p2phub", "nixl", "mooncake", "p2phub-xfer", "p2phub-nixl")
-CUDA_METHODS = ("raw", "p2phub", "torch")
+CUDA_METHODS = ("raw", "p2phub", "p2phub-read", "torch")
 
 
 def _size(text: str) -> int:
@@ -58,7 +58,8 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--timeout", type=seconds, default=120.0, help="seconds per run of one method")
     k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the KV pools live: cpu (host memory) or cuda (torch tensors on "
-                        "cuda:0, staged through pinned memory; methods raw, p2phub, torch)")
+                        "cuda:0, staged through pinned memory; methods raw, p2phub, "
+                        "p2phub-read (VRAM descriptors pulled with READ), torch)")
     k.add_argument("--json", action="store_true", help="print JSON")
     k.set_defaults(_needs=lambda a: ["torch"] if a.device == "cuda" else [], _check=check)
 

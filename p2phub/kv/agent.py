@@ -1,4 +1,6 @@
-"""The KV transfer agent: one per process, in the vocabulary serving stacks already use.
+"""The KV transfer agent: one per process, in the vocabulary serving stacks already use,
+over TCP or, with ``rdma_devices``, RDMA (kv/rdma.py: the payload WRITTEN over every NIC
+named, the TCP connection kept for control).
 
     a = Agent("prefill-0", pool=pool)            # registers the pool's segments
     b_md = rendezvous.lookup("decode-0")          # or a.handshake(host, port)
@@ -17,23 +19,29 @@ Lower level, as in NIXL: ``prep_local`` / ``prep_remote`` make descriptor lists 
 ``make_xfer(peer, local, lidx, remote, ridx, notif)`` builds a transfer by index that
 ``post`` sends (and can send again once it is done).
 
-Every wait has a deadline: a peer that dies or stalls for ``stall_timeout`` seconds fails
-its transfers on both sides (KVPeerError); a failed request never completes its fences;
+Bounded failure: every transfer has a deadline (``xfer_timeout``, or ``post(x, timeout=)``,
+``expect(..., deadline=)``) after which it fails; connected agents exchange heartbeats, so a
+peer that dies, freezes or is cut off for ``peer_timeout`` seconds fails the transfers in
+flight on both sides with a KVPeerError naming it; a send or receive that makes no progress
+for ``stall_timeout`` fails too. A transfer's ``status`` is "pending", "done" or "failed",
+and leaves "pending" by its deadline. A failed request never completes its fences;
 connections to other peers and the pool stay usable, and the next transfer to the peer
-connects anew (``add_remote`` the metadata of a restarted peer first).
+connects anew: a peer restarted at the same address is taken under its name (its new
+metadata comes with the handshake); one that moved is looked up again in the agent's
+``rendezvous`` when it has one (else ``add_remote`` its new metadata).
 """
 
 from __future__ import annotations
 
 import array
 import errno
-import functools
 import itertools
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Iterable, Sequence
 
 from .. import metrics
@@ -46,9 +54,9 @@ from .pool import KVPool
 
 __all__ = ["Agent", "DescList", "RemoteAgent"]
 
-METADATA_VERSION = 1
-
 log = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
 
 
 class RemoteAgent:
@@ -65,6 +73,12 @@ class RemoteAgent:
             self.segments = [(int(a), int(n)) for a, n in md["segments"]]
             self.layout = KVLayout.from_dict(md["layout"]) if md.get("layout") else None
             self.device = str(md.get("device", "cpu"))
+            self.rdma: list[dict] = list(md.get("rdma") or [])   # its rails, if any
+            devs = md.get("devices")
+            self.devices = ([int(d) for d in devs] if devs is not None
+                            else [-1] * len(self.segments))   # per segment: -1 host, or CUDA
+            if len(self.devices) != len(self.segments):
+                raise ValueError("one device per segment")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, UsageError):
                 raise
@@ -102,20 +116,55 @@ def _int32(values: Iterable[int] | array.array) -> array.array:
 
 
 class Agent:
-    """A KV transfer agent over TCP. ``stall_timeout``: seconds without progress after which
-    a peer counts as dead or stalled (its transfers fail on both sides)."""
+    """A KV transfer agent over TCP.
+
+    ``stall_timeout``: seconds a send or receive may make no progress, and a transfer's
+    last byte may wait for its acknowledgement. ``peer_timeout`` (default stall_timeout):
+    seconds a connected peer may send nothing, not even a heartbeat (heartbeats go out every
+    quarter of it), before it counts as dead and its transfers fail on both sides.
+    ``xfer_timeout``: the deadline of every transfer posted and every request expected,
+    in seconds (overridden per call). ``rendezvous``: where to publish this agent's metadata
+    and look a peer up again when its address no longer answers (a restarted peer).
+
+    ``rdma_devices``: the RDMA NICs this agent moves payload through (each one used, a
+    request's runs striped across them); ``transport``: "auto" (RDMA to a peer that
+    published rails when this agent has some, TCP otherwise), "tcp" or "rdma" (refuse a
+    peer without rails). ``transport_to(peer)`` says which a peer gets."""
 
     def __init__(self, name: str, pool: KVPool | None = None, host: str = "127.0.0.1",
-                 port: int = 0, stall_timeout: float = 5.0) -> None:
+                 port: int = 0, stall_timeout: float = 5.0, *,
+                 peer_timeout: float | None = None, xfer_timeout: float = 120.0,
+                 rendezvous: Any = None, transport: str = "auto",
+                 rdma_devices: Sequence[str] | None = None) -> None:
         if not name or not isinstance(name, str):
             raise UsageError("agent name must be a non-empty string")
-        if stall_timeout <= 0:
-            raise UsageError(f"stall_timeout={stall_timeout} must be > 0")
+        if transport not in ("auto", "tcp", "rdma"):
+            raise UsageError(f"transport={transport!r}: want 'auto', 'tcp' or 'rdma'")
+        if transport == "rdma" and not rdma_devices:
+            raise UsageError("transport='rdma' needs rdma_devices (the NICs to use)")
+        if isinstance(rdma_devices, str):
+            rdma_devices = [rdma_devices]
+        for what, v in (("stall_timeout", stall_timeout), ("peer_timeout", peer_timeout),
+                        ("xfer_timeout", xfer_timeout)):
+            if v is not None and not v > 0:
+                raise UsageError(f"{what}={v} must be > 0")
         self.name = name
         self.stall_timeout = float(stall_timeout)
+        self.peer_timeout = float(peer_timeout or stall_timeout)
+        self.xfer_timeout = float(xfer_timeout)
+        self.rendezvous = rendezvous
+        self._live: set[tp.Xfer] = set()      # posted, not yet done: watched for deadlines
+        self.transport = transport
+        self.rails: Any = None                # kv.rdma.Rails: this agent's NICs
+        if rdma_devices and transport != "tcp":
+            from .rdma import Rails
+            self.rails = Rails(list(rdma_devices))
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._lock = threading.RLock()
         self._segments: list[tuple[int, int]] = []
+        self._segdev: list[int] = []           # per segment: -1 host, else its CUDA ordinal
+        self._any_cuda = False
+        self._segidx = tp.SegmentIndex()
         self._segc: Any = None
         self._remotes: dict[str, RemoteAgent] = {}
         self._out: dict[str, tp.Connection] = {}
@@ -135,21 +184,83 @@ class Agent:
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kv-accept-{name}")
         self._accept_thread.start()
+        self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                              name=f"kv-watch-{name}")
+        self._watch_thread.start()
         if pool is not None:
             self.register_pool(pool)
         metrics.track_agent(self)
+        if rendezvous is not None:
+            rendezvous.publish(self.name, self.metadata())
+
+    # ------------------------------------------------------------------ liveness, deadlines
+    def _watch_loop(self) -> None:
+        """Heartbeats on quiet connections; transfers and requests past their deadline fail."""
+        period = min(self.peer_timeout / 4, 0.25)
+        while not self._closed:
+            time.sleep(period)
+            with self._lock:
+                conns = list(self._out.values()) + list(self._in.values())
+                late = [x for x in self._live if x.deadline < time.monotonic()]
+                overdue = [r for r in self._inbound_reqs.values()
+                           if r.deadline < time.monotonic() and not r.done.done()]
+            for c in conns:
+                c.heartbeat(self.peer_timeout / 4)
+            for x in late:
+                self._expire(x)
+            for r in overdue:
+                r._fail(KVPeerError(r.peer, "timed out", f"request {r.req} not complete "
+                                    f"within its deadline ({r.deadline - r.created:.1f} s)"))
+
+    def _expire(self, x: tp.Xfer) -> None:
+        """Fail `x` past its deadline. One whose bytes are on the wire takes its connection
+        with it (the stream cannot be cut mid-message; the receiver fails the request and
+        the next transfer reconnects); one still queued is never sent."""
+        exc = KVPeerError(x.peer, "timed out", f"transfer {x.id} not done within its "
+                          f"deadline ({x.timeout:.1f} s)")
+        if x.started:
+            with self._lock:
+                conn = self._out.get(x.peer)
+            if conn is not None:
+                conn._fail_transfer(x, exc)
+                return
+        x._finish(exc)
 
     # ------------------------------------------------------------------ memory
-    def register_memory(self, addr: int, length: int) -> int:
-        """Register a host range for transfers; returns its segment index."""
+    def register_memory(self, addr: int, length: int, registration: Any = None, *,
+                        device: int | None = None) -> int:
+        """Register a range for transfers; returns its segment index. `device` None: host
+        memory; an int: memory of that CUDA device (VRAM), moved over TCP through pinned
+        staging buffers. With RDMA rails a host range becomes an MR on each (``reg_mr`` on
+        `registration`, a p2phub registration of exactly that range, else a VA MR); a CUDA
+        range does too where it has a registration the NIC can map (``reg_mr``: dma-buf or
+        peer memory), and otherwise this agent moves payload over TCP (staged), or refuses
+        under transport='rdma'."""
         if addr <= 0 or length <= 0:
             raise UsageError(f"register_memory: address {addr:#x} / length {length} must be > 0")
-        if self.cuda_device is not None:
-            raise UsageError("this agent's KV pool is CUDA memory; its segments are device "
-                             "memory only (register host memory with another agent)")
+        if device is not None:
+            if not isinstance(device, int) or device < 0:
+                raise UsageError(f"register_memory: device={device!r} must be a CUDA ordinal >= 0")
+            from . import cuda
+            cuda.driver().primary_context(device)   # UsageError where there is no CUDA
         h = tp.hot()
+        if self.rails is not None:
+            try:
+                if device is not None and registration is None:
+                    raise UsageError("CUDA memory without a p2phub registration has no RDMA MR")
+                self.rails.add_segment(addr, length, registration)
+            except Exception as exc:
+                if device is None or self.transport == "rdma":
+                    raise
+                log.info("kv %s: cuda:%d memory cannot be an RDMA MR (%s); payload goes over "
+                         "TCP, staged through pinned host memory", self.name, device, exc)
+                self.rails.close()
+                self.rails = None
         with self._lock:
             self._segments.append((addr, length))
+            self._segdev.append(-1 if device is None else device)
+            self._any_cuda = self._any_cuda or device is not None
+            self._segidx.add(addr, length)
             c = h.ffi.new("struct kv_iov[]", len(self._segments))
             for i, (a, n) in enumerate(self._segments):
                 c[i].addr, c[i].len = a, n
@@ -171,8 +282,14 @@ class Agent:
             raise UsageError("the KV pool is closed")
         if self._segments:
             raise UsageError("register the KV pool before any other memory (segment ids 0..n-1)")
+        dev = pool.cuda_device if pool.device == "cuda" else None
+        if dev is not None and self.rails is not None and self.transport == "rdma" and any(
+                s.registration is None for s in pool.segments):
+            raise UsageError("transport='rdma' needs an RDMA MR of every segment; this CUDA pool "
+                             "has no p2phub registration (KVPool.from_tensors has; or use "
+                             "transport='auto' or 'tcp': it is staged over TCP)")
         for s in pool.segments:
-            self.register_memory(s.addr, s.length)
+            self.register_memory(s.addr, s.length, s.registration, device=dev)
         if pool.device == "cuda":
             self.cuda_device = pool.cuda_device
         self.pool = pool
@@ -189,8 +306,25 @@ class Agent:
             "v": METADATA_VERSION, "name": self.name, "host": self.host, "port": self.port,
             "incarnation": self.incarnation, "segments": self._segments,
             "device": "cpu" if self.cuda_device is None else "cuda",
+            "devices": self._segdev,
             "layout": self.layout.to_dict() if self.layout else None,
+            "rdma": self.rails.metadata() if self.rails is not None else None,
         }).encode()
+
+    def transport_to(self, peer: str) -> str:
+        """"rdma" or "tcp": how payload goes to `peer` (RDMA when both ends have rails and
+        this agent was not told "tcp"). A peer without rails under transport="rdma" is
+        refused (UsageError)."""
+        ra = self.remote(peer)
+        if self.rails is not None and ra.rdma:
+            return "rdma"
+        if self.transport == "rdma":
+            raise UsageError(f"transport='rdma' but peer {peer!r} published no RDMA rails")
+        return "tcp"
+
+    def rail_bytes(self) -> dict[str, int]:
+        """Payload bytes WRITTEN through each of this agent's NICs (empty without RDMA)."""
+        return self.rails.stats() if self.rails is not None else {}
 
     def add_remote(self, md: bytes | str | dict) -> str:
         """Load a peer's metadata (replacing what was known of it: a restarted peer)."""
@@ -211,6 +345,58 @@ class Agent:
         if stale is not None:
             stale.close()
         return ra.name
+
+    def _check_hello(self, peer: str, ra: RemoteAgent, hello: dict) -> RemoteAgent:
+        """The peer's handshake answer: the agent wanted, or that agent restarted at the same
+        address (its new metadata taken, checked as add_remote checks it, so a changed
+        layout is refused and not mixed up). Returns what is known of it now."""
+        if hello.get("name") != peer:
+            raise KVPeerError(peer, "restarted",
+                              f"{ra.host}:{ra.port} is now agent {hello.get('name')!r}; "
+                              "add_remote the new metadata of the one wanted")
+        if int(hello.get("incarnation", -1)) == ra.incarnation:
+            return ra
+        try:
+            return self._adopt(peer, hello.get("metadata"))
+        except UsageError as exc:
+            raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} restarted with "
+                              f"metadata that does not fit: {exc}") from None
+
+    def _adopt(self, peer: str, md: Any) -> RemoteAgent:
+        """Load the metadata a restarted `peer` sent in its handshake (keeping the
+        connection this is called from)."""
+        if not md:
+            raise UsageError("its handshake carried no metadata")
+        new = RemoteAgent(json.loads(md) if isinstance(md, (str, bytes)) else md)
+        if new.name != peer:
+            raise UsageError(f"its metadata names {new.name!r}")
+        old = self.remote(peer)
+        if (old.layout is None) != (new.layout is None) or (
+                old.layout is not None and old.layout.to_dict() != new.layout.to_dict()):
+            raise UsageError("its KV layout changed")
+        log.info("kv peer %r restarted (incarnation %d -> %d); reconnecting under its name",
+                 peer, old.incarnation, new.incarnation)
+        with self._lock:
+            self._remotes[peer] = new
+        return new
+
+    def _lookup_again(self, peer: str, old: RemoteAgent) -> RemoteAgent | None:
+        """`peer`'s metadata from the rendezvous, if it has moved (a restart elsewhere)."""
+        if self.rendezvous is None:
+            return None
+        try:
+            md = self.rendezvous.lookup(peer, self.stall_timeout)
+        except Exception as exc:   # the rendezvous is down too: report the first failure
+            log.info("kv peer %r: rendezvous lookup failed: %s", peer, exc)
+            return None
+        try:
+            new = RemoteAgent(json.loads(md) if isinstance(md, (bytes, str)) else md)
+        except (UsageError, json.JSONDecodeError):
+            return None
+        if new.incarnation == old.incarnation or new.name != peer:
+            return None
+        self.add_remote(md)
+        return self.remote(peer)
 
     def remove_remote(self, name: str) -> None:
         with self._lock:
@@ -264,13 +450,25 @@ class Agent:
                 sock.close()
                 return
             peer = str(hello["name"])
-            tp.send_hello(sock, self.name, self.incarnation)
+            link = None
+            if hello.get("qps") and self.rails is not None:
+                from .rdma import Link
+                link = Link(self.rails, len(hello["qps"]), peer)
+                try:
+                    link.connect(hello["qps"])
+                except BaseException:
+                    link.close()
+                    raise
+            tp.send_hello(sock, self.name, self.incarnation, self.metadata(),
+                          extra={"qps": link.infos()} if link is not None else None)
             sock.settimeout(None)
             _tune(sock)
-        except (OSError, KVError, KeyError, ValueError, UsageError):
+        except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
+            log.info("kv %s: handshake refused: %s", self.name, exc)
             sock.close()
             return
         conn = tp.Connection(self, sock, peer, outbound=False, incarnation=int(hello.get("incarnation", 0)))
+        conn.rdma = link
         with self._lock:
             old = self._in.get(peer)
             self._in[peer] = conn
@@ -288,24 +486,51 @@ class Agent:
         try:
             sock = socket.create_connection((ra.host, ra.port), timeout=self.stall_timeout)
         except OSError as exc:
-            raise KVPeerError(peer, "unreachable",
-                              f"connect to {ra.host}:{ra.port}: {exc.strerror or exc} (a restarted "
-                              "peer needs its new metadata: add_remote)") from None
+            moved = self._lookup_again(peer, ra)
+            if moved is None:
+                raise KVPeerError(peer, "unreachable",
+                                  f"connect to {ra.host}:{ra.port}: {exc.strerror or exc} (a "
+                                  "restarted peer needs its new metadata: add_remote, or give "
+                                  "the agent a rendezvous)") from None
+            ra = moved
+            try:
+                sock = socket.create_connection((ra.host, ra.port), timeout=self.stall_timeout)
+            except OSError as exc2:
+                raise KVPeerError(peer, "unreachable", f"connect to {ra.host}:{ra.port} (looked "
+                                  f"up again): {exc2.strerror or exc2}") from None
+        link = None
+        try:
+            if self.transport_to(peer) == "rdma":
+                from .rdma import Link
+                link = Link(self.rails, len(self.rails), peer)
+        except BaseException:
+            sock.close()
+            raise
         try:
             _tune(sock)
-            tp.send_hello(sock, self.name, self.incarnation)
+            tp.send_hello(sock, self.name, self.incarnation,
+                          extra={"qps": link.infos()} if link is not None else None)
             hello = tp.recv_hello(sock, self.stall_timeout)
             sock.settimeout(None)
-        except (OSError, KVError) as exc:
+            ra = self._check_hello(peer, ra, hello)
+            if link is not None:   # after _check_hello: a restarted peer's MRs are new
+                if not hello.get("qps"):
+                    raise KVError("the peer answered without queue pairs (it has no RDMA rails "
+                                  "now)")
+                link.connect(hello["qps"], ra.rdma)
+        except BaseException as exc:
             sock.close()
-            raise KVPeerError(peer, "unreachable", f"handshake with {ra.host}:{ra.port}: {exc}") from None
-        if hello.get("name") != peer or int(hello.get("incarnation", -1)) != ra.incarnation:
-            sock.close()
-            raise KVPeerError(peer, "restarted",
-                              f"{ra.host}:{ra.port} is now {hello.get('name')!r} incarnation "
-                              f"{hello.get('incarnation')}, not the one whose metadata was loaded; "
-                              "add_remote its new metadata")
+            if link is not None:
+                link.close()
+            if isinstance(exc, (OSError, TypeError, ValueError)) or (
+                    isinstance(exc, KVError) and not isinstance(exc, KVPeerError)):
+                raise KVPeerError(peer, "unreachable",
+                                  f"handshake with {ra.host}:{ra.port}: {exc}") from None
+            raise
         conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
+        conn.rdma = link
+        log.info("kv %s -> %s: %s", self.name, peer,
+                 f"RDMA over {', '.join(self.rails.devices)}" if link is not None else "TCP")
         with self._lock:
             self._out[peer] = conn
         conn.start()
@@ -323,29 +548,42 @@ class Agent:
             r._fail(exc)
 
     # ------------------------------------------------------------------ receiving side
-    def _inbound(self, peer: str, req: int) -> tp.InboundRequest:
+    def _inbound(self, peer: str, req: int, deadline: float | None = None) -> tp.InboundRequest:
         with self._lock:
             r = self._inbound_reqs.get((peer, req))
             if r is None:
-                r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout)
+                dl = time.monotonic() + (self.xfer_timeout if deadline is None else deadline)
+                r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout, dl)
+            elif deadline is not None and not r.done.done():
+                r.deadline = time.monotonic() + deadline
             return r
 
     def expect(self, peer: str, req: int, blocks: Sequence[int] | None = None,
-               timeout: float | None = None) -> tp.InboundRequest:
+               timeout: float | None = None, *,
+               deadline: float | None = None) -> tp.InboundRequest:
         """The receiving side of request `req` from `peer`: ``layer(l)`` and ``done`` fences.
 
         With `blocks` (the pages the request fills), each layer's pages become a producer
         access of the pool's registrations, completed by that layer's fence, so a consumer
         of those pages (an NVMe write, a GPU kernel) waits for its layer and fails with the
         request. This first waits (up to `timeout`) for earlier readers of the pages; strict
-        ordering raises instead. Call it before the sender starts."""
-        r = self._inbound(peer, req)
+        ordering raises instead. Call it before the sender starts.
+
+        `deadline` (seconds from now, default the agent's xfer_timeout): a request not
+        complete by then fails (KVPeerError "timed out"), and so does the sender's transfer."""
+        if deadline is not None and not deadline > 0:
+            raise UsageError(f"deadline={deadline} must be > 0 seconds")
+        r = self._inbound(peer, req, deadline)
         if blocks is not None:
             if self.pool is None:
                 raise UsageError(f"agent {self.name!r} has no KV pool to declare blocks on")
             layers = range(self.pool.layout.num_layers)
             try:
-                self.pool.declare(blocks, layers, AccessKind.SOCKET_RECV,
+                with self._lock:
+                    ra = self._remotes.get(peer)
+                rdma = self.rails is not None and ra is not None and bool(ra.rdma)
+                self.pool.declare(blocks, layers,
+                                  AccessKind.RDMA_WRITE_TARGET if rdma else AccessKind.SOCKET_RECV,
                                   [r.layer(ly) for ly in layers],
                                   f"kv request {req} from {peer}", timeout)
             except BaseException as exc:
@@ -374,7 +612,6 @@ class Agent:
 
     def wait_notif(self, peer: str, msg: bytes, timeout: float) -> None:
         """Block until `peer` sent notification `msg` (kept for get_new_notifs otherwise)."""
-        import time
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
@@ -414,7 +651,9 @@ class Agent:
             if rc < 0:
                 raise KVError(f"request {req}: planning runs failed ({rc})")
             used += rc
-        return tp.Message(tp.DATA, req, layer, wire, liov, used, n * lay.kv * lay.block_bytes)
+        m = tp.Message(tp.DATA, req, layer, wire, liov, used, n * lay.kv * lay.block_bytes)
+        m.dev = -1 if self.cuda_device is None else self.cuda_device
+        return m
 
     def make_request(self, peer: str, req: int, local_blocks: Sequence[int],
                      remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
@@ -450,10 +689,11 @@ class Agent:
 
     def send_request(self, peer: str, req: int, local_blocks: Sequence[int],
                      remote_blocks: Sequence[int], layers: Iterable[int] | None = None,
-                     notif: bytes = b"", end: bool = True) -> tp.Xfer:
-        """make_request + post."""
+                     notif: bytes = b"", end: bool = True, *,
+                     timeout: float | None = None) -> tp.Xfer:
+        """make_request + post (`timeout`: the transfer's deadline, as for post)."""
         x = self.make_request(peer, req, local_blocks, remote_blocks, layers, notif, end)
-        self.post(x)
+        self.post(x, timeout)
         return x
 
     # ------------------------------------------------------------------ sending side: NIXL-like
@@ -491,10 +731,6 @@ class Agent:
         if remote.peer != peer or local.peer is not None:
             raise UsageError("make_xfer: want a local list and a list prepared for this peer")
         ra = self.remote(peer)
-        if op == "READ" and (self.cuda_device is not None or ra.device != "cpu"):
-            side = f"agent {self.name!r}" if self.cuda_device is not None else f"peer {peer!r}"
-            raise UsageError(f"READ over TCP moves host pools only; {side} has a CUDA pool: "
-                             "let the peer WRITE instead")
         h = tp.hot()
         li, ri = _int32(local_idx), _int32(remote_idx)
         if len(li) != len(ri):
@@ -512,11 +748,38 @@ class Agent:
                              f"lists ({local.count} local, {remote.count} remote)")
         if rc == -errno.EINVAL:
             raise UsageError(f"index pair {bad[0]}: local and remote descriptors differ in length")
-        msgs = [tp.Message(tp.DATA if op == "WRITE" else tp.READ, req, 0, wire, liov, rc,
-                           int(total[0]))]
+        msgs = self._by_device(tp.DATA if op == "WRITE" else tp.READ, req, ra, wire, liov, rc,
+                               int(total[0]))
         if notif:
             msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
         return tp.Xfer(peer, msgs, next(self._xids))
+
+    def _by_device(self, type_: int, req: int, ra: RemoteAgent, wire: Any, liov: Any, n: int,
+                   total: int) -> list[tp.Message]:
+        """One message per (local device, remote device) pair of the planned runs (a message
+        is staged through one device's buffers on each side); READ messages carry their
+        index in the layer field, which the answer echoes."""
+        if not self._any_cuda and all(d < 0 for d in ra.devices):
+            return [tp.Message(type_, req, 0, wire, liov, n, total)]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(n):
+            ldev = self._segdev[self._segidx.find(liov[i].addr, liov[i].len)]
+            groups.setdefault((ldev, ra.devices[wire[i].seg]), []).append(i)
+        h = tp.hot()
+        msgs = []
+        for k, ((ldev, _rdev), idx) in enumerate(groups.items()):
+            if len(groups) == 1:
+                lv, wv = liov, wire
+            else:
+                lv = h.ffi.new("struct kv_iov[]", len(idx))
+                wv = h.ffi.new("struct kv_wire[]", len(idx))
+                for j, i in enumerate(idx):
+                    lv[j], wv[j] = liov[i], wire[i]
+            m = tp.Message(type_, req, k if type_ == tp.READ else 0, wv, lv, len(idx),
+                           sum(int(liov[i].len) for i in idx))
+            m.dev = ldev
+            msgs.append(m)
+        return msgs
 
     def send_notif(self, peer: str, msg: bytes, timeout: float | None = None) -> None:
         """A notification alone (ordered after every transfer posted to `peer` before it)."""
@@ -525,11 +788,14 @@ class Agent:
         self.post(x)
         x.wait(timeout or self.stall_timeout * 2)
 
-    def post(self, xfer: tp.Xfer) -> str:
+    def post(self, xfer: tp.Xfer, timeout: float | None = None) -> str:
         """Send `xfer` (again, once it is done). Returns its state: "PROC", or "ERR" at once
-        when the peer cannot be reached (xfer.error says why)."""
+        when the peer cannot be reached (xfer.error says why). It fails ("timed out") if
+        not acknowledged within `timeout` seconds (default the agent's xfer_timeout)."""
         if self._closed:
             raise UsageError(f"agent {self.name!r} is closed")
+        if timeout is not None and not timeout > 0:
+            raise UsageError(f"timeout={timeout} must be > 0 seconds")
         if xfer.fence.done():
             xfer._reset(next(self._xids))
         elif xfer.posted:
@@ -539,14 +805,19 @@ class Agent:
             # transfer failed); this waits for earlier writers of those pages.
             pages, layers = xfer.reads
             try:
-                self.pool.declare(pages, layers, AccessKind.SOCKET_SEND, [xfer.fence] * len(layers),
+                kind = (AccessKind.RDMA_SEND if self.transport_to(xfer.peer) == "rdma"
+                        else AccessKind.SOCKET_SEND)
+                self.pool.declare(pages, layers, kind, [xfer.fence] * len(layers),
                                   f"kv xfer {xfer.id} to {xfer.peer}", None)
             except BaseException as exc:
                 xfer._finish(exc)    # ends the accesses declared so far
                 raise
-        import time
         xfer.posted = time.monotonic()
-        xfer.on_done = functools.partial(_done, self.name)
+        xfer.timeout = self.xfer_timeout if timeout is None else float(timeout)
+        xfer.deadline = xfer.posted + xfer.timeout
+        xfer.on_done = self._xfer_done
+        with self._lock:
+            self._live.add(xfer)
         try:
             conn = self.connect(xfer.peer)
         except KVPeerError as exc:
@@ -554,6 +825,12 @@ class Agent:
             return xfer.state
         conn.submit(xfer)
         return xfer.state
+
+    def _xfer_done(self, x: tp.Xfer) -> None:
+        metrics.kv_sent(self.name, x)
+        x.posted = 0.0
+        with self._lock:
+            self._live.discard(x)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -572,6 +849,9 @@ class Agent:
             self._failed = []
         for c in conns:
             c.close()
+        if self.rails is not None:
+            self.rails.close()
+            self.rails = None
 
     def __enter__(self) -> "Agent":
         return self
@@ -581,11 +861,6 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
-
-
-def _done(agent: str, x: tp.Xfer) -> None:
-    metrics.kv_sent(agent, x)
-    x.posted = 0.0
 
 
 def _tune(sock: socket.socket) -> None:

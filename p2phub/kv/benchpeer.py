@@ -194,6 +194,48 @@ def p2phub_cuda(role: str, total: int, block: int, iters: int) -> None:
     _initiate(agent, peer, bpl, p, iters, total)
 
 
+def p2phub_read(role: str, total: int, block: int, iters: int) -> None:
+    """p2phub.kv.Agent READ of VRAM descriptors: the target's bytes are one CUDA tensor on
+    cuda:0, registered as (addr, len, dev) with no KV layout; the initiator pulls every page
+    into a scattered place of its own VRAM (make_xfer op="READ"), staged through pinned
+    memory on both sides, and checks every page on its GPU (it holds the result)."""
+    import torch
+    from .agent import Agent
+    n = total // block
+    if role == "target":
+        t = torch.frombuffer(bytearray(pattern(total)), dtype=torch.uint8).cuda()
+        torch.cuda.synchronize()
+        agent = Agent(role, stall_timeout=30)
+        agent.register_memory(t.data_ptr(), total, device=t.device.index)
+        _say({"md": base64.b64encode(agent.metadata()).decode(), "addr": t.data_ptr()})
+        _hear()
+        res = _hear()
+        _say({"bytes_ok": bool(res.get("ok"))})
+        agent.close()
+        return
+    peer = _hear()
+    d = torch.zeros(total, dtype=torch.uint8, device="cuda:0")
+    agent = Agent(role, stall_timeout=30)
+    agent.register_memory(d.data_ptr(), total, device=d.device.index)
+    name = agent.add_remote(base64.b64decode(peer["md"]))
+    _say({"md": ""})
+    p = perm(n)
+    loc = agent.prep_local([(d.data_ptr() + j * block, block) for j in p])
+    rem = agent.prep_remote(name, [(peer["addr"] + i * block, block) for i in range(n)])
+    x = agent.make_xfer(name, loc, range(n), rem, range(n), op="READ")
+    t0 = 0.0
+    for i in range(iters + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        agent.post(x)
+        x.wait(120)
+    secs = time.perf_counter() - t0
+    src = torch.frombuffer(bytearray(pattern(total)), dtype=torch.uint8).cuda().view(n, block)
+    got = d.view(n, block).index_select(0, torch.tensor(p, device=d.device))
+    _say({"seconds": secs, "bytes": iters * total, "ok": bool(torch.equal(src, got))})
+    agent.close()
+
+
 # ---------------------------------------------------------------------------- torch staging
 def torch_staged(role: str, total: int, block: int, iters: int) -> None:
     """The plain way to move GPU bytes over TCP: one contiguous device-to-host copy into a
@@ -375,7 +417,7 @@ def mooncake(role: str, total: int, block: int, iters: int) -> None:
 
 
 METHODS = {"raw": raw, "p2phub": p2phub, "nixl": nixl, "mooncake": mooncake, "torch": torch_staged,
-           "p2phub-xfer": p2phub_xfer, "p2phub-nixl": p2phub_nixl}
+           "p2phub-xfer": p2phub_xfer, "p2phub-nixl": p2phub_nixl, "p2phub-read": p2phub_read}
 
 
 def main() -> None:

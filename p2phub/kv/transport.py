@@ -6,7 +6,9 @@ Wire format (little endian). Every message starts with a 40-byte header:
 
     HELLO  n bytes of JSON {name, incarnation}, both ways, once
     DATA   n runs of 24 bytes (seg u32, flags u32, off u64, len u64), then nbytes of payload
-           that land at those runs of the receiver's registered segments, in order
+           that land at those runs of the receiver's registered segments, in order; with
+           F_PLACED no payload follows: the sender WROTE it there over RDMA (kv/rdma.py)
+           and every WRITE completed before this message was sent
     NOTIF  n bytes of notification for the receiver's get_new_notifs()
     READ   n runs of the receiver's segments (nbytes in all) that it sends back, in order, as
            one DATA message with F_READ_RESP and no run table, which the reader lands in the
@@ -14,6 +16,8 @@ Wire format (little endian). Every message starts with a 40-byte header:
     ACK    receiver -> sender: the transfer `xfer` has landed (after its LAST message)
     ERR    receiver -> sender: the transfer was refused; n bytes of reason
     FAIL   sender -> receiver: the sender gave the transfer up; n bytes of reason
+    HB     either way, no body: a heartbeat, sent on a connection that has been quiet for a
+           quarter of the peer timeout (a peer silent for the whole timeout is dropped)
 
 The sender's last message of a transfer carries F_LAST; the receiver answers it with ACK.
 Payload bytes go from the sender's pool to the socket and from the socket into the
@@ -45,10 +49,11 @@ if TYPE_CHECKING:
 MAGIC = 0x564B3250  # b"P2KV"
 HDR = struct.Struct("<IHHQQIIQ")
 WIRE_RUN = 24
-HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ = 1, 2, 3, 4, 5, 6, 7
+HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ, HB = 1, 2, 3, 4, 5, 6, 7, 8
 F_LAST = 1      # the last message of a transfer: the receiver ACKs it
 F_REQ_END = 2   # the last message of a request: the receiver completes its `done` fence
 F_READ_RESP = 4  # DATA answering a READ: the payload lands in the reader's planned ranges
+F_PLACED = 8     # DATA whose payload the sender already RDMA-WROTE at its runs (none follows)
 MAX_CTRL = 1 << 20          # bytes of a HELLO/NOTIF/ERR body
 MAX_RUNS = 1 << 24
 
@@ -67,10 +72,44 @@ def _c_err(rc: int) -> str:
     return f"{errno.errorcode.get(e, str(e))} ({os.strerror(e)})"
 
 
+class SegmentIndex:
+    """Registered (address, length) ranges, found by address (bisect over their starts)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._index: list[int] = []
+        self._segs: list[tuple[int, int]] = []
+
+    def add(self, addr: int, length: int) -> int:
+        import bisect
+        i = len(self._segs)
+        self._segs.append((addr, length))
+        k = bisect.bisect(self._starts, addr)
+        self._starts.insert(k, addr)
+        self._index.insert(k, i)
+        return i
+
+    def base(self, i: int) -> int:
+        return self._segs[i][0]
+
+    def find(self, addr: int, length: int) -> int:
+        """The index of the segment holding [addr, addr + length); UsageError if none."""
+        import bisect
+        k = bisect.bisect(self._starts, addr) - 1
+        while k >= 0:    # overlapping registrations: look further left
+            i = self._index[k]
+            a, n = self._segs[i]
+            if a <= addr and addr + length <= a + n:
+                return i
+            k -= 1
+        from ..errors import UsageError
+        raise UsageError(f"local range {addr:#x}+{length} is in no registered segment")
+
+
 class Message:
     """One DATA or NOTIF message, planned once: header fields, run table, payload ranges."""
 
-    __slots__ = ("type", "req", "layer", "wire", "iov", "nruns", "nbytes", "body", "last")
+    __slots__ = ("type", "req", "layer", "wire", "iov", "nruns", "nbytes", "body", "last", "dev")
 
     def __init__(self, type_: int, req: int, layer: int, wire: Any = None, iov: Any = None,
                  nruns: int = 0, nbytes: int = 0, body: bytes = b"") -> None:
@@ -83,6 +122,7 @@ class Message:
         self.nbytes = nbytes
         self.body = body
         self.last = False
+        self.dev = -1       # the device of its local ranges: -1 host, else a CUDA ordinal
 
 
 class Xfer:
@@ -100,24 +140,36 @@ class Xfer:
         self.nbytes = sum(m.nbytes for m in messages)
         self.on_done: Callable[["Xfer"], None] | None = None
         self.reads: tuple[Any, list[int]] | None = None   # (pages, layers) of the sender's pool
+        self.deadline = float("inf")   # monotonic time by which it must be done (set by post)
+        self.timeout = 0.0             # the seconds that deadline allowed
+        self.started = False           # its first byte went to the socket
 
     def _reset(self, xid: int) -> None:
         self.id = xid
         self.fence = HostFence(f"kv xfer {xid} to {self.peer}")
         self.error = None
+        self.started = False
 
     @property
     def state(self) -> str:
+        """NIXL's words: "PROC" (pending), "DONE", "ERR" (failed)."""
         if not self.fence.done():
             return self.PROC
         return self.ERR if self.fence.failed() else self.DONE
 
+    @property
+    def status(self) -> str:
+        """"pending", "done" or "failed": a posted transfer leaves "pending" by its deadline."""
+        return _STATUS[self.state]
+
     def _finish(self, exc: BaseException | None) -> None:
+        """Complete it (the first completion wins: a late ACK does not undo a failure)."""
         if exc is not None:
+            if not self.fence.fail(exc):
+                return
             self.error = exc
-            self.fence.fail(exc)
-        else:
-            self.fence.set()
+        elif not self.fence.set():
+            return
         if self.on_done is not None:
             self.on_done(self)
 
@@ -134,13 +186,19 @@ class Xfer:
         yield from self.fence.__await__()
 
 
+_STATUS = {Xfer.PROC: "pending", Xfer.DONE: "done", Xfer.ERR: "failed"}
+
+
 class InboundRequest:
     """What a receiver knows of one request from one peer: a fence per layer, completed when
     that layer's pages have all landed, failed (never completed) when the request fails."""
 
-    def __init__(self, peer: str, req: int, layout: Any = None) -> None:
+    def __init__(self, peer: str, req: int, layout: Any = None,
+                 deadline: float = float("inf")) -> None:
         self.peer = peer
         self.req = req
+        self.deadline = deadline   # monotonic time by which it must be done, or it fails
+        self.created = time.monotonic()
         self._lock = threading.Lock()
         self._fences: dict[int, HostFence] = {}
         self._runs: dict[int, bytes] = {}
@@ -148,8 +206,24 @@ class InboundRequest:
         self.done = HostFence(f"kv request {req} from {peer}")
         self._layout = layout
 
+    @property
+    def status(self) -> str:
+        """"pending", "done" (every layer landed) or "failed"."""
+        if not self.done.done():
+            return "pending"
+        return "failed" if self.done.failed() else "done"
+
     def layer(self, layer: int) -> HostFence:
-        """The fence of `layer` (made pending if nothing arrived for it yet)."""
+        """The fence of `layer` (made pending if nothing arrived for it yet); a layer the
+        layout does not have is refused (UsageError), never left pending."""
+        nlayers = self._layout.num_layers if self._layout is not None else 1
+        if not isinstance(layer, int) or not 0 <= layer < nlayers:
+            from ..errors import UsageError
+            raise UsageError(f"kv request {self.req} from {self.peer}: no layer {layer!r} "
+                             f"(the layout has {nlayers}: 0..{nlayers - 1})")
+        return self._fence(layer)
+
+    def _fence(self, layer: int) -> HostFence:
         with self._lock:
             f = self._fences.get(layer)
             if f is None:
@@ -163,7 +237,7 @@ class InboundRequest:
             if self.error is not None:
                 return
             self._runs[layer] = self._runs.get(layer, b"") + wire
-        self.layer(layer).set()
+        self._fence(layer).set()
 
     def _complete(self) -> None:
         with self._lock:
@@ -214,15 +288,17 @@ class Connection:
         self.outbound = outbound
         self.closed = False
         self._lock = threading.Lock()
+        self._tx = threading.Lock()        # one sender of bytes at a time (state: _lock)
         self._queue: "queue.Queue[Xfer | None]" = queue.Queue()
         self._pending: dict[int, tuple[Xfer, float]] = {}   # sent, awaiting ACK: deadline
         self._active: dict[int, set[int]] = {}              # inbound: xfer -> requests
         self._last_rx = time.monotonic()
+        self._last_tx = time.monotonic()
         self._skip: set[int] = set()                        # inbound: refused transfers
         self.error: BaseException | None = None
-        self.cuda = agent.cuda_device                      # None: host pool, no staging
-        self._tx_stage: Any = None
-        self._rx_stage: Any = None
+        self._tx_stage: dict[int, Any] = {}   # CUDA ordinal -> pinned staging, per direction
+        self._rx_stage: dict[int, Any] = {}
+        self.rdma: Any = None          # a kv.rdma.Link: DATA payloads go over RDMA
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"kv-rx-{peer}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -237,6 +313,33 @@ class Connection:
     def timeout_ms(self) -> int:
         return int(self.agent.stall_timeout * 1000)
 
+    def heartbeat(self, quiet: float) -> None:
+        """Send HB when nothing was sent for `quiet` seconds. Never waits: a connection whose
+        lock is held is sending (the peer hears that), and a full socket buffer is the
+        peer not reading (its own deadline), so a heartbeat is skipped rather than queued."""
+        if self.closed or time.monotonic() - self._last_tx < quiet:
+            return
+        if not self._tx.acquire(blocking=False):
+            return
+        try:
+            if self.closed:
+                return
+            hdr = HDR.pack(MAGIC, HB, 0, 0, 0, 0, 0, 0)
+            try:
+                n = self.sock.send(hdr, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                return          # the reader sees the connection end
+            if n < len(hdr):    # rare: keep the stream in step, within the send deadline
+                rc = hot().lib.kv_send(self.fd, hdr[n:], len(hdr) - n, hot().ffi.NULL, 0,
+                                       hot().ffi.NULL, 0, self.timeout_ms)
+                if rc < 0:
+                    return
+            self._last_tx = time.monotonic()
+        finally:
+            self._tx.release()
+
     # ------------------------------------------------------------------ sending
     def _send_raw(self, type_: int, flags: int, xfer: int, req: int, layer: int,
                   body: bytes = b"", wire: Any = None, nruns: int = 0, iov: Any = None,
@@ -246,12 +349,13 @@ class Connection:
         hdr = HDR.pack(MAGIC, type_, flags, xfer, req, layer, n, nbytes)
         if type_ not in (DATA, READ):
             hdr += body
-        with self._lock:
+        with self._tx:
             if self.closed:
                 raise self._closed_error()
             rc = h.lib.kv_send(self.fd, hdr, len(hdr),
                                wire if wire is not None else h.ffi.NULL, nruns,
                                iov if iov is not None else h.ffi.NULL, niov, self.timeout_ms)
+            self._last_tx = time.monotonic()
         if rc < 0:
             if rc == -errno.ETIMEDOUT:
                 raise KVPeerError(self.peer, "stalled",
@@ -271,16 +375,24 @@ class Connection:
                 if xfer is not None:
                     xfer._finish(self._closed_error())
                 break
+            if xfer.fence.done():   # failed while queued (its deadline): never started
+                continue
+            xfer.started = True
             try:
                 msgs = xfer.messages
                 with self._lock:
                     self._pending[xfer.id] = (xfer, float("inf"))
-                if self.cuda is not None:
+                if any(m.dev >= 0 for m in msgs):
                     self._send_staged(xfer, msgs)
                     continue
                 for i, m in enumerate(msgs):
                     flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
-                    if m.type == DATA:
+                    if m.type == DATA and self.rdma is not None:
+                        if m.nruns:
+                            self.rdma.write(m, self.agent.stall_timeout)
+                        self._send_raw(DATA, flags | F_PLACED, xfer.id, m.req, m.layer,
+                                       wire=m.wire, nruns=m.nruns, nbytes=m.nbytes)
+                    elif m.type == DATA:
                         self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
                                        nruns=m.nruns, iov=m.iov, niov=m.nruns, nbytes=m.nbytes)
                     elif m.type == READ:
@@ -299,9 +411,9 @@ class Connection:
                     self._pending.pop(xfer.id, None)
                 xfer._finish(exc if isinstance(exc, KVError)
                              else KVError(f"kv xfer {xfer.id} to {self.peer}: {exc}"))
-        if self._tx_stage is not None:
-            self._tx_stage.close()
-            self._tx_stage = None
+        for st in self._tx_stage.values():
+            st.close()
+        self._tx_stage = {}
         # Drain what is still queued: it will never be sent on this connection.
         while True:
             try:
@@ -311,37 +423,46 @@ class Connection:
             if x is not None:
                 x._finish(self._closed_error())
 
-    def _stage(self, direction: str) -> Any:
-        from . import cuda
-        assert self.cuda is not None
-        return cuda.Staging(cuda.driver(), self.cuda,
-                            f"kv {direction} {self.peer!r} (cuda:{self.cuda})",
-                            self.agent.stage_chunk)
+    def _stage(self, direction: str, dev: int) -> Any:
+        """The pinned staging buffer of this direction for CUDA device `dev` (made once)."""
+        table = self._tx_stage if direction == "send to" else self._rx_stage
+        st = table.get(dev)
+        if st is None:
+            from . import cuda
+            st = table[dev] = cuda.Staging(cuda.driver(), dev,
+                                           f"kv {direction} {self.peer!r} (cuda:{dev})",
+                                           self.agent.stage_chunk)
+        return st
 
     def _send_staged(self, xfer: Xfer, msgs: list[Message]) -> None:
-        """Send `xfer` from a CUDA pool, each DATA message staged chunk by chunk in C
-        (kv_cuda_send). A CUDA error before a message's first byte fails this transfer only
-        (the receiver is told with FAIL); one in the middle of a message leaves the byte
-        stream out of step, so it drops this connection (its other transfers fail with it;
-        the next one reconnects)."""
-        if self._tx_stage is None:
-            self._tx_stage = self._stage("send to")
-        st = self._tx_stage
+        """Send `xfer`, each DATA message from CUDA memory staged chunk by chunk in C
+        (kv_cuda_send); host DATA, READ and control messages as usual. A CUDA error before a
+        message's first byte fails this transfer only (the receiver is told with FAIL); one
+        in the middle of a message leaves the byte stream out of step, so it drops this
+        connection (its other transfers fail with it; the next one reconnects)."""
         h = hot()
         for i, m in enumerate(msgs):
             flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
             if m.type == READ:
-                raise KVError("READ over TCP moves host pools only")
+                self._send_raw(READ, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                               nruns=m.nruns, nbytes=m.nbytes)
+                continue
             if m.type != DATA:
                 self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
                 continue
+            if m.dev < 0:
+                self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
+                               nruns=m.nruns, iov=m.iov, niov=m.nruns, nbytes=m.nbytes)
+                continue
+            st = self._stage("send to", m.dev)
             hdr = HDR.pack(MAGIC, DATA, flags, xfer.id, m.req, m.layer, m.nruns, m.nbytes)
-            with self._lock:
+            with self._tx:
                 if self.closed:
                     raise self._closed_error()
                 rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), m.wire, m.nruns, m.iov,
                                         m.nruns, st.stage, st.chunk, st.streams, self.timeout_ms,
                                         st.cuerr, st.sent)
+                self._last_tx = time.monotonic()
             if rc == -errno.EIO:
                 exc = st.error(f"device-to-host copy of request {m.req} layer {m.layer}")
                 if st.sent[0]:
@@ -383,12 +504,23 @@ class Connection:
         raise KVPeerError(self.peer, "reset", f"receive failed: {_c_err(rc)}")
 
     def _wait_readable(self) -> bool:
-        """Wait for the next header; raise KVPeerError when a deadline passes first."""
+        """Wait for the next header; raise KVPeerError when a deadline passes first, or
+        when the peer sent nothing, not even a heartbeat, for its peer timeout."""
+        tick = time.monotonic()
         while not self.closed:
             r, _, _ = select.select([self.fd], [], [], 0.1)
             if r:
                 return True
             now = time.monotonic()
+            if now - tick > 1.0:
+                # This process was frozen (stopped, starved): the silence was ours.
+                self._last_rx = max(self._last_rx, now)
+            tick = now
+            silent = now - self._last_rx
+            if silent > self.agent.peer_timeout:
+                raise KVPeerError(self.peer, "silent",
+                                  f"no message or heartbeat for {silent:.1f} s (peer timeout "
+                                  f"{self.agent.peer_timeout} s): dead, frozen or partitioned")
             with self._lock:
                 late = [x for x, dl in self._pending.values() if dl < now]
                 busy = bool(self._active)
@@ -409,9 +541,9 @@ class Connection:
                 if magic != MAGIC:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
                 if type_ == DATA and flags & F_READ_RESP:
-                    self._on_read_resp(xid, n, nbytes)
-                elif type_ == DATA and self.cuda is not None:
-                    self._on_data_staged(flags, xid, req, layer, n, nbytes)
+                    self._on_read_resp(xid, layer, n, nbytes)
+                elif type_ == DATA and flags & F_PLACED:
+                    self._on_placed(flags, xid, req, layer, n, nbytes)
                 elif type_ == DATA:
                     self._on_data(flags, xid, req, layer, n, nbytes)
                 elif type_ == READ:
@@ -437,6 +569,9 @@ class Connection:
                                                             body.decode(errors="replace")))
                 elif type_ == ACK:
                     self._acked(xid, None)
+                elif type_ == HB:
+                    if n or nbytes:
+                        raise KVPeerError(self.peer, "reset", "a heartbeat with a body")
                 else:
                     raise KVPeerError(self.peer, "reset", f"unknown message type {type_}")
         except KVPeerError as exc:
@@ -444,9 +579,9 @@ class Connection:
         except Exception as exc:  # never let the thread die silently
             self._fail_connection(KVPeerError(self.peer, "reset", f"receiver error: {exc!r}"))
         finally:
-            if self._rx_stage is not None:
-                self._rx_stage.close()
-                self._rx_stage = None
+            for st in self._rx_stage.values():
+                st.close()
+            self._rx_stage = {}
 
     def _track(self, xid: int, req: int) -> None:
         with self._lock:
@@ -493,10 +628,37 @@ class Connection:
         return (f"run {i} (segment {seg}, offset {off}, {ln} bytes) is outside the "
                 f"{nsegs} registered segment(s)")
 
+    def _runs_iov(self, wire: bytes, nruns: int) -> tuple[Any, int, int, int, int]:
+        """`wire`'s runs as addresses in our segments: (iov, rc, index of the first bad
+        run, total bytes, segment count); rc < 0 when a run is outside every segment."""
+        h = hot()
+        segs, nsegs = self.agent._seg_table()
+        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
+        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
+        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
+        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        return iov, rc, bad[0], total[0], nsegs
+
+    def _runs_device(self, wire: bytes, nruns: int) -> int | None:
+        """The device of the segments `wire`'s runs land in (-1 host); None when they are
+        on more than one device (a sender plans one message per device pair)."""
+        devs = self.agent._segdev
+        if not self.agent._any_cuda or not nruns:
+            return -1
+        found = {devs[seg] if seg < len(devs) else -1
+                 for seg, _f, _o, _n in struct.iter_unpack("<IIQQ", wire)}
+        return found.pop() if len(found) == 1 else None
+
     def _on_data(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         wire = self._data_runs(flags, xid, req, nruns, nbytes)
         if wire is None:
             return
+        dev = self._runs_device(wire, nruns)
+        if dev is None:
+            return self._reject(flags, xid, req, layer, nbytes,
+                                "its runs land in memory of more than one device")
+        if dev >= 0:
+            return self._on_data_staged(flags, xid, req, layer, nruns, nbytes, wire, dev)
         h = hot()
         segs, nsegs = self.agent._seg_table()
         bad = h.ffi.new("size_t *")
@@ -510,27 +672,40 @@ class Connection:
         self._check_rx(rc)
         self._land(flags, xid, req, layer, wire)
 
-    def _on_data_staged(self, flags: int, xid: int, req: int, layer: int, nruns: int,
-                        nbytes: int) -> None:
-        """DATA into a CUDA pool: check the runs, read the payload into a free staging
-        buffer, queue its host-to-device copies; the completion thread lands the layer."""
-        wire = self._data_runs(flags, xid, req, nruns, nbytes)
-        if wire is None:
+    def _on_placed(self, flags: int, xid: int, req: int, layer: int, nruns: int,
+                   nbytes: int) -> None:
+        """DATA whose bytes the sender already WROTE over RDMA: check the runs, land."""
+        if self.rdma is None:
+            raise KVPeerError(self.peer, "reset", "RDMA-placed DATA on a connection without RDMA")
+        if nruns > MAX_RUNS:
+            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
+        wire = self._recv(nruns * WIRE_RUN)
+        if xid in self._skip:
+            if flags & F_LAST:
+                self._skip.discard(xid)
             return
+        self._track(xid, req)
+        _iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
+        if rc < 0 or total != nbytes:
+            why = (self._bad_run(wire, bad, nsegs) if rc < 0
+                   else f"runs add up to {total} bytes, not {nbytes}")
+            return self._refuse(flags, xid, req, layer,
+                                KVRejected(self.peer, f"request {req} layer {layer}: {why}"))
+        self._land(flags, xid, req, layer, wire)
+
+    def _on_data_staged(self, flags: int, xid: int, req: int, layer: int, nruns: int,
+                        nbytes: int, wire: bytes, dev: int) -> None:
+        """DATA into CUDA memory of device `dev`: check the runs, read the payload chunk by
+        chunk into the staging halves, each chunk's host-to-device copies queued while the
+        next is read; the layer lands once both streams are synchronized."""
         h = hot()
-        segs, nsegs = self.agent._seg_table()
-        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
-        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
+        iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
         if rc < 0:
-            return self._reject(flags, xid, req, layer, nbytes, self._bad_run(wire, bad[0], nsegs))
-        if total[0] != nbytes:
+            return self._reject(flags, xid, req, layer, nbytes, self._bad_run(wire, bad, nsegs))
+        if total != nbytes:
             return self._reject(flags, xid, req, layer, nbytes,
                                 f"runs add up to other than the {nbytes} payload bytes")
-        if self._rx_stage is None:
-            self._rx_stage = self._stage("receive from")
-        st = self._rx_stage
+        st = self._stage("receive from", dev)
         rc = h.lib.kv_cuda_recv(st.c, self.fd, iov, nruns, nbytes, st.stage, st.chunk,
                                 st.streams, self.timeout_ms, st.cuerr)
         if rc == -errno.EIO:   # the payload was read: the stream is in step
@@ -543,52 +718,95 @@ class Connection:
         """Serve a READ: check the runs against our segments, send their bytes back."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
-        h = hot()
         wire = self._recv(nruns * WIRE_RUN)
-        if self.cuda is not None:
-            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: agent "
-                            f"{self.agent.name!r} has a CUDA pool; READ over TCP moves host "
-                            "pools only".encode())
+        dev = self._runs_device(wire, nruns)
+        if dev is None:
+            self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: its runs are in "
+                            "memory of more than one device".encode())
             if not flags & F_LAST:
                 self._skip.add(xid)
             return
-        segs, nsegs = self.agent._seg_table()
-        iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
-        bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
-        wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
-        rc = h.lib.kv_runs_to_iov(segs, nsegs, wp, nruns, iov, bad, total)
-        if rc < 0 or total[0] != nbytes:
-            why = (f"run {bad[0]} is outside the {nsegs} registered segment(s)" if rc < 0
-                   else f"runs add up to {total[0]} bytes, not {nbytes}")
+        iov, rc, bad, total, nsegs = self._runs_iov(wire, nruns)
+        if rc < 0 or total != nbytes:
+            why = (f"run {bad} is outside the {nsegs} registered segment(s)" if rc < 0
+                   else f"runs add up to {total} bytes, not {nbytes}")
             self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: {why}".encode())
             if not flags & F_LAST:
                 self._skip.add(xid)
             return
-        self._send_raw(DATA, F_READ_RESP, xid, req, layer, iov=iov, niov=nruns, nbytes=nbytes)
+        if dev >= 0:
+            self._send_read_resp_staged(xid, req, layer, iov, nruns, nbytes, dev)
+        else:
+            self._send_raw(DATA, F_READ_RESP, xid, req, layer, iov=iov, niov=nruns, nbytes=nbytes)
         if flags & F_LAST:
             self._send_ctrl(ACK, xid, 0, 0)
         else:
             self._track(xid, req)
 
-    def _on_read_resp(self, xid: int, nruns: int, nbytes: int) -> None:
+    def _send_read_resp_staged(self, xid: int, req: int, layer: int, iov: Any, nruns: int,
+                               nbytes: int, dev: int) -> None:
+        """Answer a READ from CUDA memory: the runs' bytes staged chunk by chunk (no run
+        table). A CUDA error before the first byte is an ERR; one later drops the connection."""
+        h = hot()
+        st = self._stage("send to", dev)
+        hdr = HDR.pack(MAGIC, DATA, F_READ_RESP, xid, req, layer, 0, nbytes)
+        with self._tx:
+            if self.closed:
+                raise self._closed_error()
+            rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), h.ffi.NULL, 0, iov, nruns,
+                                    st.stage, st.chunk, st.streams, self.timeout_ms,
+                                    st.cuerr, st.sent)
+            self._last_tx = time.monotonic()
+        if rc == -errno.EIO:
+            exc = st.error(f"device-to-host copy answering READ of request {req}")
+            if st.sent[0]:
+                raise KVPeerError(self.peer, "reset", f"{exc} in the middle of a message")
+            self._send_ctrl(ERR, xid, req, layer, str(exc).encode()[:MAX_CTRL])
+            return
+        if rc < 0:
+            if rc == -errno.ETIMEDOUT:
+                raise KVPeerError(self.peer, "stalled",
+                                  f"no send progress for {self.agent.stall_timeout} s")
+            raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
+
+    def _on_read_resp(self, xid: int, index: int, nruns: int, nbytes: int) -> None:
+        """The bytes of our READ message `index` of transfer `xid`: into its planned ranges."""
         h = hot()
         if nruns:
             raise KVPeerError(self.peer, "reset", "a READ answer with a run table")
         with self._lock:
             ent = self._pending.get(xid)
-        m = ent[0].messages[0] if ent is not None else None
+        msgs = ent[0].messages if ent is not None else []
+        m = msgs[index] if index < len(msgs) else None
         if m is None or m.type != READ or m.nbytes != nbytes:
             # not ours (any more): drop the bytes, keep the stream in step
             self._check_rx(h.lib.kv_discard(self.fd, nbytes, self.timeout_ms))
             return
-        self._check_rx(h.lib.kv_recv_iov(self.fd, m.iov, m.nruns, self.timeout_ms))
+        if m.dev < 0:
+            self._check_rx(h.lib.kv_recv_iov(self.fd, m.iov, m.nruns, self.timeout_ms))
+            return
+        st = self._stage("receive from", m.dev)
+        rc = h.lib.kv_cuda_recv(st.c, self.fd, m.iov, m.nruns, nbytes, st.stage, st.chunk,
+                                st.streams, self.timeout_ms, st.cuerr)
+        if rc == -errno.EIO:   # the payload was read: the stream is in step
+            self._acked(xid, st.error(f"host-to-device copy of READ transfer {xid}"))
+            return
+        self._check_rx(rc)
 
     def _send_ctrl(self, type_: int, xid: int, req: int, layer: int, body: bytes = b"") -> None:
         self._send_raw(type_, 0, xid, req, layer, body=body)
 
     def _finish_inbound(self, xid: int) -> None:
+        """The transfer's last message arrived: ACK it, or ERR when one of its requests
+        failed here meanwhile (its deadline, a release), so both sides report the failure."""
         with self._lock:
-            self._active.pop(xid, None)
+            reqs = self._active.pop(xid, set())
+        for r in reqs:
+            with self.agent._lock:
+                inb = self.agent._inbound_reqs.get((self.peer, r))
+            if inb is not None and inb.error is not None:
+                self._send_ctrl(ERR, xid, r, 0, f"request {r}: {inb.error}".encode()[:MAX_CTRL])
+                return
         self._send_ctrl(ACK, xid, 0, 0)
         metrics.kv_received(self.agent.name)
 
@@ -623,6 +841,8 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if self.rdma is not None:   # its QPs go: a WRITE still waited for fails now
+            self.rdma.close()
         for x in pending:
             x._finish(exc)
         for _xid, reqs in active.items():
@@ -630,6 +850,15 @@ class Connection:
                 self.agent._inbound(self.peer, r)._fail(exc)
         self._queue.put(None)
         self.agent._connection_failed(self, exc)
+
+    def _fail_transfer(self, xfer: Xfer, exc: BaseException) -> None:
+        """Fail `xfer` (its deadline passed); if its bytes are on this connection, drop the
+        connection: the receiver fails the request, the next transfer reconnects."""
+        with self._lock:
+            on_wire = self._pending.pop(xfer.id, None) is not None
+        xfer._finish(exc)
+        if on_wire:
+            self._fail_connection(KVPeerError(self.peer, "reset", f"dropped: {exc}"))
 
     def alive(self) -> bool:
         """Whether one of its threads still runs (a dropped connection's end their work:
@@ -647,12 +876,18 @@ class Connection:
             pass
 
 
-def hello_body(name: str, incarnation: int) -> bytes:
-    return json.dumps({"name": name, "incarnation": incarnation}).encode()
+def hello_body(name: str, incarnation: int, metadata: bytes | None = None) -> bytes:
+    d: dict = {"name": name, "incarnation": incarnation}
+    if metadata is not None:
+        d["metadata"] = metadata.decode()
+    return json.dumps(d).encode()
 
 
-def send_hello(sock: socket.socket, name: str, incarnation: int) -> None:
-    body = hello_body(name, incarnation)
+def send_hello(sock: socket.socket, name: str, incarnation: int,
+               metadata: bytes | None = None, extra: dict | None = None) -> None:
+    body = hello_body(name, incarnation, metadata)
+    if extra:
+        body = json.dumps({**json.loads(body), **extra}).encode()
     sock.sendall(HDR.pack(MAGIC, HELLO, 0, 0, 0, 0, len(body), 0) + body)
 
 

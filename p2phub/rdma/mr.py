@@ -9,6 +9,9 @@ Paths, best first:
 and otherwise an error that names why and the doctor check that explains it. The path is
 chosen by the Hub's policy (p2phub.policy) when the memory is first bound to the NIC
 (``reg.bind(nic_target(name))``), and listed by ``hub.paths()``.
+
+One more path for memory that is not a registration: FOREIGN_VA, a VA MR of host memory
+the caller allocated (``ProtectionDomain.reg_va``), pinned by the NIC driver itself.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class MrPath(enum.Enum):
     DMABUF = "dma-buf MR"
     PEERMEM = "peer-memory VA MR"
     HOST_VA = "CPU-mapped VA MR"
+    FOREIGN_VA = "VA MR of caller-owned host memory"
 
 
 IB_CLASS = "/sys/class/infiniband"
@@ -80,6 +84,25 @@ class ProtectionDomain(Resource):
         reg.add_dependent(mr)
         return mr
 
+    def reg_va(self, addr: int, length: int, access: Access | None = None) -> "MemoryRegion":
+        """A VA MR of host memory p2phub did not allocate (a numpy array, an mmap): the NIC
+        driver pins the pages for the MR's lifetime. The caller keeps the memory alive and
+        mapped until the MR is closed. ``registration`` is None; `access` as for reg_mr."""
+        if addr <= 0 or length <= 0:
+            raise UsageError(f"reg_va: address {addr:#x} and length {length} must be > 0")
+        from pyverbs.mr import MR
+        from pyverbs.pyverbs_error import PyverbsRDMAError
+
+        bits = mr_access(access)
+        try:
+            mr = MR(self.pd, length, bits, address=addr)
+        except PyverbsRDMAError as exc:
+            raise P2PHubOSError(exc.error_code or errno.EIO,
+                                f"VA MR of {addr:#x}+{length} on {self.device}",
+                                "the NIC driver could not pin that host range") from None
+        return MemoryRegion(None, self, MrPath.FOREIGN_VA, addr, mr.lkey, mr.rkey,
+                            "host memory the caller owns", [mr], mr.close, length=length)
+
     def verbs_pd(self) -> verbs.VerbsPd:
         """The same kernel PD, imported into libibverbs for the calls pyverbs lacks."""
         if self._verbs_pd is None:
@@ -97,13 +120,14 @@ class ProtectionDomain(Resource):
 class MemoryRegion(Resource):
     """An MR over a whole registration. ``addr`` is the address peers use in RDMA requests."""
 
-    def __init__(self, reg: Memory, pd: ProtectionDomain, path: MrPath, addr: int,
-                 lkey: int, rkey: int, reason: str, keep: list[Any], release) -> None:
+    def __init__(self, reg: "Memory | None", pd: ProtectionDomain, path: MrPath, addr: int,
+                 lkey: int, rkey: int, reason: str, keep: list[Any], release,
+                 length: int | None = None) -> None:
         self.registration = reg
         self.pd = pd
         self.path = path
         self.addr = addr
-        self.length = reg.length
+        self.length = reg.length if reg is not None else int(length or 0)
         self.lkey = lkey
         self.rkey = rkey
         self.reason = reason      # why this path was chosen
@@ -114,6 +138,8 @@ class MemoryRegion(Resource):
         """Raise RevokedError when the registration's memory was revoked (the MR is dead)."""
         if self._closed:
             raise UsageError(f"{self} is closed")
+        if self.registration is None:
+            return
         if self.registration.closed:
             raise UsageError(f"{self}: its registration is closed")
         if self.registration.info().revoked:

@@ -277,6 +277,47 @@ class QueuePair:
                                                         length, raddr, remote.rkey),
                               RdmaFence(self, what))
 
+    def write_many(self, ops: "list[tuple[int, int, int, int, int]]") -> RdmaFence:
+        """RDMA WRITEs of (local address, lkey, length, remote address, rkey), posted in
+        order with only the last one signaled: RC completes a QP's WRITEs in order, so the
+        fence completes when the responder has acknowledged all of them (or fails with the
+        first error: an unsignaled WRITE that fails flushes the ones after it).
+
+        No ordering declarations: this is for a caller that declares its accesses itself,
+        over a whole request (the KV agent). At most ``depth`` WRITEs may be outstanding on
+        the QP: the caller waits for earlier fences before posting more."""
+        from pyverbs.wr import SGE, SendWR
+
+        if not ops:
+            raise UsageError("write_many: no WRITEs")
+        if len(ops) > self.depth:
+            raise UsageError(f"write_many: {len(ops)} WRITEs, more than the queue's {self.depth}")
+        e = self._e
+        total = sum(op[2] for op in ops)
+        fence = RdmaFence(self, f"rdma write of {len(ops)} runs, {total} B")
+        with self._lock:
+            self._usable()
+            wr_id = 0
+            for i, (laddr, lkey, n, raddr, rkey) in enumerate(ops):
+                last = i == len(ops) - 1
+                wr_id = next(self._ids)
+                wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                            sg=[SGE(laddr, n, lkey)],
+                            send_flags=e.IBV_SEND_SIGNALED if last else 0)
+                wr.set_wr_rdma(rkey, raddr)
+                if last:
+                    self._pending[wr_id] = fence
+                try:
+                    self.qp.post_send(wr)
+                except BaseException:
+                    self._pending.pop(wr_id, None)
+                    if i:   # the ones posted still complete: a last, signaled, empty WRITE
+                        self._dead = f"write_many: post failed after {i} WRITEs"
+                    raise
+            fence.state = WriteState.POSTED
+            fence.byte_len = total
+        return fence
+
     def send(self, mr: MemoryRegion, offset: int, length: int, *,
              timeout: float | None = None) -> RdmaFence:
         """SEND mr[offset:+length] into the peer's next posted RECV."""

@@ -250,3 +250,64 @@ def test_odd_staging_chunks_cut_runs_anywhere() -> None:
         a.send_request("r", 1, sids, dids).wait(30)
         r.done.wait(10)
     _verify(src, dst, lay, sids, dids, range(lay.num_layers))
+
+
+# ---------------------------------------------------------------------- VRAM descriptors
+BLK, NBLK, LAYERS = 64 << 10, 128, 4
+
+
+def _kv_tensors(where: str, seed: int | None) -> list:
+    """4 layers x (K, V): one tensor of NBLK blocks each, on `where` ("cpu", "cuda:N")."""
+    out = []
+    for i in range(LAYERS * 2):
+        if seed is None:
+            out.append(torch.zeros(NBLK * BLK, dtype=torch.uint8, device=where))
+        else:
+            g = torch.Generator(device="cpu").manual_seed(seed * 100 + i)
+            out.append(torch.randint(0, 256, (NBLK * BLK,), dtype=torch.uint8, generator=g).to(where))
+    torch.cuda.synchronize()
+    return out
+
+
+def _register(agent: Agent, ts: list) -> None:
+    for t in ts:   # (addr, len, dev) descriptors, no KVLayout
+        agent.register_memory(t.data_ptr(), t.numel(), device=t.device.index if t.is_cuda else None)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_vram_descriptors_read_and_write_cuda_and_host_4_layers_scattered(op) -> None:
+    devs = [f"cuda:{i}" for i in range(min(2, torch.cuda.device_count()))]
+    kinds = [("cuda", "cuda"), ("cuda", "host"), ("host", "cuda")]
+    with Agent("prefill", stall_timeout=20) as a, Agent("decode", stall_timeout=20) as b:
+        mem = {("a", "cuda"): _kv_tensors(devs[0], None), ("a", "host"): _kv_tensors("cpu", None),
+               ("b", "cuda"): _kv_tensors(devs[-1], None), ("b", "host"): _kv_tensors("cpu", None)}
+        _register(a, mem[("a", "cuda")] + mem[("a", "host")])
+        _register(b, mem[("b", "cuda")] + mem[("b", "host")])
+        a.add_remote(b.metadata())
+        b.add_remote(a.metadata())
+        rnd = random.Random(9)
+        for n, (ak, bk) in enumerate(kinds):
+            src_side, dst_side = (("a", ak), ("b", bk)) if op == "WRITE" else (("b", bk), ("a", ak))
+            src_ts, dst_ts = mem[src_side], mem[dst_side]
+            for t, new in zip(src_ts, _kv_tensors("cpu", 10 + n)):   # registered memory, new bytes
+                t.copy_(new)
+            for t in dst_ts:
+                t.zero_()
+            torch.cuda.synchronize()     # NIXL's contract: the bytes are ready when posted
+            sids, dids = rnd.sample(range(NBLK), 48), rnd.sample(range(NBLK), 48)
+            a_ts, b_ts = mem[("a", ak)], mem[("b", bk)]
+            a_ids, b_ids = (sids, dids) if op == "WRITE" else (dids, sids)
+            ld = [(t.data_ptr() + i * BLK, BLK) for t in a_ts for i in a_ids]
+            rd = [(t.data_ptr() + i * BLK, BLK) for t in b_ts for i in b_ids]
+            idx = list(range(len(ld)))
+            x = a.make_xfer("decode", a.prep_local(ld), idx, a.prep_remote("decode", rd), idx,
+                            notif=f"{op}-{n}".encode(), op=op)
+            a.post(x)
+            x.wait(60)
+            b.wait_notif("prefill", f"{op}-{n}".encode(), 10)
+            si = torch.tensor(sids)
+            di = torch.tensor(dids)
+            for s_t, d_t in zip(src_ts, dst_ts):
+                want = s_t.view(NBLK, BLK).index_select(0, si.to(s_t.device))
+                got = d_t.view(NBLK, BLK).index_select(0, di.to(d_t.device))
+                assert torch.equal(want.to(got.device), got), f"{op} {ak}<->{bk}: bytes differ"

@@ -35,7 +35,8 @@ class Peer:
     def op_init(self, m: dict) -> dict:
         lay = KVLayout.from_dict(m["layout"])
         self.pool = KVPool.host(lay)
-        self.agent = Agent(m["name"], self.pool, stall_timeout=m.get("stall", 2.0))
+        kw = {k: m[k] for k in ("port", "peer_timeout", "xfer_timeout") if k in m}
+        self.agent = Agent(m["name"], self.pool, stall_timeout=m.get("stall", 2.0), **kw)
         if m.get("rdv"):
             rdv = open_rendezvous(m["rdv"])
             rdv.publish(self.agent.name, self.agent.metadata())
@@ -66,11 +67,11 @@ class Peer:
                 last = i == len(layers) - 1
                 xs.append(a.send_request(m["peer"], m["req"], m["local"], m["remote"], [ly],
                                          notif=m.get("notif", "").encode() if last else b"",
-                                         end=last))
+                                         end=last, timeout=m.get("deadline")))
                 time.sleep(m["pace"])
         else:
             xs = [a.send_request(m["peer"], m["req"], m["local"], m["remote"], layers,
-                                 notif=m.get("notif", "").encode())]
+                                 notif=m.get("notif", "").encode(), timeout=m.get("deadline"))]
         errors = []
         for x in xs:
             try:
@@ -78,10 +79,10 @@ class Peer:
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
         return {"state": "ERR" if errors else "DONE", "errors": errors,
-                "seconds": time.monotonic() - t0}
+                "status": [x.status for x in xs], "seconds": time.monotonic() - t0}
 
     def op_expect(self, m: dict) -> dict:
-        r = self.agent.expect(m["peer"], m["req"])
+        r = self.agent.expect(m["peer"], m["req"], deadline=m.get("deadline"))
         lay = self.pool.layout
         t0 = time.monotonic()
         layer_t: list[float | None] = []
@@ -100,6 +101,7 @@ class Peer:
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         return {"layer_t": layer_t, "error": error, "failed_at": time.monotonic() - t0,
+                "status": r.status,
                 "landed": r.landed_layers(), "notifs": {k: [v.decode() for v in vs] for k, vs in
                                                          self.agent.get_new_notifs().items()}}
 

@@ -360,3 +360,54 @@ def test_declaring_blocks_needs_a_pool() -> None:
     with Agent("lone", stall_timeout=5.0) as a:
         with pytest.raises(UsageError, match="has no KV pool to declare blocks on"):
             a.expect("peer", 1, blocks=[0, 1])
+
+
+def test_a_fence_for_a_layer_that_does_not_exist_is_refused_at_once(pair) -> None:
+    a, b = pair
+    r = b.expect("a", 1)
+    for bad in (LAY.num_layers, -1, 99, "0"):
+        with pytest.raises(UsageError, match=f"no layer {bad!r}"):
+            r.layer(bad)
+    assert r.status == "pending"
+    a.send_request("b", 1, [0], [0]).wait(10)
+    r.done.wait(5)
+    assert r.status == "done" and r.layer(LAY.num_layers - 1).done()
+
+
+def test_an_expected_request_that_never_comes_fails_by_its_deadline(pair) -> None:
+    _a, b = pair
+    r = b.expect("a", 5, deadline=0.3)
+    assert r.done.exception(3) is r.error
+    assert isinstance(r.error, KVPeerError) and r.error.peer == "a"
+    assert "'a' timed out: request 5 not complete within its deadline" in str(r.error)
+    assert r.status == "failed" and r.layer(0).failed()
+
+
+def test_timeouts_must_be_positive(pair) -> None:
+    a, b = pair
+    for kw in ({"stall_timeout": 0}, {"peer_timeout": -1}, {"xfer_timeout": 0}):
+        with pytest.raises(UsageError, match="must be > 0"):
+            Agent("x", **kw)
+    with pytest.raises(UsageError, match="deadline=0 must be > 0"):
+        b.expect("a", 1, deadline=0)
+    x = a.make_request("b", 1, [0], [0])
+    with pytest.raises(UsageError, match="timeout=-1 must be > 0"):
+        a.post(x, timeout=-1)
+    assert x.status == "pending" and not x.posted   # refused before anything was sent
+
+
+def test_the_transport_is_chosen_per_peer_and_can_be_told(pair) -> None:
+    a, b = pair
+    assert a.transport_to("b") == "tcp" and a.rail_bytes() == {}    # no NIC on either end
+    md = json.loads(b.metadata())
+    assert md["rdma"] is None
+    md["rdma"] = [{"device": "mlx5_9", "gid": "::1", "mrs": [[4096, 7]]}]
+    a.add_remote(md)
+    assert a.transport_to("b") == "tcp"          # the peer has a NIC, this agent has none
+    with pytest.raises(UsageError, match="transport='rdma' needs rdma_devices"):
+        Agent("r", transport="rdma")
+    with pytest.raises(UsageError, match="transport='udp': want 'auto', 'tcp' or 'rdma'"):
+        Agent("r", transport="udp")
+    with Agent("t", transport="tcp", rdma_devices=["no-such-nic"]) as t:   # told: never opened
+        t.add_remote(md)
+        assert t.rails is None and t.transport_to("b") == "tcp"

@@ -6,6 +6,7 @@ tests/gpu/test_kv_gpu.py."""
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import random
 import threading
@@ -46,7 +47,7 @@ class FakeDriver:
 
     def _ctx(self, ctx: int) -> int:
         self.ctx_threads.add(threading.current_thread().name)
-        return 0 if ctx == 0xC0 else 201   # CUDA_ERROR_INVALID_CONTEXT
+        return 0 if ctx in (0xC0, 0xC1) else 201   # CUDA_ERROR_INVALID_CONTEXT
 
     def _dtoh(self, dst: int, src: int, n: int, stream: int) -> int:
         if self._bad(src, n):
@@ -74,13 +75,13 @@ class FakeDriver:
     def error_name(self, code: int) -> str:
         return {ILLEGAL: "CUDA_ERROR_ILLEGAL_ADDRESS", 201: "CUDA_ERROR_INVALID_CONTEXT"}.get(code, str(code))
 
-    def primary_context(self, ordinal: int) -> int:
-        if ordinal != 0:
-            raise UsageError(f"CUDA device {ordinal} does not exist (1 device(s))")
-        return 0xC0
+    def primary_context(self, ordinal: int) -> int:   # two devices: cuda:0 and cuda:1
+        if ordinal not in (0, 1):
+            raise UsageError(f"CUDA device {ordinal} does not exist (2 device(s))")
+        return 0xC0 + ordinal
 
     def set_current(self, ctx: int) -> None:
-        assert ctx == 0xC0
+        assert ctx in (0xC0, 0xC1)
 
     def pointer_device(self, addr: int) -> int:
         return 0
@@ -303,26 +304,81 @@ def test_sender_cuda_error_mid_message_drops_the_connection_then_reconnects(fake
     assert fake.pinned == {} and fake.streams == set()
 
 
-def test_read_is_refused_for_cuda_pools(fake) -> None:
-    sp, hp = _pool()[0], KVPool.host(LAY)
-    with Agent("g", sp) as a, Agent("h", hp) as b:
+KINDS = ("host", "cuda:0", "cuda:1")
+
+
+class Mem:
+    """One agent's memory without a KVLayout: a host range and a range on each of two
+    stand-in CUDA devices, registered as (addr, len, dev) descriptors."""
+
+    def __init__(self, agent: Agent, n: int) -> None:
+        self.bufs = {k: DeviceBuf(n) for k in KINDS}   # host memory underneath, all three
+        for k, b in self.bufs.items():
+            agent.register_memory(b.addr, n, device=None if k == "host" else int(k[-1]))
+
+    def fill(self, seed: int) -> None:
+        for k, b in self.bufs.items():
+            ctypes.memmove(b.addr, random.Random(f"{seed}{k}").randbytes(b.n), b.n)
+
+    def get(self, kind: str, off: int, n: int) -> bytes:
+        return ctypes.string_at(self.bufs[kind].addr + off, n)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_read_and_write_between_any_mix_of_cuda_and_host_memory(fake, op) -> None:
+    blk, nblk = 4096, 32
+    with Agent("a", stall_timeout=5) as a, Agent("b", stall_timeout=5) as b:
+        ma, mb = Mem(a, blk * nblk), Mem(b, blk * nblk)
+        a.stage_chunk = b.stage_chunk = 3 * blk + 512     # chunks cut pages anywhere
         a.add_remote(b.metadata())
         b.add_remote(a.metadata())
-        seg = sp.segments[0]
-        loc = a.prep_local([(seg.addr, 4096)])
-        rem = a.prep_remote("h", [(hp.segments[0].addr, 4096)])
-        with pytest.raises(UsageError, match="READ over TCP moves host pools only; agent 'g' has a CUDA pool"):
-            a.make_xfer("h", loc, [0], rem, [0], op="READ")
-        loc = b.prep_local([(hp.segments[0].addr, 4096)])
-        rem = b.prep_remote("g", [(seg.addr, 4096)])
-        with pytest.raises(UsageError, match="peer 'g' has a CUDA pool"):
-            b.make_xfer("g", loc, [0], rem, [0], op="READ")
-        # WRITE from the host side into the CUDA pool is fine
-        hp.block(0, 0, 0)[:] = b"\x5a" * 4096
-        x = b.make_xfer("g", loc, [0], rem, [0])
-        b.post(x)
-        x.wait(5)
-        assert ctypes.string_at(seg.addr, 4096) == b"\x5a" * 4096
+        assert json.loads(a.metadata())["devices"] == [-1, 0, 1]
+        rnd = random.Random(5)
+        for lk in KINDS:
+            for rk in KINDS:
+                ma.fill(1)
+                mb.fill(2)
+                # scattered blocks, distinct on each side
+                pairs = list(zip(rnd.sample(range(nblk), 12), rnd.sample(range(nblk), 12)))
+                loc = a.prep_local([(ma.bufs[lk].addr + s_ * blk, blk) for s_, _ in pairs])
+                rem = a.prep_remote("b", [(mb.bufs[rk].addr + d_ * blk, blk) for _, d_ in pairs])
+                idx = list(range(len(pairs)))
+                copies = fake.copies
+                x = a.make_xfer("b", loc, idx, rem, idx, notif=f"{lk}>{rk}".encode(), op=op)
+                a.post(x)
+                x.wait(10)
+                assert x.status == "done"
+                b.wait_notif("a", f"{lk}>{rk}".encode(), 5)
+                # CUDA memory on either side went through the driver's copies, host alone not
+                assert (fake.copies > copies) == (lk != "host" or rk != "host"), (lk, rk)
+                for s_, d_ in pairs:
+                    if op == "WRITE":    # a's pages are now in b's
+                        assert mb.get(rk, d_ * blk, blk) == ma.get(lk, s_ * blk, blk), (lk, rk, s_, d_)
+                    else:                # b's pages are now in a's
+                        assert ma.get(lk, s_ * blk, blk) == mb.get(rk, d_ * blk, blk), (lk, rk, s_, d_)
+        # one transfer across every kind at once: a message per device pair
+        ma.fill(3)
+        mb.fill(4)
+        ld = [(ma.bufs[k].addr + i * blk, blk) for i, k in enumerate(KINDS * 2)]
+        rd = [(mb.bufs[k].addr + (10 + i) * blk, blk) for i, k in enumerate(KINDS[::-1] * 2)]
+        x = a.make_xfer("b", a.prep_local(ld), range(6), a.prep_remote("b", rd), range(6), op=op)
+        assert len(x.messages) == 3       # (host, cuda:1), (cuda:0, cuda:0), (cuda:1, host)
+        a.post(x)
+        x.wait(10)
+        for (la, n), (ra_, _n) in zip(ld, rd):
+            src_b, dst_b = (la, ra_) if op == "WRITE" else (ra_, la)
+            assert ctypes.string_at(dst_b, n) == ctypes.string_at(src_b, n)
+        assert fake.copies > 0
+
+
+def test_a_vram_descriptor_on_a_device_that_does_not_exist_is_refused(fake) -> None:
+    with Agent("a") as a:
+        buf = DeviceBuf(4096)
+        with pytest.raises(UsageError, match="CUDA device 2 does not exist"):
+            a.register_memory(buf.addr, 4096, device=2)
+        with pytest.raises(UsageError, match="device=-1 must be a CUDA ordinal"):
+            a.register_memory(buf.addr, 4096, device=-1)
+        assert a.metadata() and json.loads(a.metadata())["devices"] == []
 
 
 def test_cuda_pool_refusals(fake) -> None:
@@ -336,14 +392,16 @@ def test_cuda_pool_refusals(fake) -> None:
     with pytest.raises(UsageError, match="neither a torch CUDA tensor nor has __cuda_array_interface__"):
         KVPool.cuda(lay, [bytearray(lay.segment_bytes)] * 2)
     # one pool is one device's memory
-    pool = KVPool.cuda(lay, [DeviceBuf(lay.segment_bytes)] * 2, device=1)
-    with pytest.raises(UsageError, match="CUDA device 1 does not exist"):
+    pool = KVPool.cuda(lay, [DeviceBuf(lay.segment_bytes)] * 2, device=2)
+    with pytest.raises(UsageError, match="CUDA device 2 does not exist"):
         Agent("x", pool)
     pool = KVPool.cuda(lay, [DeviceBuf(lay.segment_bytes)] * 2)
     with Agent("y", pool) as a:
         assert a.cuda_device == 0 and '"device": "cuda"' in a.metadata().decode()
-        with pytest.raises(UsageError, match="device memory only"):
-            a.register_memory(0x1000, 4096)
+        host = bytearray(4096)     # host memory beside a CUDA pool is one more segment
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(host))
+        assert a.register_memory(addr, 4096) == 2
+        assert json.loads(a.metadata())["devices"] == [0, 0, -1]
 
 
 class FakeTorch:

@@ -101,14 +101,6 @@ def test_host_pool_pages_are_where_the_layout_says(arr: str) -> None:
     assert pool.closed
 
 
-def test_rdma_immediate_carries_request_and_layer() -> None:
-    from p2phub.kv.rdma import pack_imm, unpack_imm
-    assert unpack_imm(pack_imm(70000, 31)) == (70000, 31)
-    assert pack_imm(1, 0) == 256 and pack_imm(0xFFFFFF, 255) == 0xFFFFFFFF
-    with pytest.raises(UsageError, match="layer 256 does not fit"):
-        pack_imm(1, 256)
-
-
 def test_page_runs_merge_consecutive_pages_for_the_ordering() -> None:
     from p2phub.kv.pool import page_runs
     assert page_runs([7, 3, 4, 5, 9, 8, 3]) == [(3, 3), (7, 3)]

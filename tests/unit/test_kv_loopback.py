@@ -201,7 +201,10 @@ def test_stalled_receiver_is_detected_within_the_deadline(procs) -> None:
         took = time.monotonic() - t0
     finally:
         os.kill(b.p.pid, signal.SIGCONT)
-    assert sent["state"] == "ERR" and "stalled" in sent["errors"][0], sent
+    # the blocked send (stall_timeout) or the missing heartbeats (peer_timeout, the same
+    # 3 s here) find it first, whichever the scheduler lets run
+    assert sent["state"] == "ERR" and ("'decode' stalled" in sent["errors"][0]
+                                       or "'decode' silent" in sent["errors"][0]), sent
     assert took < STALL + 3, took
     # the receiver, resumed, saw its sender give up on it: nothing of req 5 is visible
     got = b.call("expect", peer="prefill", req=5, timeout=STALL + 3)
@@ -254,3 +257,118 @@ def test_metadata_through_redis(procs, tmp_path) -> None:
     finally:
         srv.terminate()
         srv.wait(10)
+
+
+# ---------------------------------------------------------------------- bounded failure
+HB = 1.0      # peer_timeout of the heartbeat tests: well under their stall_timeout
+
+
+def test_killed_peer_fails_what_it_sent_and_what_it_was_sent_within_the_peer_timeout(procs) -> None:
+    lay = dict(num_layers=16, blocks_per_layer=32, block_bytes=65536)
+    a, amd = start(procs, "prefill", lay, stall=30.0, peer_timeout=HB)
+    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=HB)
+    a.call("fill", seed=1)
+    b.call("fill", seed=2)
+    a.call("add_remote", md=bmd)
+    b.call("add_remote", md=amd)
+    ids = list(range(32))
+    # both directions in flight: a -> b (paced) and b -> a (paced); a waits for b's
+    b.send("send", peer="prefill", req=8, local=ids, remote=ids, pace=0.2, timeout=30)
+    time.sleep(0.5)
+    a.send("send", peer="decode", req=9, local=ids, remote=ids, pace=0.2, timeout=30)
+    time.sleep(0.4)
+    t_kill = time.monotonic()
+    b.kill()
+    sent = a.reply()
+    took = time.monotonic() - t_kill
+    assert sent["state"] == "ERR" and sent["status"][-1] == "failed", sent
+    assert all("'decode'" in e for e in sent["errors"]), sent
+    assert took < HB + 2.0, took            # not the 30 s stall timeout
+    got = a.call("expect", peer="decode", req=8, timeout=30)   # what b was sending to a
+    assert got["status"] == "failed" and "'decode'" in got["error"], got
+    assert 0 < len(got["landed"]) < 16
+
+
+def test_restarted_peer_at_the_same_address_is_reconnected_under_its_name(procs) -> None:
+    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=4096)
+    port = _free_port()
+    a, _ = start(procs, "prefill", lay, peer_timeout=HB)
+    b, bmd = start(procs, "decode", lay, port=port, peer_timeout=HB)
+    a.call("fill", seed=3)
+    a.call("add_remote", md=bmd)
+    ids = list(range(16))
+    b.send("expect", peer="prefill", req=1, timeout=20)
+    assert a.call("send", peer="decode", req=1, local=ids, remote=ids)["state"] == "DONE"
+    assert b.reply()["status"] == "done"
+    b.kill()
+    b2, b2md = start(procs, "decode", lay, port=port, peer_timeout=HB)
+    assert json.loads(b2md)["incarnation"] != json.loads(bmd)["incarnation"]
+    # no add_remote: the next request finds the new process under the same name
+    b2.send("expect", peer="prefill", req=2, timeout=20)
+    sent = a.call("send", peer="decode", req=2, local=ids, remote=ids[::-1], timeout=20)
+    assert sent["state"] == "DONE", sent
+    assert b2.reply()["status"] == "done"
+    assert b2.call("verify", seed=3, local=ids, remote=ids[::-1])["bad"] == 0
+
+
+def _connected(procs, seed: int, peer_timeout: float, block_bytes: int = 4096) -> tuple[Proc, Proc]:
+    """prefill -> decode, connected by one request that landed; a 30 s stall timeout, so
+    only the heartbeat (peer_timeout) or a deadline can end what follows early."""
+    lay = dict(num_layers=4, blocks_per_layer=16, block_bytes=block_bytes)
+    a, _ = start(procs, "prefill", lay, stall=30.0, peer_timeout=peer_timeout)
+    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=peer_timeout)
+    a.call("fill", seed=seed)
+    a.call("add_remote", md=bmd)
+    b.send("expect", peer="prefill", req=1, timeout=20)
+    assert a.call("send", peer="decode", req=1, local=[0], remote=[0])["state"] == "DONE"
+    assert b.reply()["status"] == "done"
+    return a, b
+
+
+def test_frozen_sender_is_found_by_heartbeat_while_nothing_is_in_flight(procs) -> None:
+    a, b = _connected(procs, 4, HB)
+    b.send("expect", peer="prefill", req=2, timeout=20)   # expected, nothing sent yet
+    time.sleep(0.3)
+    os.kill(a.p.pid, signal.SIGSTOP)                       # partitioned: silent, socket open
+    t0 = time.monotonic()
+    got = b.reply()
+    took = time.monotonic() - t0
+    assert got["status"] == "failed" and "'prefill' silent" in got["error"], got
+    assert took < HB + 2.0, took
+    os.kill(a.p.pid, signal.SIGCONT)
+
+
+def test_frozen_receiver_fails_the_sender_by_heartbeat_before_the_stall_timeout(procs) -> None:
+    a, b = _connected(procs, 5, HB)
+    os.kill(b.p.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()     # 128 KiB: fits the socket buffers, so only the ACK is missing
+        sent = a.call("send", peer="decode", req=2, local=[1], remote=[1], timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(b.p.pid, signal.SIGCONT)
+    assert sent["state"] == "ERR" and "'decode' silent" in sent["errors"][0], sent
+    assert took < HB + 2.0, took
+
+
+def test_transfer_deadline_fails_both_sides(procs) -> None:
+    # 32 MiB: more than the socket buffers hold, so the deadline finds it on the wire
+    a, b = _connected(procs, 6, 30.0, block_bytes=262144)
+    os.kill(b.p.pid, signal.SIGSTOP)      # no heartbeat timeout can fire: only the deadline
+    try:
+        t0 = time.monotonic()
+        ids = list(range(16))
+        sent = a.call("send", peer="decode", req=2, local=ids, remote=ids, deadline=1.0, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(b.p.pid, signal.SIGCONT)
+    assert sent["state"] == "ERR" and "'decode' timed out" in sent["errors"][0], sent
+    assert sent["status"] == ["failed"]
+    assert took < 1.0 + 1.5, took
+    # the receiver, resumed, does not count request 2 as landed: its connection was dropped
+    got = b.call("expect", peer="prefill", req=2, timeout=5)
+    assert got["status"] == "failed", got
+    # and the next transfer reconnects
+    b.send("expect", peer="prefill", req=3, timeout=20)
+    assert a.call("send", peer="decode", req=3, local=[2], remote=[2])["state"] == "DONE"
+    assert b.reply()["status"] == "done"
