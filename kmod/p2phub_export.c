@@ -137,6 +137,9 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 		ret = PTR_ERR(map) == -ESTALE ? -ENODEV : PTR_ERR(map);
 		goto err_free;
 	}
+	spin_lock(&reg->state_lock);
+	map->importers++;		/* the hold is the attachment's now */
+	spin_unlock(&reg->state_lock);
 	att->map = map;
 	attach->priv = att;
 	atomic_inc(&p2phub_stats.export_attachments);
@@ -151,11 +154,17 @@ static void p2phub_export_detach(struct dma_buf *dmabuf,
 				 struct dma_buf_attachment *attach)
 {
 	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_export_att *att = attach->priv;
 	struct p2phub_reg *reg = exp->reg;
 
+	/* Attached, the registration is not torn down: the map is there. */
 	spin_lock(&reg->state_lock);
 	if (!WARN_ON_ONCE(!reg->export_attached))
 		reg->export_attached--;
+	if (!WARN_ON_ONCE(!att->map->holds || !att->map->importers)) {
+		att->map->holds--;
+		att->map->importers--;
+	}
 	spin_unlock(&reg->state_lock);
 	kfree(attach->priv);
 	attach->priv = NULL;

@@ -286,6 +286,8 @@ static void p2phub_nvme_regmap_drop(struct p2phub_nvme_handle *h,
 {
 	lockdep_assert_held(&h->lock);
 	p2phub_reg_user_del(rm->reg, &rm->user);
+	/* No address of it stays reachable by the controller. */
+	p2phub_reg_dma_pages_put(rm->reg, &rm->list, true);
 	WRITE_ONCE(h->status->reg_gen[rm->slot], 0);
 	clear_bit(rm->slot, h->slots);
 	p2phub_reg_put(rm->reg);
@@ -567,6 +569,7 @@ err_user_del:
 	p2phub_reg_user_del(reg, &rm->user);
 err_clear_slot:
 	WRITE_ONCE(h->status->reg_gen[slot], 0);
+	p2phub_reg_dma_pages_put(reg, &rm->list, true);
 err_free_rm:
 	kfree(rm);
 err_put_reg:
@@ -620,6 +623,8 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 	if (ret)
 		goto out_unlock;
 	p2phub_reg_get_ref(reg);
+	/* A racing UNMAP_REG unmaps when this hold goes. */
+	p2phub_reg_dma_pages_hold(reg, &list);
 	mutex_unlock(&h->lock);
 	ret = p2phub_reg_copy_dma_pages(reg, &list, arg.page_size, arg.first,
 					arg.count, u64_to_user_ptr(arg.addrs),
@@ -627,6 +632,7 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 	if (!ret && !p2phub_reg_live(reg, list.generation))
 		ret = -ESTALE;
 	p2phub_reg_io_end(reg);
+	p2phub_reg_dma_pages_put(reg, &list, true);
 	p2phub_reg_put(reg);
 	if (ret)
 		return ret;
@@ -683,6 +689,15 @@ static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
 		return -EINVAL;
 
 	mutex_lock(&h->lock);
+	/*
+	 * A revoked registration whose export importers are not done yet is
+	 * still mapped for this device: its addresses would reach memory the
+	 * exporter may reuse.
+	 */
+	if (p2phub_reg_dev_revoked_mapped(ctrl->pdev)) {
+		mutex_unlock(&h->lock);
+		return -EBUSY;
+	}
 	spin_lock_irqsave(&h->status_lock, flags);
 	cc = readl(ctrl->regs + NVME_REG_CC);
 	csts = readl(ctrl->regs + NVME_REG_CSTS);

@@ -7,7 +7,6 @@ import errno
 import fcntl
 import mmap
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -272,35 +271,13 @@ def test_bar_mmap_bounds(gpu: fg.FakeGpu) -> None:
 # p2phub_fakegpu_consumer.ko is a minimal in-kernel importer / NVIDIA P2P
 # consumer: it checks what the stand-in GPU hands to a real kernel consumer.
 
-CONSUMER = "p2phub_fakegpu_consumer"
-CONSUMER_DIR = Path(f"/sys/kernel/debug/{CONSUMER}")
-
-
-class Consumer:
-    def command(self, cmd: str) -> None:
-        fd = os.open(CONSUMER_DIR / "cmd", os.O_WRONLY)
-        try:
-            os.write(fd, cmd.encode())
-        finally:
-            os.close(fd)
-
-    def state(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for line in (CONSUMER_DIR / "state").read_text().splitlines():
-            key, value = line.split()
-            out[key] = int(value, 0)
-        return out
+Consumer = ru.Consumer
 
 
 @pytest.fixture
 def consumer(gpu_module: None, lab: dict[str, str]) -> Iterator[Consumer]:
-    subprocess.run(["insmod", f"{lab['modules_dir']}/{CONSUMER}.ko"], check=True)
-    c = Consumer()
-    try:
+    with ru.consumer_loaded(lab["modules_dir"]) as c:
         yield c
-    finally:
-        c.command("release")
-        subprocess.run(["rmmod", CONSUMER], check=True)
 
 
 def test_p2p_importer_gets_device_addresses(gpu: fg.FakeGpu, consumer: Consumer,
