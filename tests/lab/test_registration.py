@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from p2phub.hub import Hub, Provider, RegState
 
 import p2phub_fakegpu as fg
 import regutil as ru
+import uffd
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -621,3 +624,42 @@ def test_the_hub_closes_the_controllers_it_opened(target: str) -> None:
     finally:
         hub.close()
         bind.unbind(target)
+
+
+def test_flags_are_checked_in_the_copy_the_kernel_uses() -> None:
+    """The argument header is read once for argsz and flags, then again with the whole struct:
+    flags changed between the two reads (here while the second read waits on a held page) must
+    be refused from the copy the kernel acts on, not let through because the first read was
+    clean."""
+    why = uffd.available()
+    assert why is None, why
+    size = ctypes.sizeof(uapi.Unregister)
+    fd = os.open("/dev/p2phub", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        with uffd.HeldPages(2, present=1) as held:
+            # The 8-byte header ends page 0; the rest of the struct lies in the held page 1.
+            at = held.addr + mmap.PAGESIZE - 8
+            hdr = (ctypes.c_uint32 * 2).from_address(at)
+            hdr[0], hdr[1] = size, 0
+            out: dict[str, int] = {}
+
+            def unregister() -> None:
+                try:
+                    fcntl.ioctl(fd, uapi.UNREGISTER, at)
+                    out["errno"] = 0
+                except OSError as exc:
+                    out["errno"] = exc.errno or 0
+
+            t = threading.Thread(target=unregister)
+            t.start()
+            assert held.wait_fault(30), "UNREGISTER never reached its full copy"
+            hdr[1] = 1 << 31                    # an unknown flag, after the first read
+            held.release()
+            t.join(30)
+            assert not t.is_alive()
+    finally:
+        os.close(fd)
+    assert out["errno"] == errno.EINVAL, (
+        f"UNREGISTER with an unknown flag in the copy it used returned "
+        f"{errno.errorcode.get(out['errno'], out['errno'])}, not EINVAL")
+
