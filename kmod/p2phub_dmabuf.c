@@ -39,6 +39,7 @@
 #include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/mm.h>
+#include <linux/module.h>
 #include <linux/overflow.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
@@ -68,9 +69,21 @@ static const char *p2phub_db_revoke_timeline(struct dma_fence *f)
 	return "revocation";
 }
 
+/*
+ * The fence stays in the source's resv after it signalled, for as long as
+ * the exporter keeps it there: its ops are p2phub's, so each fence holds a
+ * module reference, dropped here, when the last reference to it goes.
+ */
+static void p2phub_db_revoke_release(struct dma_fence *f)
+{
+	dma_fence_free(f);
+	module_put(THIS_MODULE);
+}
+
 static const struct dma_fence_ops p2phub_db_revoke_ops = {
 	.get_driver_name = p2phub_db_revoke_driver,
 	.get_timeline_name = p2phub_db_revoke_timeline,
+	.release = p2phub_db_revoke_release,
 };
 
 static enum dma_data_direction p2phub_dmabuf_dir(struct p2phub_reg *reg)
@@ -190,6 +203,7 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		map->db.sgt = NULL;
 		return;
 	}
+	__module_get(THIS_MODULE);	/* dropped by the fence's release */
 	spin_lock_init(&rv->lock);
 	dma_fence_init(&rv->base, &p2phub_db_revoke_ops, &rv->lock,
 		       dma_fence_context_alloc(1), 1);

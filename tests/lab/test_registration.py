@@ -663,3 +663,38 @@ def test_flags_are_checked_in_the_copy_the_kernel_uses() -> None:
         f"UNREGISTER with an unknown flag in the copy it used returned "
         f"{errno.errorcode.get(out['errno'], out['errno'])}, not EINVAL")
 
+
+def _module_refs() -> int:
+    return int(Path("/sys/module/p2phub/refcnt").read_text())
+
+
+def test_revocation_fence_holds_the_module(lab: dict[str, str]) -> None:
+    """The revocation fence p2phub leaves in a revoked buffer's reservation object outlives every
+    p2phub file; its ops are p2phub's code, so it must keep the module loaded (a reference,
+    dropped when the exporter lets the fence go). Otherwise rmmod, then anything that prints the
+    fence (debugfs bufinfo) or the buffer's release, jumps into unloaded code."""
+    base = _module_refs()
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu, \
+            ru.consumer_loaded(lab["modules_dir"]) as consumer:
+        buf = gpu.export_dmabuf(7 * MiB, 1 * MiB)
+        try:
+            p2p = os.open("/dev/p2phub", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF, fd=buf, length=1 * MiB)
+                fcntl.ioctl(p2p, uapi.REGISTER, arg, True)
+                exp = fcntl.ioctl(p2p, uapi.EXPORT,
+                                  uapi.Export.new(handle=arg.out_handle, flags=uapi.EXPORT_F_CLOEXEC), True)
+                consumer.command(f"dmabuf {exp} {lab['nvme_baseline']}")
+                gpu.revoke(buf)                  # p2phub's fence is added and signalled
+                consumer.command("release")
+                os.close(exp)
+            finally:
+                os.close(p2p)
+            assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+            # Nothing of p2phub is open; its fence still sits in the buffer's resv.
+            assert "revocation" in Path("/sys/kernel/debug/dma_buf/bufinfo").read_text()
+            assert ru.wait_until(lambda: _module_refs() == base + 1), (
+                f"p2phub holds {_module_refs() - base} module reference(s) for its fence (want 1)")
+        finally:
+            os.close(buf)
+    assert ru.wait_until(lambda: _module_refs() == base), "the fence's module reference was not dropped"
