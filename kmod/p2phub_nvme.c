@@ -326,6 +326,27 @@ static void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl)
 	atomic_inc(&p2phub_nvme_function_resets);
 }
 
+/*
+ * The same with the device lock already held (OPEN). No reset_prepare or
+ * reset_done runs: the controller has no owner-visible state yet.
+ */
+static void p2phub_nvme_reset_locked(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct pci_dev *pdev = ctrl->pdev;
+	int ret;
+
+	device_lock_assert(&pdev->dev);
+	pci_save_state(pdev);
+	ret = __pci_reset_function_locked(pdev);
+	pci_restore_state(pdev);
+	if (ret) {
+		pci_info_ratelimited(pdev, "no function reset for the new owner (%d): controller state carries over\n",
+				     ret);
+		return;
+	}
+	atomic_inc(&p2phub_nvme_function_resets);
+}
+
 static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
@@ -443,7 +464,7 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 {
 	struct p2phub_nvme_dma_free arg;
 	struct p2phub_nvme_buf *b;
-	u32 cc;
+	u32 cc, csts;
 	int ret;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
@@ -459,11 +480,15 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 		goto out_unlock;
 	}
 	/*
-	 * An enabled controller may still hold this buffer's address in a
+	 * An enabled controller, or one still ready after CC.EN went 0 (its
+	 * shutdown not done), may still hold this buffer's address in a
 	 * queue or PRP list; a mapped buffer is still in the owner's hands.
 	 */
 	cc = readl(h->ctrl->regs + NVME_REG_CC);
-	if (atomic_read(&b->maps) || (cc != U32_MAX && (cc & NVME_CC_EN))) {
+	csts = readl(h->ctrl->regs + NVME_REG_CSTS);
+	if (atomic_read(&b->maps) ||
+	    (cc != U32_MAX && (cc & NVME_CC_EN)) ||
+	    (csts != U32_MAX && (csts & NVME_CSTS_RDY))) {
 		ret = -EBUSY;
 		goto out_unlock;
 	}
@@ -1007,6 +1032,15 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;
 	mutex_unlock(&ctrl->lock);
+	/*
+	 * A clean controller for the new owner, as VFIO resets at open too:
+	 * whatever happened since the last release (a reset that could not
+	 * be done then) does not carry over. Under the device lock, which
+	 * the reset paths (and so reset_prepare) take: bus mastering goes
+	 * on only after that, under the same lock.
+	 */
+	p2phub_nvme_reset_locked(ctrl);
+	pci_set_master(pdev);
 	device_unlock(&pdev->dev);
 
 	if (why) {
@@ -1014,7 +1048,6 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 			 why);
 		add_taint(TAINT_USER, LOCKDEP_STILL_OK);
 	}
-	pci_set_master(pdev);
 	atomic_inc(&p2phub_nvme_live_handles);
 
 	arg.argsz = sizeof(arg);
