@@ -1204,8 +1204,10 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 	 * before the device can change hands. Like VFIO, ask it (the request
 	 * eventfd and the status page) and wait for it.
 	 */
-	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ))
+	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ)) {
 		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
+		p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_REMOVING, false);
+	}
 
 	pci_free_irq_vectors(pdev);
 	iounmap(ctrl->regs);
