@@ -62,7 +62,9 @@
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
 #include <linux/fs.h>
+#include <linux/jiffies.h>
 #include <linux/mm.h>
+#include <linux/moduleparam.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
@@ -521,19 +523,34 @@ static void p2phub_export_move_notify(struct dma_buf *dmabuf)
 	dma_resv_unlock(dmabuf->resv);
 }
 
+static unsigned int revoke_wait_ms = 10000;
+module_param(revoke_wait_ms, uint, 0644);
+MODULE_PARM_DESC(revoke_wait_ms,
+		 "How long a revocation waits for the importers of a registration's exports to finish, in ms, before the memory is taken from them anyway (default 10000)");
+
 void p2phub_export_revoke_sync(struct p2phub_reg *reg)
 {
+	unsigned long deadline = jiffies +
+				 msecs_to_jiffies(READ_ONCE(revoke_wait_ms));
 	unsigned int i, n;
 	struct file **files = p2phub_export_files(reg, &n);
 
 	for (i = 0; i < n; i++)
 		p2phub_export_move_notify(files[i]->private_data);
-	/* Importers add a fence for what their devices still do; wait for it. */
+	/*
+	 * Importers add a fence for what their devices still do; wait for it,
+	 * but not for ever: this can run inside NVIDIA's free callback, under
+	 * the lock every NVIDIA release takes. An importer still busy at the
+	 * deadline loses the memory anyway (its device faults on the IOMMU).
+	 */
 	for (i = 0; i < n; i++) {
 		struct dma_buf *dmabuf = files[i]->private_data;
+		long left = max_t(long, (long)(deadline - jiffies), 0);
 
-		dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP,
-				      false, MAX_SCHEDULE_TIMEOUT);
+		if (dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP,
+					  false, left) <= 0)
+			pr_warn_ratelimited("registration %u: an importer of its export is still busy after %u ms; revoking anyway\n",
+					    reg->handle, READ_ONCE(revoke_wait_ms));
 	}
 	p2phub_export_files_put(files, n);
 }

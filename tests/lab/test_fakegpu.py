@@ -624,3 +624,35 @@ def test_export_notify_races_export_close(lab: dict[str, str]) -> None:
         os.close(fd)
         _finish(t, out, "close")
     assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_free_does_not_wait_for_ever_for_a_stuck_importer(gpu: fg.FakeGpu, consumer: Consumer,
+                                                         lab: dict[str, str]) -> None:
+    """The free callback runs under NVIDIA's API lock, which every other NVIDIA release waits
+    for: an importer of the export that never finishes must not hold it for ever. After
+    revoke_wait_ms the memory is revoked anyway (logged), and FREE returns."""
+    param = Path("/sys/module/p2phub/parameters/revoke_wait_ms")
+    old = param.read_text().strip() if param.exists() else None
+    va = gpu.va(44 * MiB)
+    try:
+        if old is not None:
+            param.write_text("500")
+        with Hub() as hub, hub.register_nvidia(va, 1 * MiB, device=lab["nvme_target"]) as reg:
+            consumer.command("hold")
+            consumer.command(f"dmabuf {reg.dmabuf_fd} {lab['nvme_baseline']}")
+            assert consumer.state()["mapped"] == 1
+            t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+            try:
+                t.join(30)
+                stuck = t.is_alive()
+                assert consumer.state()["fence_pending"] == 1     # the importer never finished
+            finally:
+                consumer.command("signal")
+                callbacks = _finish(t, out, "FREE")
+                consumer.command("release")
+            assert not stuck, "the free callback waited 30 s (without end) for a stuck importer"
+            assert callbacks == 1 and reg.info().revoked
+    finally:
+        if old is not None:
+            param.write_text(old)
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
