@@ -34,6 +34,7 @@
 #include <linux/fs.h>
 #include <linux/interrupt.h>
 #include <linux/io.h>
+#include <linux/iommu.h>
 #include <linux/io-64-nonatomic-lo-hi.h>
 #include <linux/jiffies.h>
 #include <linux/mm.h>
@@ -280,6 +281,19 @@ static void p2phub_nvme_buf_free(struct p2phub_nvme_handle *h,
 	kfree(b);
 }
 
+/*
+ * A lazily flushing domain (DMA-FQ) clears the page tables at unmap but
+ * flushes the IOTLB later: make what was just unmapped for the controller
+ * unreachable now, before the memory or the controller changes hands.
+ */
+static void p2phub_nvme_flush_iotlb(struct pci_dev *pdev)
+{
+	struct iommu_domain *domain = iommu_get_domain_for_dev(&pdev->dev);
+
+	if (domain && (domain->type & __IOMMU_DOMAIN_PAGING))
+		iommu_flush_iotlb_all(domain);
+}
+
 /* Caller holds h->lock; the controller no longer uses rm's memory. */
 static void p2phub_nvme_regmap_drop(struct p2phub_nvme_handle *h,
 				    struct p2phub_nvme_regmap *rm)
@@ -375,6 +389,7 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 		xa_erase(&h->regmaps, id);
 		p2phub_nvme_regmap_drop(h, rm);
 	}
+	p2phub_nvme_flush_iotlb(pdev);
 	mutex_unlock(&h->lock);
 
 	/* Stopped and holding no memory: clear what this owner left behind. */
@@ -691,8 +706,10 @@ static long p2phub_nvme_ioctl_unmap_reg(struct p2phub_nvme_handle *h,
 
 	mutex_lock(&h->lock);
 	rm = xa_erase(&h->regmaps, arg.handle);
-	if (rm)
+	if (rm) {
 		p2phub_nvme_regmap_drop(h, rm);
+		p2phub_nvme_flush_iotlb(h->ctrl->pdev);
+	}
 	mutex_unlock(&h->lock);
 	return rm ? 0 : -ENOENT;
 }
