@@ -112,7 +112,6 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 	struct p2phub_db_revoke *rv = container_of(work, struct p2phub_db_revoke,
 						   work);
 	struct p2phub_reg *reg = rv->reg;
-	struct dma_resv *resv = reg->db.dmabuf->resv;
 	bool unmapped = false;
 
 	/* The devices stopped in p2phub_reg_revoke(); now the importers. */
@@ -123,14 +122,15 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 	 * signals, so that no address it covers is reachable once the
 	 * exporter reuses the memory. Only by trylock: an exporter may hold
 	 * its resv while it waits for this fence, and p2phub_reg.lock
-	 * holders may wait for that resv.
+	 * holders may wait for that resv. reg->db.dmabuf is read only under
+	 * reg->lock and before teardown (release clears it).
 	 */
 	if (mutex_trylock(&reg->lock)) {
 		if (reg->torn_down) {
 			unmapped = true;	/* release unmaps */
-		} else if (dma_resv_trylock(resv)) {
+		} else if (dma_resv_trylock(reg->db.dmabuf->resv)) {
 			p2phub_dmabuf_unmap_all(reg);
-			dma_resv_unlock(resv);
+			dma_resv_unlock(reg->db.dmabuf->resv);
 			unmapped = true;
 		}
 		mutex_unlock(&reg->lock);
@@ -138,13 +138,13 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 	dma_fence_signal(&rv->base);	/* the exporter may move it now */
 
 	if (!unmapped) {
-		pr_info_ratelimited("registration %u: exporter %s held its reservation across the revocation; the importers' mappings of its exports went after its fence\n",
-				    reg->handle, reg->db.dmabuf->exp_name);
 		mutex_lock(&reg->lock);
 		if (!reg->torn_down) {		/* else release unmaps */
-			dma_resv_lock(resv, NULL);
+			pr_info_ratelimited("registration %u: exporter %s held its reservation across the revocation; mappings went after its fence\n",
+					    reg->handle, reg->db.dmabuf->exp_name);
+			dma_resv_lock(reg->db.dmabuf->resv, NULL);
 			p2phub_dmabuf_unmap_all(reg);
-			dma_resv_unlock(resv);
+			dma_resv_unlock(reg->db.dmabuf->resv);
 		}
 		mutex_unlock(&reg->lock);
 	}
