@@ -173,6 +173,7 @@ void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why)
 	spin_lock(&reg->state_lock);
 	if (reg->state == P2PHUB_REG_LIVE) {
 		reg->state = P2PHUB_REG_REVOKED;
+		reg->revoked = true;	/* stays when it dies later */
 		reg->generation++;
 		first = true;
 		/* Devices stop before the memory can go: see p2phub_reg_user. */
@@ -449,8 +450,7 @@ bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev)
 	mutex_lock(&p2phub_all_regs_lock);
 	list_for_each_entry(reg, &p2phub_all_regs, all_node) {
 		mutex_lock(&reg->lock);
-		if (!reg->torn_down &&
-		    READ_ONCE(reg->state) != P2PHUB_REG_LIVE) {
+		if (!reg->torn_down && READ_ONCE(reg->revoked)) {
 			list_for_each_entry(map, &reg->maps, node)
 				found |= map->pdev == pdev && !map->removed &&
 					 reg->provider->mapped(map);

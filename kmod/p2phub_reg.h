@@ -111,6 +111,7 @@ struct p2phub_reg {
 
 	spinlock_t state_lock;		/* protects the block below */
 	enum p2phub_reg_state state;
+	bool revoked;			/* the owner took the memory back */
 	u64 generation;
 	u32 io_holds;			/* users plus ioctls reading the maps */
 	struct list_head users;		/* struct p2phub_reg_user */
