@@ -8,14 +8,19 @@
  * which only attach importers that allow peer-to-peer.
  *
  * move_notify means the exporter takes the memory away (a pinned buffer
- * never moves for any other reason). The dma-buf rule is that mappings stay
- * valid until the fences in the reservation object signal, so nothing is
- * unmapped there: the registration is revoked (which stops the NVMe
- * controllers that use it), a fence is added to the source's resv
+ * never moves for any other reason). The registration is revoked first,
+ * which stops the NVMe controllers that use it (bus mastering off). A
+ * device mapping that no importer of an export uses is then unmapped at
+ * once, in move_notify, under the resv. For the others the dma-buf rule
+ * applies to the importers of the exports: their mappings stay valid until
+ * their fences signal. So a fence is added to the source's resv
  * (DMA_RESV_USAGE_BOOKKEEP), and a work item tells the importers of every
  * export (p2phub_export_revoke_sync(): move_notify, then wait for their
- * fences), signals the fence and only then unmaps. The unmap comes after
- * the signal because an exporter may wait for the fence with its resv held.
+ * fences), unmaps, and only then signals. No address the fence covers is
+ * reachable once it has signalled, except when the exporter holds its resv
+ * while it waits for the fence (TTM eviction does): the work cannot take
+ * the resv then, signals (the importers are done) and unmaps right after,
+ * with a log line.
  *
  * A source that is one of p2phub's own exports is registered as what it
  * exports: the new registration imports the export of the first
@@ -34,6 +39,7 @@
 #include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/mm.h>
+#include <linux/module.h>
 #include <linux/overflow.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
@@ -63,9 +69,21 @@ static const char *p2phub_db_revoke_timeline(struct dma_fence *f)
 	return "revocation";
 }
 
+/*
+ * The fence stays in the source's resv after it signalled, for as long as
+ * the exporter keeps it there: its ops are p2phub's, so each fence holds a
+ * module reference, dropped here, when the last reference to it goes.
+ */
+static void p2phub_db_revoke_release(struct dma_fence *f)
+{
+	dma_fence_free(f);
+	module_put(THIS_MODULE);
+}
+
 static const struct dma_fence_ops p2phub_db_revoke_ops = {
 	.get_driver_name = p2phub_db_revoke_driver,
 	.get_timeline_name = p2phub_db_revoke_timeline,
+	.release = p2phub_db_revoke_release,
 };
 
 static enum dma_data_direction p2phub_dmabuf_dir(struct p2phub_reg *reg)
@@ -94,19 +112,42 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 	struct p2phub_db_revoke *rv = container_of(work, struct p2phub_db_revoke,
 						   work);
 	struct p2phub_reg *reg = rv->reg;
+	bool unmapped = false;
 
 	/* The devices stopped in p2phub_reg_revoke(); now the importers. */
 	p2phub_export_revoke_sync(reg);
+
+	/*
+	 * Nobody uses the mappings any more: drop them before the fence
+	 * signals, so that no address it covers is reachable once the
+	 * exporter reuses the memory. Only by trylock: an exporter may hold
+	 * its resv while it waits for this fence, and p2phub_reg.lock
+	 * holders may wait for that resv. reg->db.dmabuf is read only under
+	 * reg->lock and before teardown (release clears it).
+	 */
+	if (mutex_trylock(&reg->lock)) {
+		if (reg->torn_down) {
+			unmapped = true;	/* release unmaps */
+		} else if (dma_resv_trylock(reg->db.dmabuf->resv)) {
+			p2phub_dmabuf_unmap_all(reg);
+			dma_resv_unlock(reg->db.dmabuf->resv);
+			unmapped = true;
+		}
+		mutex_unlock(&reg->lock);
+	}
 	dma_fence_signal(&rv->base);	/* the exporter may move it now */
 
-	/* Nobody uses the mappings any more: drop them. */
-	mutex_lock(&reg->lock);
-	if (!reg->torn_down) {		/* else release unmaps */
-		dma_resv_lock(reg->db.dmabuf->resv, NULL);
-		p2phub_dmabuf_unmap_all(reg);
-		dma_resv_unlock(reg->db.dmabuf->resv);
+	if (!unmapped) {
+		mutex_lock(&reg->lock);
+		if (!reg->torn_down) {		/* else release unmaps */
+			pr_info_ratelimited("registration %u: exporter %s held its reservation across the revocation; mappings went after its fence\n",
+					    reg->handle, reg->db.dmabuf->exp_name);
+			dma_resv_lock(reg->db.dmabuf->resv, NULL);
+			p2phub_dmabuf_unmap_all(reg);
+			dma_resv_unlock(reg->db.dmabuf->resv);
+		}
+		mutex_unlock(&reg->lock);
 	}
-	mutex_unlock(&reg->lock);
 	dma_fence_put(&rv->base);
 	p2phub_reg_put(reg);
 }
@@ -114,6 +155,11 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 /*
  * Called under the source's resv for each of our attachments, mapped or
  * not (e.g. while pinning), when the exporter takes the memory back.
+ * The devices that use the registration are stopped first; a mapping no
+ * importer of an export uses is then dropped at once, here. The others
+ * (importers of exports may use them until their fences signal) stay until
+ * the revocation work has told and waited for those importers; a fence in
+ * the source's resv holds the exporter back until then.
  */
 static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 {
@@ -121,16 +167,27 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 	struct dma_resv *resv = attach->dmabuf->resv;
 	struct p2phub_reg *reg = map->reg;
 	struct p2phub_db_revoke *rv;
+	bool in_use;
 
 	dma_resv_assert_held(resv);
 	if (map->db.mapping || !map->db.sgt)
 		return;
 	/* First: the devices that use the registration stop. */
 	p2phub_reg_revoke(reg, "dma-buf move_notify");
+	spin_lock(&reg->state_lock);
+	in_use = map->importers;
+	spin_unlock(&reg->state_lock);
+	if (!in_use) {
+		/* Stopped, or never told an address: unmap now. */
+		dma_buf_unmap_attachment(attach, map->db.sgt,
+					 p2phub_dmabuf_dir(reg));
+		map->db.sgt = NULL;
+		return;
+	}
 	if (reg->db.revoke)
 		return;		/* this revocation's fence is in place */
 
-	rv = kzalloc(sizeof(*rv), GFP_KERNEL);
+	rv = kzalloc(sizeof(*rv), GFP_KERNEL_ACCOUNT);
 	if (!rv || dma_resv_reserve_fences(resv, 1) ||
 	    !kref_get_unless_zero(&reg->kref)) {
 		/*
@@ -146,6 +203,7 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		map->db.sgt = NULL;
 		return;
 	}
+	__module_get(THIS_MODULE);	/* dropped by the fence's release */
 	spin_lock_init(&rv->lock);
 	dma_fence_init(&rv->base, &p2phub_db_revoke_ops, &rv->lock,
 		       dma_fence_context_alloc(1), 1);
@@ -338,7 +396,12 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 	map->db.attach = NULL;
 }
 
-/* The device is being removed: detach from the source now. */
+static bool p2phub_dmabuf_mapped(const struct p2phub_reg_map *map)
+{
+	return READ_ONCE(map->db.sgt);
+}
+
+/* The device is being removed (or let go of): detach from the source now. */
 static void p2phub_dmabuf_unmap_removed(struct p2phub_reg *reg,
 					struct p2phub_reg_map *map)
 {
@@ -447,6 +510,7 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.name	= "dma-buf",
 	.map	= p2phub_dmabuf_map,
 	.unmap	= p2phub_dmabuf_unmap_removed,
+	.mapped	= p2phub_dmabuf_mapped,
 	.cpu_pages = p2phub_dmabuf_cpu_pages,
 	.release = p2phub_dmabuf_release,
 };

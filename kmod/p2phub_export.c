@@ -62,7 +62,9 @@
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
 #include <linux/fs.h>
+#include <linux/jiffies.h>
 #include <linux/mm.h>
+#include <linux/moduleparam.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
@@ -137,6 +139,9 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 		ret = PTR_ERR(map) == -ESTALE ? -ENODEV : PTR_ERR(map);
 		goto err_free;
 	}
+	spin_lock(&reg->state_lock);
+	map->importers++;		/* the hold is the attachment's now */
+	spin_unlock(&reg->state_lock);
 	att->map = map;
 	attach->priv = att;
 	atomic_inc(&p2phub_stats.export_attachments);
@@ -151,11 +156,17 @@ static void p2phub_export_detach(struct dma_buf *dmabuf,
 				 struct dma_buf_attachment *attach)
 {
 	struct p2phub_export_buf *exp = dmabuf->priv;
+	struct p2phub_export_att *att = attach->priv;
 	struct p2phub_reg *reg = exp->reg;
 
+	/* Attached, the registration is not torn down: the map is there. */
 	spin_lock(&reg->state_lock);
 	if (!WARN_ON_ONCE(!reg->export_attached))
 		reg->export_attached--;
+	if (!WARN_ON_ONCE(!att->map->holds || !att->map->importers)) {
+		att->map->holds--;
+		att->map->importers--;
+	}
 	spin_unlock(&reg->state_lock);
 	kfree(attach->priv);
 	attach->priv = NULL;
@@ -512,19 +523,34 @@ static void p2phub_export_move_notify(struct dma_buf *dmabuf)
 	dma_resv_unlock(dmabuf->resv);
 }
 
+static unsigned int revoke_wait_ms = 10000;
+module_param(revoke_wait_ms, uint, 0644);
+MODULE_PARM_DESC(revoke_wait_ms,
+		 "How long a revocation waits for the importers of a registration's exports to finish, in ms, before the memory is taken from them anyway (default 10000)");
+
 void p2phub_export_revoke_sync(struct p2phub_reg *reg)
 {
+	unsigned long deadline = jiffies +
+				 msecs_to_jiffies(READ_ONCE(revoke_wait_ms));
 	unsigned int i, n;
 	struct file **files = p2phub_export_files(reg, &n);
 
 	for (i = 0; i < n; i++)
 		p2phub_export_move_notify(files[i]->private_data);
-	/* Importers add a fence for what their devices still do; wait for it. */
+	/*
+	 * Importers add a fence for what their devices still do; wait for it,
+	 * but not for ever: this can run inside NVIDIA's free callback, under
+	 * the lock every NVIDIA release takes. An importer still busy at the
+	 * deadline loses the memory anyway (its device faults on the IOMMU).
+	 */
 	for (i = 0; i < n; i++) {
 		struct dma_buf *dmabuf = files[i]->private_data;
+		long left = max_t(long, (long)(deadline - jiffies), 0);
 
-		dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP,
-				      false, MAX_SCHEDULE_TIMEOUT);
+		if (dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP,
+					  false, left) <= 0)
+			pr_warn_ratelimited("registration %u: an importer of its export is still busy after %u ms; revoking anyway\n",
+					    reg->handle, READ_ONCE(revoke_wait_ms));
 	}
 	p2phub_export_files_put(files, n);
 }

@@ -34,6 +34,7 @@
 #include <linux/fs.h>
 #include <linux/interrupt.h>
 #include <linux/io.h>
+#include <linux/iommu.h>
 #include <linux/io-64-nonatomic-lo-hi.h>
 #include <linux/jiffies.h>
 #include <linux/mm.h>
@@ -280,12 +281,27 @@ static void p2phub_nvme_buf_free(struct p2phub_nvme_handle *h,
 	kfree(b);
 }
 
+/*
+ * A lazily flushing domain (DMA-FQ) clears the page tables at unmap but
+ * flushes the IOTLB later: make what was just unmapped for the controller
+ * unreachable now, before the memory or the controller changes hands.
+ */
+static void p2phub_nvme_flush_iotlb(struct pci_dev *pdev)
+{
+	struct iommu_domain *domain = iommu_get_domain_for_dev(&pdev->dev);
+
+	if (domain && (domain->type & __IOMMU_DOMAIN_PAGING))
+		iommu_flush_iotlb_all(domain);
+}
+
 /* Caller holds h->lock; the controller no longer uses rm's memory. */
 static void p2phub_nvme_regmap_drop(struct p2phub_nvme_handle *h,
 				    struct p2phub_nvme_regmap *rm)
 {
 	lockdep_assert_held(&h->lock);
 	p2phub_reg_user_del(rm->reg, &rm->user);
+	/* No address of it stays reachable by the controller. */
+	p2phub_reg_dma_pages_put(rm->reg, &rm->list, true);
 	WRITE_ONCE(h->status->reg_gen[rm->slot], 0);
 	clear_bit(rm->slot, h->slots);
 	p2phub_reg_put(rm->reg);
@@ -324,6 +340,27 @@ static void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl)
 	atomic_inc(&p2phub_nvme_function_resets);
 }
 
+/*
+ * The same with the device lock already held (OPEN). No reset_prepare or
+ * reset_done runs: the controller has no owner-visible state yet.
+ */
+static void p2phub_nvme_reset_locked(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct pci_dev *pdev = ctrl->pdev;
+	int ret;
+
+	device_lock_assert(&pdev->dev);
+	pci_save_state(pdev);
+	ret = __pci_reset_function_locked(pdev);
+	pci_restore_state(pdev);
+	if (ret) {
+		pci_info_ratelimited(pdev, "no function reset for the new owner (%d): controller state carries over\n",
+				     ret);
+		return;
+	}
+	atomic_inc(&p2phub_nvme_function_resets);
+}
+
 static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
@@ -352,6 +389,7 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 		xa_erase(&h->regmaps, id);
 		p2phub_nvme_regmap_drop(h, rm);
 	}
+	p2phub_nvme_flush_iotlb(pdev);
 	mutex_unlock(&h->lock);
 
 	/* Stopped and holding no memory: clear what this owner left behind. */
@@ -441,7 +479,7 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 {
 	struct p2phub_nvme_dma_free arg;
 	struct p2phub_nvme_buf *b;
-	u32 cc;
+	u32 cc, csts;
 	int ret;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
@@ -457,11 +495,15 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 		goto out_unlock;
 	}
 	/*
-	 * An enabled controller may still hold this buffer's address in a
+	 * An enabled controller, or one still ready after CC.EN went 0 (its
+	 * shutdown not done), may still hold this buffer's address in a
 	 * queue or PRP list; a mapped buffer is still in the owner's hands.
 	 */
 	cc = readl(h->ctrl->regs + NVME_REG_CC);
-	if (atomic_read(&b->maps) || (cc != U32_MAX && (cc & NVME_CC_EN))) {
+	csts = readl(h->ctrl->regs + NVME_REG_CSTS);
+	if (atomic_read(&b->maps) ||
+	    (cc != U32_MAX && (cc & NVME_CC_EN)) ||
+	    (csts != U32_MAX && (csts & NVME_CSTS_RDY))) {
 		ret = -EBUSY;
 		goto out_unlock;
 	}
@@ -567,6 +609,7 @@ err_user_del:
 	p2phub_reg_user_del(reg, &rm->user);
 err_clear_slot:
 	WRITE_ONCE(h->status->reg_gen[slot], 0);
+	p2phub_reg_dma_pages_put(reg, &rm->list, true);
 err_free_rm:
 	kfree(rm);
 err_put_reg:
@@ -620,6 +663,8 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 	if (ret)
 		goto out_unlock;
 	p2phub_reg_get_ref(reg);
+	/* A racing UNMAP_REG unmaps when this hold goes. */
+	p2phub_reg_dma_pages_hold(reg, &list);
 	mutex_unlock(&h->lock);
 	ret = p2phub_reg_copy_dma_pages(reg, &list, arg.page_size, arg.first,
 					arg.count, u64_to_user_ptr(arg.addrs),
@@ -627,6 +672,7 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 	if (!ret && !p2phub_reg_live(reg, list.generation))
 		ret = -ESTALE;
 	p2phub_reg_io_end(reg);
+	p2phub_reg_dma_pages_put(reg, &list, true);
 	p2phub_reg_put(reg);
 	if (ret)
 		return ret;
@@ -660,8 +706,10 @@ static long p2phub_nvme_ioctl_unmap_reg(struct p2phub_nvme_handle *h,
 
 	mutex_lock(&h->lock);
 	rm = xa_erase(&h->regmaps, arg.handle);
-	if (rm)
+	if (rm) {
 		p2phub_nvme_regmap_drop(h, rm);
+		p2phub_nvme_flush_iotlb(h->ctrl->pdev);
+	}
 	mutex_unlock(&h->lock);
 	return rm ? 0 : -ENOENT;
 }
@@ -683,6 +731,15 @@ static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
 		return -EINVAL;
 
 	mutex_lock(&h->lock);
+	/*
+	 * A revoked registration whose export importers are not done yet is
+	 * still mapped for this device: its addresses would reach memory the
+	 * exporter may reuse.
+	 */
+	if (p2phub_reg_dev_revoked_mapped(ctrl->pdev)) {
+		mutex_unlock(&h->lock);
+		return -EBUSY;
+	}
 	spin_lock_irqsave(&h->status_lock, flags);
 	cc = readl(ctrl->regs + NVME_REG_CC);
 	csts = readl(ctrl->regs + NVME_REG_CSTS);
@@ -992,6 +1049,15 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;
 	mutex_unlock(&ctrl->lock);
+	/*
+	 * A clean controller for the new owner, as VFIO resets at open too:
+	 * whatever happened since the last release (a reset that could not
+	 * be done then) does not carry over. Under the device lock, which
+	 * the reset paths (and so reset_prepare) take: bus mastering goes
+	 * on only after that, under the same lock.
+	 */
+	p2phub_nvme_reset_locked(ctrl);
+	pci_set_master(pdev);
 	device_unlock(&pdev->dev);
 
 	if (why) {
@@ -999,7 +1065,6 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 			 why);
 		add_taint(TAINT_USER, LOCKDEP_STILL_OK);
 	}
-	pci_set_master(pdev);
 	atomic_inc(&p2phub_nvme_live_handles);
 
 	arg.argsz = sizeof(arg);
@@ -1156,8 +1221,10 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 	 * before the device can change hands. Like VFIO, ask it (the request
 	 * eventfd and the status page) and wait for it.
 	 */
-	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ))
+	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ)) {
 		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
+		p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_REMOVING, false);
+	}
 
 	pci_free_irq_vectors(pdev);
 	iounmap(ctrl->regs);

@@ -254,6 +254,11 @@ static void p2phub_nv_unmap(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	atomic_dec(&p2phub_stats.nv_dma_mappings);
 }
 
+static bool p2phub_nv_mapped(const struct p2phub_reg_map *map)
+{
+	return READ_ONCE(map->nv.mapping);
+}
+
 static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 {
 	struct nvidia_p2p_page_table *pt;
@@ -300,6 +305,7 @@ const struct p2phub_provider p2phub_nv_provider = {
 	.name	= "nvidia-p2p",
 	.map	= p2phub_nv_map,
 	.unmap	= p2phub_nv_unmap,
+	.mapped	= p2phub_nv_mapped,
 	.release = p2phub_nv_release,
 };
 

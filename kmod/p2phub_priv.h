@@ -85,10 +85,15 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
  * -> source dma_resv. Zapping those mappings (unmap_mapping_range,
  * i_mmap_rwsem) happens under p2phub_reg.lock.
  * Callbacks: the source's move_notify runs under the source's dma_resv: it
- * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), adds a
- * revocation fence to that resv and queues work. That work takes no
- * p2phub_reg.lock before the fence signals (an exporter may wait for the
- * fence holding its resv, which p2phub_reg.lock holders may wait for).
+ * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), unmaps its
+ * attachment when no export importer uses that map, else adds a revocation
+ * fence to that resv and queues work. That work takes p2phub_reg.lock and
+ * the resv only by trylock before the fence signals (an exporter may wait
+ * for the fence holding its resv, which p2phub_reg.lock holders may wait
+ * for).
+ * p2phub_reg_map_put() (UNMAP_REG, controller release) takes
+ * p2phub_reg.lock -> the source's dma_resv; RESUME takes
+ * p2phub_nvme_handle.lock -> p2phub_all_regs_lock -> p2phub_reg.lock.
  * The exported dma-buf's map/unmap/pin/unpin run under its dma_resv and
  * take nothing of ours; its attach takes p2phub_reg.lock (through
  * p2phub_reg_map_get()), its detach state_lock, its release
@@ -133,12 +138,28 @@ struct p2phub_dma_list {
 	u64 npages;
 	u32 page_shift;			/* log2 of bytes per page */
 	u64 generation;			/* the addresses belong to this one */
+	struct p2phub_reg_map *map;	/* held; p2phub_reg_dma_pages_put() */
 };
 
 struct p2phub_reg *p2phub_reg_get(struct p2phub_file *pf, u64 handle);
 void p2phub_reg_put(struct p2phub_reg *reg);
 int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 			 struct p2phub_dma_list *list);
+/*
+ * Let go of what p2phub_reg_dma_pages() gave. With @unmap, and nobody else
+ * using the device's mapping, the device's mapping goes now rather than at
+ * teardown.
+ */
+void p2phub_reg_dma_pages_put(struct p2phub_reg *reg,
+			      struct p2phub_dma_list *list, bool unmap);
+/* Another hold on what @list holds (the caller keeps one meanwhile). */
+void p2phub_reg_dma_pages_hold(struct p2phub_reg *reg,
+			       const struct p2phub_dma_list *list);
+/*
+ * Whether some registration is revoked but still mapped for @pdev (its
+ * export importers not yet done): the device must not DMA again until not.
+ */
+bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev);
 int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
 			u64 generation);
 void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);

@@ -173,6 +173,7 @@ void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why)
 	spin_lock(&reg->state_lock);
 	if (reg->state == P2PHUB_REG_LIVE) {
 		reg->state = P2PHUB_REG_REVOKED;
+		reg->revoked = true;	/* stays when it dies later */
 		reg->generation++;
 		first = true;
 		/* Devices stop before the memory can go: see p2phub_reg_user. */
@@ -372,7 +373,7 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 			ret = -ENODEV;
 			goto err_unlock;
 		}
-		goto out_unlock;
+		goto out_hold;
 	}
 	if (p2phub_dev_removing(pdev)) {
 		ret = -ENODEV;
@@ -404,7 +405,10 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	}
 	list_add_tail(&map->node, &reg->maps);
 	reg->nr_maps++;
-out_unlock:
+out_hold:
+	spin_lock(&reg->state_lock);
+	map->holds++;
+	spin_unlock(&reg->state_lock);
 	mutex_unlock(&reg->lock);
 	return map;
 
@@ -413,6 +417,50 @@ err_free_map:
 err_unlock:
 	mutex_unlock(&reg->lock);
 	return ERR_PTR(ret);
+}
+
+void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
+			bool unmap)
+{
+	bool last;
+
+	mutex_lock(&reg->lock);
+	if (reg->torn_down) {		/* the map is gone with the pin */
+		mutex_unlock(&reg->lock);
+		return;
+	}
+	spin_lock(&reg->state_lock);
+	last = !WARN_ON_ONCE(!map->holds) && !--map->holds;
+	spin_unlock(&reg->state_lock);
+	if (unmap && last && !map->removed) {
+		list_del(&map->node);
+		reg->nr_maps--;
+		reg->provider->unmap(reg, map);
+		p2phub_reg_map_free(map);
+	}
+	mutex_unlock(&reg->lock);
+}
+
+bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev)
+{
+	struct p2phub_reg_map *map;
+	struct p2phub_reg *reg;
+	bool found = false;
+
+	mutex_lock(&p2phub_all_regs_lock);
+	list_for_each_entry(reg, &p2phub_all_regs, all_node) {
+		mutex_lock(&reg->lock);
+		if (!reg->torn_down && READ_ONCE(reg->revoked)) {
+			list_for_each_entry(map, &reg->maps, node)
+				found |= map->pdev == pdev && !map->removed &&
+					 reg->provider->mapped(map);
+		}
+		mutex_unlock(&reg->lock);
+		if (found)
+			break;
+	}
+	mutex_unlock(&p2phub_all_regs_lock);
+	return found;
 }
 
 /* Used by providers' release(): frees what p2phub_reg_map_get() made. */
@@ -440,10 +488,31 @@ int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 	list->npages = reg->npages;
 	list->page_shift = reg->page_shift;
 	list->generation = gen;
+	list->map = map;
 	/* Revoked while mapping: the caller must not see these addresses. */
-	if (!p2phub_reg_live(reg, gen))
+	if (!p2phub_reg_live(reg, gen)) {
+		p2phub_reg_dma_pages_put(reg, list, false);
 		return -ESTALE;
+	}
 	return 0;
+}
+
+void p2phub_reg_dma_pages_hold(struct p2phub_reg *reg,
+			       const struct p2phub_dma_list *list)
+{
+	spin_lock(&reg->state_lock);
+	list->map->holds++;
+	spin_unlock(&reg->state_lock);
+}
+
+void p2phub_reg_dma_pages_put(struct p2phub_reg *reg,
+			      struct p2phub_dma_list *list, bool unmap)
+{
+	if (!list->map)
+		return;
+	p2phub_reg_map_put(reg, list->map, unmap);
+	list->map = NULL;
+	list->addrs = NULL;
 }
 
 /* ------------------------------------------------------------------ ioctls */
@@ -555,6 +624,7 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 			ret = PTR_ERR(map);
 			goto err_put_reg;
 		}
+		p2phub_reg_map_put(reg, map, false);	/* cached until teardown */
 	}
 
 	/* Publish: the handle becomes visible to the file's other users. */
@@ -771,12 +841,15 @@ static long p2phub_ioctl_dma_pages(struct p2phub_file *pf, void __user *uarg)
 		goto out_put_pdev;
 	/* Keep the map's address array from a racing UNREGISTER. */
 	ret = p2phub_reg_io_begin(reg, list.generation);
-	if (ret)
+	if (ret) {
+		p2phub_reg_dma_pages_put(reg, &list, false);
 		goto out_put_pdev;
+	}
 	ret = p2phub_reg_copy_dma_pages(reg, &list, a.page_size, a.first,
 					a.count, u64_to_user_ptr(a.addrs),
 					&total);
 	p2phub_reg_io_end(reg);
+	p2phub_reg_dma_pages_put(reg, &list, false);	/* cached until teardown */
 	if (ret)
 		goto out_put_pdev;
 	/* Revoked while copying: what user space holds is already stale. */

@@ -42,6 +42,16 @@ struct p2phub_reg_map {
 	 * kept on reg->maps (addrs stays readable) until teardown.
 	 */
 	bool removed;
+	/*
+	 * Under reg->state_lock: users of the map (each holder of
+	 * p2phub_reg_map_get()'s result until its p2phub_reg_map_put(), an
+	 * export attachment until its detach) and, of those, the importers
+	 * of exports (an export attachment), which must be told and waited
+	 * for before the map goes; every other user of a revoked map is
+	 * stopped already (p2phub_reg_user.stop_dma).
+	 */
+	u32 holds;
+	u32 importers;
 	union {
 		struct {
 			struct dma_buf_attachment *attach;
@@ -73,6 +83,8 @@ struct p2phub_provider {
 	 * then skips it. Called with reg->lock held.
 	 */
 	void (*unmap)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	/* Whether the device can still reach the memory through @map. */
+	bool (*mapped)(const struct p2phub_reg_map *map);
 	/*
 	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
 	 * for mmap of its exports, from the exporter's own CPU mapping (never
@@ -99,6 +111,7 @@ struct p2phub_reg {
 
 	spinlock_t state_lock;		/* protects the block below */
 	enum p2phub_reg_state state;
+	bool revoked;			/* the owner took the memory back */
 	u64 generation;
 	u32 io_holds;			/* users plus ioctls reading the maps */
 	struct list_head users;		/* struct p2phub_reg_user */
@@ -164,9 +177,16 @@ static inline size_t p2phub_reg_page_size(const struct p2phub_reg *reg)
 void p2phub_reg_revoke(struct p2phub_reg *reg, const char *why);
 /* Registration work (notify, revocation); drained at module exit. */
 extern struct workqueue_struct *p2phub_reg_wq;
-/* Map @reg for @pdev (cached). Returns the map; reg->lock must not be held. */
+/*
+ * Map @reg for @pdev (cached) and take a hold on the map. Returns the map;
+ * reg->lock must not be held. p2phub_reg_map_put() drops the hold; with
+ * @unmap, the last hold also unmaps the device (what UNMAP_REG and the
+ * controller's release want: no address of it stays reachable).
+ */
 struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 					  struct pci_dev *pdev);
+void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
+			bool unmap);
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
 

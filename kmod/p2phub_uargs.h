@@ -10,6 +10,7 @@
 #define _P2PHUB_UARGS_H
 
 #include <linux/mm.h>
+#include <linux/string.h>
 #include <linux/types.h>
 #include <linux/uaccess.h>
 
@@ -22,7 +23,7 @@
 static inline int p2phub_copy_args(void *karg, size_t ksize,
 				   const void __user *uarg, u32 known_flags)
 {
-	u32 hdr[2];
+	u32 hdr[2], hdr2[2];
 	int ret;
 
 	if (copy_from_user(hdr, uarg, sizeof(hdr)))
@@ -43,6 +44,13 @@ static inline int p2phub_copy_args(void *karg, size_t ksize,
 	}
 	if (copy_from_user(karg, uarg, ksize))
 		return -EFAULT;
+	/*
+	 * The header was read twice: user space may have changed it between
+	 * the reads. What the caller acts on is the full copy: check that.
+	 */
+	memcpy(hdr2, karg, sizeof(hdr2));
+	if (hdr2[0] != hdr[0] || (hdr2[1] & ~known_flags))
+		return -EINVAL;
 	return 0;
 }
 

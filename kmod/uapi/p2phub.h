@@ -415,8 +415,10 @@ struct p2phub_nvme_unmap_reg {
  * (CC.EN = 0 and CSTS.RDY = 0, which the kernel reads), so nothing queued
  * before the fence can run again.
  *
- * Return: 0; -EBUSY the controller is enabled; -ENODEV it is being removed
- * or reads all ones; -EINVAL; -EFAULT.
+ * Return: 0; -EBUSY the controller is enabled, a revoked registration is
+ * still held (NVME_MAP_REG without NVME_UNMAP_REG), or one is still mapped
+ * for this controller because importers of its exports are not done yet;
+ * -ENODEV it is being removed or reads all ones; -EINVAL; -EFAULT.
  */
 struct p2phub_nvme_resume {
 	__u32	argsz;
@@ -429,8 +431,8 @@ struct p2phub_nvme_resume {
  *
  * On a controller fd: signal `eventfd` when the kernel needs the controller
  * back (unbind, removal, a PCI error); P2PHUB_NVME_ST_* in the status page
- * says which. The owner should close the fd; after a grace period the
- * kernel quiesces the controller and revokes the BAR0 mapping itself.
+ * says which. The owner should close the fd: an unbind waits for that
+ * (asking again every 10 s).
  * -1 detaches.
  *
  * Return: 0; -EBADF not an eventfd; -EINVAL; -EFAULT.

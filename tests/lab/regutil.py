@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import struct
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 DEBUGFS = Path("/sys/kernel/debug/p2phub")
 
@@ -60,3 +63,37 @@ def wait_until(pred, timeout: float = 5.0) -> bool:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+# p2phub_fakegpu_consumer.ko: a minimal in-kernel importer / NVIDIA P2P consumer, driven
+# through debugfs (see its source for the commands).
+CONSUMER = "p2phub_fakegpu_consumer"
+CONSUMER_DIR = Path(f"/sys/kernel/debug/{CONSUMER}")
+
+
+class Consumer:
+    def command(self, cmd: str) -> None:
+        fd = os.open(CONSUMER_DIR / "cmd", os.O_WRONLY)
+        try:
+            os.write(fd, cmd.encode())
+        finally:
+            os.close(fd)
+
+    def state(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for line in (CONSUMER_DIR / "state").read_text().splitlines():
+            key, value = line.split()
+            out[key] = int(value, 0)
+        return out
+
+
+@contextmanager
+def consumer_loaded(modules_dir: str) -> Iterator[Consumer]:
+    """Load the consumer module (the stand-in GPU's must be loaded); release and unload after."""
+    subprocess.run(["insmod", f"{modules_dir}/{CONSUMER}.ko"], check=True)
+    c = Consumer()
+    try:
+        yield c
+    finally:
+        c.command("release")
+        subprocess.run(["rmmod", CONSUMER], check=True)

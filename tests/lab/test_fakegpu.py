@@ -7,7 +7,6 @@ import errno
 import fcntl
 import mmap
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -272,35 +271,13 @@ def test_bar_mmap_bounds(gpu: fg.FakeGpu) -> None:
 # p2phub_fakegpu_consumer.ko is a minimal in-kernel importer / NVIDIA P2P
 # consumer: it checks what the stand-in GPU hands to a real kernel consumer.
 
-CONSUMER = "p2phub_fakegpu_consumer"
-CONSUMER_DIR = Path(f"/sys/kernel/debug/{CONSUMER}")
-
-
-class Consumer:
-    def command(self, cmd: str) -> None:
-        fd = os.open(CONSUMER_DIR / "cmd", os.O_WRONLY)
-        try:
-            os.write(fd, cmd.encode())
-        finally:
-            os.close(fd)
-
-    def state(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for line in (CONSUMER_DIR / "state").read_text().splitlines():
-            key, value = line.split()
-            out[key] = int(value, 0)
-        return out
+Consumer = ru.Consumer
 
 
 @pytest.fixture
 def consumer(gpu_module: None, lab: dict[str, str]) -> Iterator[Consumer]:
-    subprocess.run(["insmod", f"{lab['modules_dir']}/{CONSUMER}.ko"], check=True)
-    c = Consumer()
-    try:
+    with ru.consumer_loaded(lab["modules_dir"]) as c:
         yield c
-    finally:
-        c.command("release")
-        subprocess.run(["rmmod", CONSUMER], check=True)
 
 
 def test_p2p_importer_gets_device_addresses(gpu: fg.FakeGpu, consumer: Consumer,
@@ -438,7 +415,9 @@ def test_revoke_waits_for_the_importers_of_p2phub_exports(gpu: fg.FakeGpu, consu
                 time.sleep(0.5)
                 assert t.is_alive(), "REVOKE returned while an importer of the export was busy"
                 assert reg.info().revoked
-                assert gpu.query().mappings == mapped, "p2phub unmapped before the importers finished"
+                # The export importer's mapping stays until it is done; the target's own
+                # mapping (no importer uses it) went at once, inside move_notify.
+                assert gpu.query().mappings == mapped - 1, "p2phub unmapped before the importers finished"
             finally:
                 consumer.command("signal")
                 _finish(t, out, "REVOKE")
@@ -646,4 +625,36 @@ def test_export_notify_races_export_close(lab: dict[str, str]) -> None:
         m.close()
         os.close(fd)
         _finish(t, out, "close")
+    assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
+
+
+def test_free_does_not_wait_for_ever_for_a_stuck_importer(gpu: fg.FakeGpu, consumer: Consumer,
+                                                         lab: dict[str, str]) -> None:
+    """The free callback runs under NVIDIA's API lock, which every other NVIDIA release waits
+    for: an importer of the export that never finishes must not hold it for ever. After
+    revoke_wait_ms the memory is revoked anyway (logged), and FREE returns."""
+    param = Path("/sys/module/p2phub/parameters/revoke_wait_ms")
+    old = param.read_text().strip() if param.exists() else None
+    va = gpu.va(44 * MiB)
+    try:
+        if old is not None:
+            param.write_text("500")
+        with Hub() as hub, hub.register_nvidia(va, 1 * MiB, device=lab["nvme_target"]) as reg:
+            consumer.command("hold")
+            consumer.command(f"dmabuf {reg.dmabuf_fd} {lab['nvme_baseline']}")
+            assert consumer.state()["mapped"] == 1
+            t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+            try:
+                t.join(30)
+                stuck = t.is_alive()
+                assert consumer.state()["fence_pending"] == 1     # the importer never finished
+            finally:
+                consumer.command("signal")
+                callbacks = _finish(t, out, "FREE")
+                consumer.command("release")
+            assert not stuck, "the free callback waited 30 s (without end) for a stuck importer"
+            assert callbacks == 1 and reg.info().revoked
+    finally:
+        if old is not None:
+            param.write_text(old)
     assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}

@@ -149,7 +149,8 @@ def test_function_reset_between_owners(bdf: str, dev: Device) -> None:
             os.close(fd)
         assert vs >= 0x10000, f"owner {owner} read VS {vs:#x}: the registers do not answer"
     resets = int((DEBUGFS / "function_resets").read_text()) - before
-    assert resets == 2, f"{resets} function resets for 2 owners (reset methods: {methods})"
+    assert resets == 4, f"{resets} function resets for 2 owners, want one at each open and release " \
+        f"(reset methods: {methods})"
     print(f"reset methods {methods}; AQA the next owner saw: {aqa:#x} (left: {aqa_left:#x})")
 
 
@@ -257,3 +258,23 @@ def test_req_set(handle: int) -> None:
         assert _errno_of(handle, uapi.NVME_REQ_SET, uapi.NvmeReqSet.new(eventfd=efd, flags=1)) == errno.EINVAL
     finally:
         os.close(efd)
+
+
+def test_open_resets_the_function(bdf: str, dev: Device) -> None:
+    """OPEN resets the PCI function before the new owner gets it (as VFIO does at open), under the
+    device lock; bus mastering is on once OPEN returns, and the registers answer."""
+    before = int((DEBUGFS / "function_resets").read_text())
+    fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
+    try:
+        assert int((DEBUGFS / "function_resets").read_text()) - before == 1, "OPEN did not reset"
+        cmd = int.from_bytes(Path(f"/sys/bus/pci/devices/{bdf}/config").read_bytes()[4:6], "little")
+        assert cmd & 0x4, "bus mastering is off after OPEN"
+        bar = mmap.mmap(fd, 0x2000, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        try:
+            regs = memoryview(bar).cast("I")
+            assert regs[2] >= 0x10000 and regs[0x14 // 4] & 1 == 0   # VS answers, CC.EN is 0
+            regs.release()
+        finally:
+            bar.close()
+    finally:
+        os.close(fd)

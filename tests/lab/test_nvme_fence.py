@@ -427,3 +427,85 @@ def test_unbind_asks_the_owner_to_let_go(lab: dict[str, str]) -> None:
         t.join(timeout=60)
     assert done.is_set(), "unbind did not finish once the owner closed its fd"
     bind.unbind(b)      # back to the kernel nvme driver (and rebinds the module fixture's next use)
+
+
+# ------------------------------------------------------- revocation and unmap order (N1)
+
+def _export(dev: Device, handle: int) -> int:
+    return fcntl.ioctl(dev.fd, uapi.EXPORT, uapi.Export.new(handle=handle, flags=uapi.EXPORT_F_CLOEXEC),
+                       True)
+
+
+def test_unmap_reg_drops_the_controller_mapping(bdf: str, dev: Device, ctrl: int, gpu_module: None) -> None:
+    """UNMAP_REG takes the controller's mapping away at once (the exporter counts it gone), so no
+    address the controller was told stays reachable until UNREGISTER; a revocation then finds
+    nothing of p2phub's still mapped when its wait for p2phub's fence returns."""
+    with fg.FakeGpu() as gpu:
+        dmabuf = gpu.export_dmabuf(4 * MiB, 1 * MiB)
+        try:
+            base = gpu.query().mappings
+            handle = _register(dev, dmabuf, 1 * MiB)
+            assert _map_reg(ctrl, handle, count=1)[0] == 0
+            assert gpu.query().mappings == base + 1
+            assert _errno_of(ctrl, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=handle)) == 0
+            info = uapi.RegInfo.new(handle=handle)
+            dev.ioctl(uapi.REG_INFO, info, "REG_INFO")
+            assert (info.out_nr_devices, gpu.query().mappings) == (0, base), \
+                "the controller's mapping outlived UNMAP_REG"
+            # Mapped again, then revoked: every mapping is gone before the fence lets the exporter go.
+            assert _map_reg(ctrl, handle, count=1)[0] == 0
+            assert _errno_of(ctrl, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=handle)) == 0
+            assert _map_reg(ctrl, handle, count=1)[0] == 0
+            assert gpu.revoke(dmabuf).mappings_left == 0
+            assert _errno_of(ctrl, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=handle)) == 0
+            assert _errno_of(ctrl, uapi.NVME_RESUME, uapi.NvmeResume.new()) == 0
+            assert _unregister(dev, handle) == 0
+        finally:
+            os.close(dmabuf)
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+def test_resume_waits_for_revoked_mappings(bdf: str, dev: Device, ctrl: int, gpu_module: None,
+                                           lab: dict[str, str]) -> None:
+    """A revoked registration still mapped for the controller (an importer of its export, on the
+    same device, is still busy) keeps RESUME refused (EBUSY) even after UNMAP_REG: bus mastering
+    must not come back while an address of the revoked memory is reachable. Once the importer is
+    done, the mapping goes before the exporter's wait returns, and RESUME succeeds."""
+    with fg.FakeGpu() as gpu, regutil.consumer_loaded(lab["modules_dir"]) as consumer:
+        dmabuf = gpu.export_dmabuf(5 * MiB, 1 * MiB)
+        exp = -1
+        try:
+            handle = _register(dev, dmabuf, 1 * MiB)
+            exp = _export(dev, handle)
+            consumer.command("hold")
+            consumer.command(f"dmabuf {exp} {bdf}")
+            assert consumer.state()["mapped"] == 1
+            assert _map_reg(ctrl, handle, count=1)[0] == 0
+            st = _Status(ctrl)
+            out: dict[str, object] = {}
+            t = threading.Thread(target=lambda: out.update(r=gpu.revoke(dmabuf)))
+            t.start()
+            try:
+                assert regutil.wait_until(lambda: bool(st.page.state & uapi.NVME_ST_FENCED), 30)
+                assert regutil.wait_until(lambda: consumer.state()["fence_pending"] == 1, 30)
+                assert _errno_of(ctrl, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=handle)) == 0
+                assert t.is_alive()
+                assert _errno_of(ctrl, uapi.NVME_RESUME, uapi.NvmeResume.new()) == errno.EBUSY, \
+                    "RESUME re-enabled bus mastering while the revoked memory was still mapped"
+                assert not _bus_master(bdf)
+            finally:
+                consumer.command("signal")
+                t.join(60)
+            assert not t.is_alive() and out["r"].mappings_left == 0
+            assert _errno_of(ctrl, uapi.NVME_RESUME, uapi.NvmeResume.new()) == 0
+            assert _bus_master(bdf)
+            consumer.command("release")
+            os.close(exp)
+            exp = -1
+            st.close()
+            assert _unregister(dev, handle) == 0
+        finally:
+            if exp >= 0:
+                os.close(exp)
+            os.close(dmabuf)
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}

@@ -49,9 +49,12 @@ def _open() -> int:
 
 
 class HeldPages:
-    def __init__(self, pages: int) -> None:
+    def __init__(self, pages: int, present: int = 0) -> None:
+        """`pages` pages; the first `present` of them are made present now (never held)."""
         self.size = pages * mmap.PAGESIZE
         self.map = mmap.mmap(-1, self.size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for i in range(present):
+            self.map[i * mmap.PAGESIZE] = 0
         c = ctypes.c_char.from_buffer(self.map)
         self.addr = ctypes.addressof(c)
         del c
