@@ -24,9 +24,11 @@ PKG = TOP / "p2phub"
 CORE = {"p2phub", "p2phub.errors", "p2phub.uapi", "p2phub.device", "p2phub.pci",
         "p2phub._resource", "p2phub.backend", "p2phub.sources", "p2phub.hostmem",
         "p2phub.arrays", "p2phub.blockuse", "p2phub.exitcodes", "p2phub._cffi_build",
-        "p2phub.memory", "p2phub.capabilities", "p2phub.policy"}
+        "p2phub.memory", "p2phub.capabilities", "p2phub.policy", "p2phub.log", "p2phub.deps",
+        "p2phub.metrics"}
 ENGINE_PREFIXES = ("p2phub.hub", "p2phub.staged", "p2phub.nvme", "p2phub.rdma",
-                   "p2phub.ordering", "p2phub.kv")
+                   "p2phub.ordering", "p2phub.kv", "p2phub.batch", "p2phub.staged_io",
+                   "p2phub.nixl")
 TOOL_PREFIXES = ("p2phub.doctor", "p2phub.commands", "p2phub.cli", "p2phub.__main__",
                  "p2phub.kv.benchpeer")
 TIER_NAMES = ("core", "engine", "tool")
