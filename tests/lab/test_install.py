@@ -141,7 +141,7 @@ def register_as(user: list[str], fd: int) -> dict:
 def test_dkms_install_modprobe_group_access_and_remove(lab_module_out: None) -> None:
     kver = os.uname().release
     # -- install, as docs/install.md says: the NVIDIA provider asked for, so a missing header fails
-    res = sh("make", "-C", str(KMOD), "dkms-install", "P2PHUB_NVIDIA=y")
+    res = sh("make", "-C", str(KMOD), "dkms-install", "P2PHUB_NVIDIA=y", timeout=1800)
     out = res.stdout + res.stderr
     assert "NVIDIA P2P provider: nv-p2p.h from /usr/src/nvidia-open-kernel-src/" in out, out[-3000:]
     assert f"{PKG}, {kver}, x86_64: installed" in dkms_status()
