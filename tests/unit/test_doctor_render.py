@@ -50,7 +50,7 @@ def test_fixes_that_pull_apart_come_with_a_note() -> None:
     _rep, lines = _render(Path(__file__).resolve().parents[1] / "fixtures" / "doctor" / "lab-switch-6.12", False)
     text = " ".join(" ".join(lines).split())
     assert "[pcie.host_bridge] clear ACS redirect" in text and "an IOMMU group of its own" in text
-    assert "note fixes 1 and 3 pull apart" in text
+    assert "note fixes 2 and 3 pull apart" in text
     left, right, _ = CONFLICTS[0]
     assert reconcile([next(iter(left))]) == [] and reconcile([next(iter(right))]) == []
     assert len(reconcile(["pcie.link", "pcie.acs", "nvme.confined"])) == 1
