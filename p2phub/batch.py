@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import P2PHubOSError, UsageError
-from .staged import ALIGN, Fence, StagedRegistration, _is_namespace, _ops_of
+from .backend import get_backend
+from .memory import Memory
+from .staged import ALIGN, Fence, StagedRegistration, _is_namespace
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -206,20 +208,18 @@ def _memory(hub: "Hub", reg: Any, i: int) -> _Mem:
     if isinstance(reg, StagedRegistration):
         if reg.closed:
             raise UsageError(f"entry {i}: {reg} is closed")
-        if reg._hub is not hub:
+        if reg.hub is not hub:
             raise UsageError(f"entry {i}: {reg} belongs to another hub")
-        return _Mem(reg, reg.source.ptr, reg.length, reg.source.backend != "host", reg.ops,
-                    max(reg.source.device, 0))
-    if type(reg).__name__ == "Registration" and hasattr(reg, "_check_open"):
+        return _Mem(reg, reg.ptr, reg.length, reg.gpu is not None, reg.ops,
+                    max(reg.device_ordinal, 0))
+    if isinstance(reg, Memory):
         if reg.closed:
             raise UsageError(f"entry {i}: {reg} is closed")
-        try:
-            ops = _ops_of(reg)   # GPU memory: its backend copies to and from it
-        except UsageError:
-            ops = None           # host or dma-buf memory: NVMe entries only (checked in _plan)
+        gpu = reg.gpu   # GPU memory: its backend copies to and from it; host or dma-buf
+        ops = get_backend(gpu.backend) if gpu is not None else None   # memory: NVMe entries only
         src = reg.source
-        return _Mem(reg, getattr(src, "ptr", 0), reg.length, True, ops,
-                    max(getattr(src, "device", 0), 0))
+        return _Mem(reg, gpu.ptr if gpu is not None else getattr(src, "ptr", 0), reg.length, True,
+                    ops, max(gpu.device, 0) if gpu is not None else 0)
     raise UsageError(f"entry {i}: {type(reg).__name__} is not a registration of this hub "
                      "(use hub.register())")
 

@@ -217,7 +217,7 @@ class P2PHubMethod:
 
     def info(self) -> dict[str, Any]:
         return {"hub_mode": self.hub.mode, "mode_reason": self.hub.mode_reason,
-                "reg_path": self.reg.path, "lanes": self.lanes, "chunk": self.chunk}
+                "reg_mode": self.reg.mode, "lanes": self.lanes, "chunk": self.chunk}
 
     def load(self, path: str, size: int) -> float:
         t0 = time.perf_counter()

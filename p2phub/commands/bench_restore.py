@@ -190,7 +190,7 @@ class P2PHubBatch:
 
     def info(self) -> dict[str, Any]:
         return {"hub_mode": self.hub.mode, "mode_reason": self.hub.mode_reason,
-                "reg_path": self.reg.path, "last_batch": self.stats, **self.settings}
+                "reg_mode": self.reg.mode, "last_batch": self.stats, **self.settings}
 
     def close(self) -> None:
         self.hub.close()

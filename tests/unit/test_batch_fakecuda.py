@@ -32,7 +32,7 @@ def fake_gpu(hub, nbytes):
     ptr = buf.ctypes.data
     rng = GpuRange("fakecuda", 0, ptr, nbytes, ptr, nbytes, keepalive=[buf])
     reg = staged.StagedRegistration(hub, rng, FakeCudaOps(), "fake GPU memory")
-    hub._staged.add(reg)
+    hub._staging.add(reg)
     return buf, reg
 
 path, out = sys.argv[1], sys.argv[2]
