@@ -38,6 +38,7 @@
 #include <linux/dma-map-ops.h>
 #include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
+#include <linux/hugetlb.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/overflow.h>
@@ -425,18 +426,73 @@ static struct page *p2phub_dmabuf_vaddr_page(const void *p)
 	return NULL;
 }
 
+enum p2phub_dmabuf_cache {
+	P2PHUB_CACHE_WB,
+	P2PHUB_CACHE_WC,
+	P2PHUB_CACHE_OTHER,	/* or unknown: only the exporter may map it */
+};
+
+/*
+ * The caching of the exporter's own kernel mapping at @p, which is what it
+ * set up for the memory (vgem: write-combined, in the linear map as well).
+ * A CPU mapping with another caching would be an alias x86 PAT forbids.
+ * Only x86's page tables are read; elsewhere the exporter maps.
+ */
+static enum p2phub_dmabuf_cache p2phub_dmabuf_vaddr_cache(const void *p)
+{
+#ifdef CONFIG_X86
+	unsigned long cache = _PAGE_CACHE_MASK;
+	unsigned int level;
+	pte_t *pte;
+
+	pte = lookup_address((unsigned long)p, &level);
+	if (!pte || level != PG_LEVEL_4K || !pte_present(*pte))
+		return P2PHUB_CACHE_OTHER;
+	cache &= pte_val(*pte);
+	if (cache == (pgprot_val(PAGE_KERNEL) & _PAGE_CACHE_MASK))
+		return P2PHUB_CACHE_WB;
+	if (cache == (pgprot_val(pgprot_writecombine(PAGE_KERNEL)) &
+		      _PAGE_CACHE_MASK))
+		return P2PHUB_CACHE_WC;
+#endif
+	return P2PHUB_CACHE_OTHER;
+}
+
+/*
+ * Whether p2phub may put @page into a user mapping of its own with the
+ * caching *@cache (all pages alike): an order-0 page that is not hugetlb
+ * (the exporter's vmap may name a large folio's head for each of its
+ * pages, and tail pages need the exporter's own accounting).
+ */
+static bool p2phub_dmabuf_page_mappable(struct page *page, const void *p,
+					enum p2phub_dmabuf_cache *cache,
+					bool first)
+{
+	enum p2phub_dmabuf_cache c;
+
+	if (PageHuge(page) || folio_test_large(page_folio(page)))
+		return false;
+	c = p2phub_dmabuf_vaddr_cache(p);
+	if (c == P2PHUB_CACHE_OTHER || (!first && c != *cache))
+		return false;
+	*cache = c;
+	return true;
+}
+
 /*
  * The pages of the window, for mmap of the exports: found through the
  * source exporter's own kernel mapping of the buffer (dma_buf_vmap(), made
  * on the first mmap and kept until teardown), never from an importer's
  * sg_table, whose page links belong to the exporter (CONFIG_DMABUF_DEBUG
  * scrambles them). Called with reg->lock held. -ENODEV: the exporter gives
- * no vmap, or one of I/O memory (a GPU BAR); nothing is kept then.
+ * no vmap, or one of I/O memory (a GPU BAR); -EREMOTE: pages p2phub cannot
+ * map itself (see p2phub_dmabuf_page_mappable()); nothing is kept then.
  */
 static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
-				   struct page ***pages)
+				   struct page ***pages, bool *wc)
 {
 	struct p2phub_reg_map *map = reg->db.cpu;
+	enum p2phub_dmabuf_cache cache = P2PHUB_CACHE_WB;
 	u8 *vaddr;
 	u64 i;
 	int ret;
@@ -444,6 +500,7 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 	lockdep_assert_held(&reg->lock);
 	if (map) {
 		*pages = map->db.pages;
+		*wc = map->db.wc;
 		return 0;
 	}
 	map = kzalloc(sizeof(*map), GFP_KERNEL);
@@ -468,20 +525,63 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 		goto err_vunmap;
 	vaddr = (u8 *)map->db.vmap.vaddr + reg->db.offset;
 	for (i = 0; i < reg->npages; i++) {
-		map->db.pages[i] = p2phub_dmabuf_vaddr_page(vaddr + i * PAGE_SIZE);
-		if (!map->db.pages[i])
+		u8 *p = vaddr + i * PAGE_SIZE;
+
+		map->db.pages[i] = p2phub_dmabuf_vaddr_page(p);
+		if (!map->db.pages[i] || !pfn_valid(page_to_pfn(map->db.pages[i])))
 			goto err_vunmap;
+		if (!p2phub_dmabuf_page_mappable(map->db.pages[i], p, &cache,
+						 !i)) {
+			ret = -EREMOTE;
+			goto err_vunmap_quiet;
+		}
 	}
+	map->db.wc = cache == P2PHUB_CACHE_WC;
 	reg->db.cpu = map;
 	*pages = map->db.pages;
+	*wc = map->db.wc;
 	return 0;
 
 err_vunmap:
 	pr_info_ratelimited("registration %u: exporter %s gave no struct pages; its export cannot be mmapped\n",
 			    reg->handle, reg->db.dmabuf->exp_name);
+err_vunmap_quiet:
 	p2phub_dma_buf_vunmap(reg->db.dmabuf, &map->db.vmap);
 err_free:
 	p2phub_dmabuf_cpu_map_free(map);
+	return ret;
+}
+
+/*
+ * mmap of an export whose pages p2phub cannot map itself: the source
+ * exporter maps the window, as for an mmap of the source's own fd at that
+ * offset (its pages, its caching, its fault handler). The VMA then holds
+ * the source dma-buf, not the export: it is not one of the registration's
+ * users.
+ */
+static int p2phub_dmabuf_mmap(struct p2phub_reg *reg, struct vm_area_struct *vma)
+{
+	struct dma_buf *src = NULL;
+	unsigned long pgoff = 0;
+	int ret = -ENODEV;
+
+	mutex_lock(&reg->lock);
+	if (!reg->torn_down && reg->db.dmabuf) {
+		src = reg->db.dmabuf;
+		get_dma_buf(src);
+		pgoff = reg->db.offset >> PAGE_SHIFT;
+	}
+	mutex_unlock(&reg->lock);
+	if (!src)
+		return ret;
+	if (check_add_overflow(pgoff, vma->vm_pgoff, &pgoff))
+		ret = -EOVERFLOW;
+	else
+		ret = dma_buf_mmap(src, vma, pgoff);
+	if (ret)
+		pr_info_ratelimited("registration %u: exporter %s refused to map its export: %d\n",
+				    reg->handle, src->exp_name, ret);
+	dma_buf_put(src);
 	return ret;
 }
 
@@ -512,6 +612,7 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.unmap	= p2phub_dmabuf_unmap_removed,
 	.mapped	= p2phub_dmabuf_mapped,
 	.cpu_pages = p2phub_dmabuf_cpu_pages,
+	.mmap	= p2phub_dmabuf_mmap,
 	.release = p2phub_dmabuf_release,
 };
 

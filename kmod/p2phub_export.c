@@ -32,8 +32,15 @@
  * not. The pages come from the source exporter's own CPU mapping
  * (dma_buf_vmap(), kept until teardown), never from an importer's
  * sg_table; faults insert them with vm_insert_page() into a VM_MIXEDMAP
- * VMA. Memory without pages (a GPU BAR export, NVIDIA P2P, an I/O-memory
- * vmap) and revocable memory refuse mmap with -ENODEV.
+ * VMA, with the caching of the exporter's own kernel mapping (vgem's is
+ * write-combined: a write-back alias would break x86 PAT). Pages p2phub
+ * cannot map itself (large folios, whose pages the exporter's vmap may not
+ * name one by one; hugetlb; a caching it cannot read or reproduce) are
+ * mapped by the source exporter instead (dma_buf_mmap() of the window):
+ * that VMA is the exporter's, as if the source fd had been mapped, and is
+ * neither counted nor zapped by p2phub. Memory without pages (a GPU BAR
+ * export, NVIDIA P2P, an I/O-memory vmap) and revocable memory refuse mmap
+ * with -ENODEV.
  *
  * Page references: each PTE holds a reference on its page (taken by
  * vm_insert_page(), dropped by the zap or munmap), on top of the source's
@@ -321,6 +328,7 @@ static vm_fault_t p2phub_export_vm_fault(struct vm_fault *vmf)
 	struct p2phub_reg *reg = exp->reg;
 	struct page **pages = NULL;
 	vm_fault_t ret = VM_FAULT_SIGBUS;
+	bool wc;
 	int err;
 
 	/* Serialized with the zap in p2phub_export_notify(). */
@@ -328,7 +336,7 @@ static vm_fault_t p2phub_export_vm_fault(struct vm_fault *vmf)
 	if (reg->torn_down || !p2phub_export_live(reg) ||
 	    vmf->pgoff >= reg->npages)
 		goto out_unlock;
-	err = reg->provider->cpu_pages(reg, &pages);
+	err = reg->provider->cpu_pages(reg, &pages, &wc);
 	if (err) {
 		ret = err == -ENOMEM ? VM_FAULT_OOM : VM_FAULT_SIGBUS;
 		goto out_unlock;
@@ -362,6 +370,7 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 	struct p2phub_reg *reg = exp->reg;
 	unsigned long npages = vma_pages(vma);
 	struct page **pages = NULL;
+	bool wc = false;
 	u64 end;
 	int ret;
 
@@ -379,6 +388,13 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 				    reg->handle, reg->provider->name);
 		return -ENODEV;
 	}
+	/*
+	 * DONTEXPAND: mremap cannot grow it past what was checked above,
+	 * whoever maps it (an exporter below maps only the window).
+	 */
+	p2phub_vm_flags_set(vma, VM_DONTEXPAND | VM_DONTDUMP);
+	if (reg->read_only)
+		p2phub_vm_flags_clear(vma, VM_MAYWRITE);
 
 	mutex_lock(&reg->lock);
 	if (reg->torn_down || !p2phub_export_live(reg)) {
@@ -386,23 +402,25 @@ static int p2phub_export_mmap(struct dma_buf *dmabuf,
 		goto out_unlock;
 	}
 	/* Learn the pages now, so that memory without them fails here. */
-	ret = reg->provider->cpu_pages(reg, &pages);
+	ret = reg->provider->cpu_pages(reg, &pages, &wc);
 	if (ret)
 		goto out_unlock;
 
 	/*
 	 * VM_MIXEDMAP: PTEs of normal, refcounted pages that GUP accepts
-	 * (not VM_PFNMAP, not VM_IO); DONTEXPAND: mremap cannot grow it past
-	 * what was checked above.
+	 * (not VM_PFNMAP, not VM_IO), with the exporter's caching.
 	 */
-	p2phub_vm_flags_set(vma, VM_MIXEDMAP | VM_DONTEXPAND | VM_DONTDUMP);
-	if (reg->read_only)
-		p2phub_vm_flags_clear(vma, VM_MAYWRITE);
+	p2phub_vm_flags_set(vma, VM_MIXEDMAP);
+	if (wc)
+		vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
 	vma->vm_ops = &p2phub_export_vm_ops;
 	vma->vm_private_data = exp;
 	p2phub_export_vm_open(vma);	/* the core calls open only on copies */
 out_unlock:
 	mutex_unlock(&reg->lock);
+	/* Pages only the exporter can map: it maps the window itself. */
+	if (ret == -EREMOTE)
+		ret = reg->provider->mmap ? reg->provider->mmap(reg, vma) : -ENODEV;
 	return ret;
 }
 

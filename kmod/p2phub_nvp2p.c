@@ -37,9 +37,17 @@
  *    put_pages() frees it);
  *  - users re-check the registration after copying addresses out
  *    (p2phub_reg_live()), so addresses freed meanwhile are never trusted.
+ *  - release calls put_pages() only if no callback ran since it claimed the
+ *    table (the callback notes it, freed_early), decided under reg->lock;
+ *    a callback that comes after that decision waits up to
+ *    P2PHUB_NV_PUT_GRACE_MS for the put_pages() call before it returns (and
+ *    NVIDIA frees the table): R470-era drivers read page_table->gpu_uuid
+ *    in put_pages() before they take the API lock. The call blocks on that
+ *    lock, so the wait cannot be for its return.
  * One window stays open and is the driver's: dma_map_pages() reads the
  * table before it takes the API lock, so a callback that runs right then
- * frees it under the call.
+ * frees it under the call. The grace above narrows, but cannot close, the
+ * like window of old drivers' put_pages().
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -51,6 +59,8 @@
 
 #include "nv-p2p.h"
 #include "p2phub_reg.h"
+
+#define P2PHUB_NV_PUT_GRACE_MS	100
 
 static struct {
 	typeof(&nvidia_p2p_get_pages) get_pages;
@@ -161,9 +171,22 @@ static void p2phub_nv_free_callback(void *data)
 	pt = reg->nv.page_table;
 	reg->nv.page_table = NULL;		/* claimed: its end is ours */
 	if (!pt) {
-		/* Not yet published (setup sees this), or release has it. */
+		/*
+		 * Not yet published (setup sees this), or release has it
+		 * (and then calls put_pages() only if it had decided to
+		 * before now: let that call read the table before NVIDIA
+		 * frees it on our return).
+		 */
+		bool putting = reg->nv.putting;
+
 		reg->nv.freed_early = true;
 		mutex_unlock(&reg->lock);
+		if (putting &&
+		    !wait_var_event_timeout(&reg->nv.putting,
+					    !READ_ONCE(reg->nv.putting),
+					    msecs_to_jiffies(P2PHUB_NV_PUT_GRACE_MS)))
+			pr_debug("registration %u: free callback during put_pages\n",
+				 reg->handle);
 		srcu_read_unlock(&p2phub_nv_srcu, idx);
 		return;
 	}
@@ -263,10 +286,12 @@ static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 {
 	struct nvidia_p2p_page_table *pt;
 	struct p2phub_reg_map *map;
+	bool claimed;
 	int ret;
 
 	mutex_lock(&reg->lock);
 	pt = reg->nv.page_table;
+	claimed = pt;
 	reg->nv.page_table = NULL;		/* claimed: its end is ours */
 	/*
 	 * A callback cannot let NVIDIA free the table while we hold the lock
@@ -288,13 +313,29 @@ static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 		/* A map that dropped reg->lock still uses the table. */
 		wait_var_event(&reg->nv.maps_in_flight,
 			       !READ_ONCE(reg->nv.maps_in_flight));
+		/*
+		 * A callback that ran since the claim let NVIDIA free the
+		 * table: never hand it to put_pages() then. Otherwise a
+		 * callback from now on waits for the call (see the top).
+		 */
+		mutex_lock(&reg->lock);
+		if (reg->nv.freed_early)
+			pt = NULL;
+		else
+			reg->nv.putting = true;
+		mutex_unlock(&reg->lock);
+	}
+	if (pt) {
 		/* 0 also when a callback ran meanwhile: NVIDIA frees then. */
 		ret = p2phub_nv.put_pages(0, 0, reg->nv.va, pt);
 		if (ret)
 			pr_warn_ratelimited("registration %u: nvidia_p2p_put_pages(0x%llx) failed: %d\n",
 					    reg->handle, reg->nv.va, ret);
-		atomic_dec(&p2phub_stats.nv_page_tables);
+		WRITE_ONCE(reg->nv.putting, false);
+		wake_up_var(&reg->nv.putting);
 	}
+	if (claimed)
+		atomic_dec(&p2phub_stats.nv_page_tables);
 	/* A callback still running touches reg: let it finish. */
 	synchronize_srcu(&p2phub_nv_srcu);
 	p2phub_nv_syms_put();

@@ -21,6 +21,7 @@ struct dma_buf_attachment;
 struct p2phub_db_revoke;
 struct page;
 struct sg_table;
+struct vm_area_struct;
 
 enum p2phub_reg_state {
 	P2PHUB_REG_LIVE = P2PHUB_REG_STATE_LIVE,
@@ -58,6 +59,7 @@ struct p2phub_reg_map {
 			struct sg_table *sgt;	/* under the source's dma_resv */
 			struct page **pages;	/* CPU map: reg->npages */
 			struct iosys_map vmap;	/* CPU map: the source's vmap */
+			bool wc;	/* CPU map: the exporter maps it WC */
 			bool pinned;
 			bool mapping;	/* pin/map in progress: ignore moves */
 		} db;
@@ -89,9 +91,18 @@ struct p2phub_provider {
 	 * The struct pages of the registration (reg->npages of PAGE_SIZE),
 	 * for mmap of its exports, from the exporter's own CPU mapping (never
 	 * an importer's sg_table); valid until release(). NULL, or -ENODEV,
-	 * when the memory has none. Called with reg->lock held.
+	 * when the memory has none; -EREMOTE when only the exporter can map
+	 * them (large folios, a caching p2phub cannot reproduce): then mmap()
+	 * below. *@wc: the exporter maps them write-combined. Called with
+	 * reg->lock held.
 	 */
-	int (*cpu_pages)(struct p2phub_reg *reg, struct page ***pages);
+	int (*cpu_pages)(struct p2phub_reg *reg, struct page ***pages, bool *wc);
+	/*
+	 * Have the source exporter map @vma (its pgoff relative to the
+	 * registration) itself: the VMA becomes the exporter's. Called
+	 * without reg->lock.
+	 */
+	int (*mmap)(struct p2phub_reg *reg, struct vm_area_struct *vma);
 	/*
 	 * Release the pin and every mapping on @maps (already off reg->maps);
 	 * no callback of the provider runs for @reg afterwards. Called once,
@@ -143,7 +154,8 @@ struct p2phub_reg {
 		struct {
 			u64 va;
 			void *page_table;	/* under lock; NULL once claimed */
-			bool freed_early;	/* callback ran before publication */
+			bool freed_early;	/* callback ran unpublished/claimed */
+			bool putting;		/* under lock: release's put_pages due */
 			u32 maps_in_flight;	/* under lock: dma_map_pages running */
 		} nv;
 	};

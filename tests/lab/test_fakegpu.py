@@ -657,4 +657,39 @@ def test_free_does_not_wait_for_ever_for_a_stuck_importer(gpu: fg.FakeGpu, consu
     finally:
         if old is not None:
             param.write_text(old)
+
+@pytest.fixture
+def legacy_put_pages(gpu_module: None) -> Iterator[None]:
+    """The stand-in's R470-era put_pages: it reads the table's gpu_uuid before its lookup."""
+    knob = Path("/sys/module/p2phub_fakegpu/parameters/legacy_put_pages")
+    knob.write_text("1")
+    yield
+    knob.write_text("0")
+
+
+def test_no_put_pages_on_a_table_a_racing_callback_freed(gpu: fg.FakeGpu, callback_delay,
+                                                          legacy_put_pages,
+                                                          lab: dict[str, str]) -> None:
+    """DMA_PAGES is blocked in dma_map_pages behind FREE (which holds the API lock); UNREGISTER
+    claims the page table and waits for that map; FREE's callback finds the table claimed and
+    returns, and the driver frees the table. Release must then not hand it to put_pages, which
+    an R470-era driver dereferences first (the stand-in counts that read as misuse; KASAN sees
+    the use-after-free on the debug kernel)."""
+    callback_delay(3000)
+    va = gpu.va(44 * MiB)
+    misuse = gpu.query().misuse
+    with Hub() as hub:
+        reg = hub.register_nvidia(va, 1 * MiB)
+        t, out = _in_thread(lambda: gpu.free_va(va, 1 * MiB))
+        assert ru.wait_until(_free_is_waiting, 30)    # FREE holds the API lock now
+        p, pout = _in_thread(lambda: reg.dma_pages(lab["nvme_target"]))
+        time.sleep(1.0)                               # DMA_PAGES waits in dma_map_pages
+        u, uout = _in_thread(reg.close)
+        assert _finish(t, out, "FREE") == 1
+        with pytest.raises((RevokedError, P2PHubOSError)):
+            _finish(p, pout, "DMA_PAGES")
+        _finish(u, uout, "UNREGISTER")
+    q = gpu.query()
+    assert q.misuse == misuse, "put_pages was called on a page table the driver had freed"
+    assert (q.page_tables, q.dma_mappings) == (0, 0)
     assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}

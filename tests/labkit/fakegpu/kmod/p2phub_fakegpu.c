@@ -33,6 +33,11 @@
  *    that its callback takes.
  * callback_delay_ms (debugfs) makes FREE sleep, holding fakegpu_rm_lock,
  * before it runs the callbacks: tests use it to line up races.
+ * legacy_put_pages (module parameter) models an R470-era driver, whose
+ * put_pages reads page_table->gpu_uuid before it takes the API lock and
+ * looks the table up: put_pages on a table a free callback already let the
+ * driver free is then a use-after-free (KASAN sees the read; the stand-in
+ * counts it as misuse).
  *
  * Lock order (outer first):
  *   fakegpu_free_lock     serialises FREE and unbind
@@ -544,6 +549,28 @@ int nvidia_p2p_get_pages_persistent(uint64_t virtual_address, uint64_t length,
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages_persistent);
 
+static bool legacy_put_pages;
+module_param(legacy_put_pages, bool, 0644);
+MODULE_PARM_DESC(legacy_put_pages,
+		 "put_pages reads the page table's gpu_uuid before taking the API lock, as R470-era drivers do (default off)");
+
+/*
+ * R470-era put_pages: the table's GPU UUID is read first, unlocked, to find
+ * the GPU. On a table already freed that read is a use-after-free.
+ */
+static void fakegpu_put_pages_legacy_read(struct nvidia_p2p_page_table *pt,
+					  const char *fn)
+{
+	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
+
+	memcpy(uuid, pt->gpu_uuid, sizeof(uuid));	/* KASAN: use-after-free */
+	mutex_lock(&fakegpu_lock);
+	if (!fakegpu_pt_find(pt) && fakegpu_pt_was_freed(pt))
+		fakegpu_misuse("%s: read gpu_uuid of page table %p, which the driver already freed (a use-after-free with R470-era drivers)\n",
+			       fn, pt);
+	mutex_unlock(&fakegpu_lock);
+}
+
 static int fakegpu_put_pages(u64 va, struct nvidia_p2p_page_table *pt,
 			     bool persistent)
 {
@@ -554,6 +581,8 @@ static int fakegpu_put_pages(u64 va, struct nvidia_p2p_page_table *pt,
 
 	if (!pt)
 		return 0;	/* as the real driver */
+	if (READ_ONCE(legacy_put_pages))
+		fakegpu_put_pages_legacy_read(pt, fn);
 	if (fakegpu_in_callback(fn))
 		return -EINVAL;	/* the contract: never put in the callback */
 
