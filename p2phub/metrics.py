@@ -149,9 +149,11 @@ def kv_refused(agent: str) -> None:
         KV_ERRORS.labels(agent, "received").inc()
 
 
-def nvme_ops(bdf: str, ops: list[Any], fut: Any) -> None:
+def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = None) -> None:
     """A batch of requests (Namespace.submit_ops) went to controller `bdf`: when it is done,
-    each request counts its bytes, or its error (per-request NVMe status)."""
+    each request counts its bytes, or its error (per-request NVMe status); where the caller
+    has one future per request (Namespace.submit), each also observes its latency (from
+    submission to its last command's completion)."""
     if not ENABLED:
         return
     t0 = time.monotonic()
@@ -166,6 +168,11 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any) -> None:
                 NVME_BYTES.labels(bdf, kind).inc(int(getattr(op, "nbytes", 0) or 0))
         NVME_BATCH_SECONDS.labels(bdf, "requests").observe(time.monotonic() - t0)
     fut.add_done_callback(done)
+    for op, of in zip(ops, op_futures or ()):
+        def one(f: Any, kind: str = getattr(op, "kind", "other")) -> None:
+            if getattr(f, "_exc", None) is None:
+                NVME_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
+        of.add_done_callback(one)
 
 
 def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:

@@ -31,11 +31,13 @@ import statistics
 import time
 from typing import Any, Callable
 
+from .argtypes import comma_list, positive, size_bytes, size_text
 from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
                          make_file)
 
 SCHEMA = "p2phub.bench.restore/1"
 METHODS = "ceiling,p2phub,p2phub-load,kvikio8,kvikio16,torch"
+
 
 
 def add_parser(sub: Any) -> None:
@@ -46,20 +48,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--file", default="/var/tmp/p2phub-bench.bin",
                    help="the file to read (made with a checkable pattern if missing or of "
                         "another size)")
-    p.add_argument("--size", default="4G", help="file size (default 4G)")
-    p.add_argument("--count", type=int, default=4096, help="reads per batch (default 4096)")
-    p.add_argument("--sizes", default="4K,64K,256K,1M", help="read sizes (default 4K,64K,256K,1M)")
-    p.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
+    p.add_argument("--size", type=size_text, default="4G", help="file size (default 4G)")
+    p.add_argument("--count", type=positive, default=4096, help="reads per batch (default 4096)")
+    p.add_argument("--sizes", type=comma_list(size_bytes), default="4K,64K,256K,1M", help="read sizes (default 4K,64K,256K,1M)")
+    p.add_argument("--runs", type=positive, default=3, help="runs; medians are reported (default 3)")
     p.add_argument("--methods", default=METHODS, help=f"methods, in order (default {METHODS})")
-    p.add_argument("--depths", default="64,128,256", help="queue depths of the ceiling")
+    p.add_argument("--depths", type=comma_list(positive), default="64,128,256", help="queue depths of the ceiling")
     p.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
                    help="destination memory (default: cuda where torch sees a GPU, else host)")
-    p.add_argument("--sample", type=int, default=64, help="requests checked per method and run")
-    p.add_argument("--depth", type=int, default=128, help="p2phub batch queue depth")
-    p.add_argument("--slot", default="1M", help="p2phub batch staging slot size")
+    p.add_argument("--sample", type=positive, default=64, help="requests checked per method and run")
+    p.add_argument("--depth", type=positive, default=128, help="p2phub batch queue depth")
+    p.add_argument("--slot", type=size_text, default="1M", help="p2phub batch staging slot size")
     p.add_argument("--mode", choices=("auto", "p2p", "staged"), default="auto",
                    help="Hub mode for p2phub (default auto)")
-    p.add_argument("--seed", type=int, default=21)
+    p.add_argument("--seed", type=int, default=21,
+                   help="seed of the random offsets and places (default 21)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(bench_restore=True)
 

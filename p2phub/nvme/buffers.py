@@ -116,11 +116,11 @@ class Mappings:
     def get(self, reg: Memory) -> RegMapping:
         """The mapping of `reg` for this controller, made (MAP_REG) on first use: the memory
         is bound to the controller (``reg.bind(bdf)``), which refuses staged memory."""
+        if reg.closed:   # refused even while still mapped: its owner let go of it
+            raise UsageError(f"{reg!r} is closed")
         m = self._by_handle.get(reg.handle)
         if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
             return m
-        if reg.closed:
-            raise UsageError(f"{reg!r} is closed")
         binding = reg.bind(self.bdf)
         binding.require_direct(f"an NVMe transfer by {self.bdf}")
         if binding.device_file is not self.device:

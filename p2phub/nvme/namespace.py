@@ -171,7 +171,7 @@ class Namespace:
         elif tokens:
             fut.add_done_callback(lambda _f: [self._release(t) for t in tokens if t is not None])
         ordering.bind(ordered, op_futs or _Same(fut))
-        metrics.nvme_ops(self._ctx.name, ops, fut)
+        metrics.nvme_ops(self._ctx.name, ops, fut, op_futs)
         return qp.submit_batch(fut)
 
     def _encode(self, ops: list[Op]) -> tuple[Any, int, OpTable, list, Any, tuple]:

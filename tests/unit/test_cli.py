@@ -48,6 +48,8 @@ BAD: dict[tuple[str, ...], list[list[str]]] = {
     ("bench", "fence"): [["--iters", "0"], ["--runs", "0"], ["--hold-us", "-1"]],
     ("bench", "load"): [["--runs", "0"], ["--size", "0"], ["--lanes", "0"], ["--ceiling-threads", "4,0"]],
     ("bench", "save"): [["--chunk", "0"], ["--mode", "fast"]],
+    ("bench", "restore"): [["--count", "0"], ["--runs", "0"], ["--sizes", "4K,0"], ["--size", "1X"],
+                           ["--depths", "64,0"], ["--device", "tpu"], ["--slot", "0"]],
     ("bench", "kv"): [["--iters", "0"], ["--runs", "0"], ["--total", "100T"], ["--total", "1000"],
                       ["--methods", "bogus"], ["--blocks", "0"], ["--timeout", "-1"], ["--device", "tpu"],
                       ["--device", "cuda", "--methods", "nixl"]],

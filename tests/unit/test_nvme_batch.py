@@ -127,7 +127,7 @@ def test_one_bad_request_refuses_the_whole_call_and_names_it(rig, bad, match) ->
     reg = _reg(dev, hub, 1 * MiB)
     closed = _reg(dev, hub, 1 * MiB)
     ns.read(closed, 0, 4096)   # mapped for the controller, then closed by its owner
-    closed.closed = True
+    closed._closed = True     # closed by its owner while still mapped (Resource state)
     bad = dataclasses.replace(bad, buf={"REG": reg, "CLOSED": closed}.get(bad.buf, bad.buf))
     ops = [WriteOp(reg, 8 * k, 4096, 4096 * k) for k in range(100)]
     ops.insert(57, bad)
