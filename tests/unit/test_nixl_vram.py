@@ -10,29 +10,20 @@ from __future__ import annotations
 import ctypes
 import json
 import random
-import time
 from typing import Iterator
 
 import pytest
 
 np = pytest.importorskip("numpy")
 
-from p2phub.kv import cuda as kvcuda  # noqa: E402
 from p2phub.nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 from p2phub.nixl.errors import nixlInvalidParamError, nixlNotSupportedError  # noqa: E402
 
-from test_kv_cuda_staging import DeviceBuf, FakeDriver  # noqa: E402
+from test_kv_cuda_staging import DeviceBuf, fake  # noqa: E402,F401 - fake: the stand-in driver fixture
+from test_nixl_api_adapter import _notified, _wait  # noqa: E402
 
 BLK, NBLK = 4096, 16
 KINDS = ("DRAM", "cuda:0", "cuda:1")
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeDriver]:
-    d = FakeDriver()
-    old = kvcuda.set_driver(d)  # type: ignore[arg-type]
-    yield d
-    kvcuda.set_driver(old)
 
 
 class _Dev:
@@ -75,16 +66,6 @@ class Mem:
                 "DRAM" if kind == "DRAM" else "VRAM")
 
 
-def _wait(agent: nixl_agent, h, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    st = agent.check_xfer_state(h)
-    while st == "PROC":
-        assert time.monotonic() < deadline, "transfer still in progress"
-        time.sleep(0.001)
-        st = agent.check_xfer_state(h)
-    return st
-
-
 @pytest.fixture
 def two(fake) -> Iterator[tuple[nixl_agent, nixl_agent, Mem, Mem]]:
     a = nixl_agent("A", nixl_agent_config(stall_timeout=5.0))
@@ -123,10 +104,7 @@ def test_read_and_write_between_any_mix_of_vram_and_dram(two, fake, op) -> None:
             h = a.make_prepped_xfer(op, lh, list(range(6)), rh, list(range(6)), tag)
             assert a.transfer(h) in ("PROC", "DONE")
             assert _wait(a, h) == "DONE", (lk, rk)
-            deadline = time.monotonic() + 5
-            while not b.check_remote_xfer_done("A", tag):
-                assert time.monotonic() < deadline, f"no notification {tag!r}"
-                time.sleep(0.001)
+            _notified(b, "A", tag)
             assert (fake.copies > copies) == (lk != "DRAM" or rk != "DRAM"), (lk, rk)
             for s_, d_ in zip(src, dst):
                 if op == "WRITE":
