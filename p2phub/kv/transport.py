@@ -92,6 +92,12 @@ class SegmentIndex:
     def base(self, i: int) -> int:
         return self._segs[i][0]
 
+    def drop(self, i: int) -> None:
+        """Take segment `i` out of service: its index stays taken, no address finds it."""
+        k = self._index.index(i)
+        del self._starts[k], self._index[k]
+        self._segs[i] = (0, 0)
+
     def find(self, addr: int, length: int) -> int:
         """The index of the segment holding [addr, addr + length); UsageError if none."""
         import bisect

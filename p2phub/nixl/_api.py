@@ -47,6 +47,7 @@ __all__ = [
 DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 PLUGIN = "P2PHUB"
 ALIASES = ("UCX",)          # backend names that select P2PHUB in backends lists
+MEM_TYPES = ("DRAM", "VRAM")  # what P2PHUB moves (VRAM staged through pinned host memory)
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -88,6 +89,38 @@ def _memory_row(obj: Any) -> Optional[tuple[str, tuple[int, int, int]]]:
                 dev = int(getattr(d, "id", getattr(d, "index", 0)) or 0)
             return mem, (int(ai["data"][0]), math.prod(shape) * item, dev)
     return None
+
+
+def _copy(dst: int, ddev: int, src: int, sdev: int, n: int) -> None:
+    """Copy n bytes within this process: host memory (device -1) by memmove, CUDA memory
+    through the driver (device -> host -> device for two CUDA ranges), synchronized."""
+    if ddev < 0 and sdev < 0:
+        ctypes.memmove(dst, src, n)
+        return
+    from ..kv import cuda
+    drv = cuda.driver()
+    ep = drv.entry_points()
+    ctx_set = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ep["ctx_set_current"])
+    sync = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ep["stream_sync"])
+    dtoh = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                            ctypes.c_void_p)(ep["dtoh_async"])
+    htod = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_void_p)(ep["htod_async"])
+
+    def check(rc: int, what: str) -> None:
+        if rc:
+            raise nixlBackendError(f"local copy: {what} failed: {drv.error_name(rc)} ({rc})")
+
+    bounce = ctypes.create_string_buffer(n) if ddev >= 0 and sdev >= 0 else None
+    host = ctypes.addressof(bounce) if bounce is not None else (dst if ddev < 0 else src)
+    if sdev >= 0:
+        check(ctx_set(drv.primary_context(sdev)), f"selecting cuda:{sdev}")
+        check(dtoh(host, src, n, None), f"cuda:{sdev} -> host copy")
+        check(sync(None), "synchronizing")
+    if ddev >= 0:
+        check(ctx_set(drv.primary_context(ddev)), f"selecting cuda:{ddev}")
+        check(htod(dst, host, n, None), f"host -> cuda:{ddev} copy")
+        check(sync(None), "synchronizing")
 
 
 def _is_desc_table(x: Any) -> bool:
@@ -246,11 +279,11 @@ class _Req:
     __slots__ = ("op", "peer", "pairs", "count", "nbytes", "notif", "x", "t0", "post_us",
                  "done_ns", "posted", "loop_state", "released", "lock", "counted")
 
-    def __init__(self, op: str, peer: str, pairs: list[tuple[int, int, int]], count: int,
+    def __init__(self, op: str, peer: str, pairs: list[tuple[int, int, int, int, int]], count: int,
                  nbytes: int, notif: bytes, x: Optional[tp.Xfer]) -> None:
         self.op = op
         self.peer = peer
-        self.pairs = pairs            # loopback: (local addr, own addr, len)
+        self.pairs = pairs            # loopback: (local addr, own addr, len, their devices)
         self.count = count
         self.nbytes = nbytes
         self.notif = notif
@@ -332,7 +365,7 @@ class nixl_agent:  # noqa: N801
         self.plugin_list = self.agent.getAvailPlugins()
         self.plugin_b_options: dict[str, dict[str, str]] = {}
         self.plugin_mem_types: dict[str, list[str]] = {}
-        self._regs: list[tuple[int, int]] = []           # registered DRAM ranges
+        self._regs: list[tuple[int, int]] = []           # registered DRAM and VRAM ranges
         self._est = _Estimator()
         self.nixl_mems = _MemNames({
             "DRAM": nixlBind.DRAM_SEG, "VRAM": nixlBind.VRAM_SEG, "FILE": nixlBind.FILE_SEG,
@@ -369,7 +402,7 @@ class nixl_agent:  # noqa: N801
     def _plugin_params(self, plugin: str) -> None:
         if plugin == PLUGIN:
             self.plugin_b_options[plugin] = {"stall_timeout": str(self.kv.stall_timeout)}
-            self.plugin_mem_types[plugin] = ["DRAM"]
+            self.plugin_mem_types[plugin] = list(MEM_TYPES)
 
     def get_plugin_list(self) -> list[str]:
         return self.plugin_list
@@ -422,7 +455,7 @@ class nixl_agent:  # noqa: N801
         h = self.agent.new_id()
         self.agent.backends[h] = backend
         self.backends[backend] = h
-        self.backend_mems[backend] = ["DRAM"]
+        self.backend_mems[backend] = list(MEM_TYPES)
         self.backend_options[backend] = {"stall_timeout": str(self.kv.stall_timeout)}
         logger.info("Backend %s was instantiated", backend)
 
@@ -528,14 +561,10 @@ class nixl_agent:  # noqa: N801
     # ------------------------------------------------------------------ memory
     def _mem_kind(self, dl: Any, what: str) -> None:
         mt = dl.getType()
-        if mt == nixlBind.DRAM_SEG:
+        if mt in (nixlBind.DRAM_SEG, nixlBind.VRAM_SEG):
             return
-        if mt == nixlBind.VRAM_SEG:
-            raise nixlNotSupportedError(
-                f"{what}: VRAM is not moved by this agent's transport (host memory only); "
-                "use vLLM's kv_buffer_device='cpu' (a host staging buffer)")
         raise nixlNotSupportedError(f"{what}: {nixlBind.MEM_NAMES[mt]} needs a storage plugin; "
-                                    f"the plugin here ({PLUGIN}) moves DRAM")
+                                    f"the plugin here ({PLUGIN}) moves {' and '.join(MEM_TYPES)}")
 
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: list[str] = []) -> nixlBind.nixlRegDList:  # noqa: B006
@@ -547,11 +576,12 @@ class nixl_agent:  # noqa: N801
         self._backends(backends)
         self._need_backend("register_memory")
         self._mem_kind(reg, "register_memory")
-        for addr, n, _dev in reg.ranges():
+        vram = reg.getType() == nixlBind.VRAM_SEG
+        for addr, n, dev in reg.ranges():
             if (addr, n) in self._regs:
                 continue
             try:
-                self.kv.register_memory(addr, n)
+                self.kv.register_memory(addr, n, device=dev if vram else None)
             except UsageError as exc:
                 raise nixlInvalidParamError(f"register_memory: {exc}") from None
             self._regs.append((addr, n))
@@ -759,7 +789,10 @@ class nixl_agent:  # noqa: N801
                                             f"{lp.rows[i][1]} bytes, remote {j} has {rp.rows[j][1]}")
             nbytes += lp.rows[i][1]
         if rp.kind == "loop":
-            pairs = [(lp.rows[i][0], rp.rows[j][0], lp.rows[i][1]) for i, j in zip(li, ri)]
+            ldev = (lambda r: r[2]) if lp.mem == "VRAM" else (lambda r: -1)
+            rdev = (lambda r: r[2]) if rp.mem == "VRAM" else (lambda r: -1)
+            pairs = [(lp.rows[i][0], rp.rows[j][0], lp.rows[i][1], ldev(lp.rows[i]),
+                      rdev(rp.rows[j])) for i, j in zip(li, ri)]
             req = _Req(op, self.name, pairs, len(li), nbytes, notif, None)
         else:
             try:
@@ -812,11 +845,11 @@ class nixl_agent:  # noqa: N801
         return self._held(handle, nixl_xfer_handle, self.agent.xfers, what)
 
     def _loop(self, req: _Req) -> None:
-        for a, b, n in req.pairs:
+        for a, b, n, adev, bdev in req.pairs:
             if req.op == "WRITE":
-                ctypes.memmove(b, a, n)
+                _copy(b, bdev, a, adev, n)
             else:
-                ctypes.memmove(a, b, n)
+                _copy(a, adev, b, bdev, n)
         if req.notif:
             self._own_notifs.setdefault(self.name, []).append(req.notif)
 

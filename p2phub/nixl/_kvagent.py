@@ -86,6 +86,7 @@ class NixlKVAgent(Agent):
             except ValueError:
                 raise UsageError(f"{addr:#x}+{length} is not a registered segment") from None
             self._segments[i] = (0, 0)
+            self._segidx.drop(i)
             c = h.ffi.new("struct kv_iov[]", len(self._segments))
             for k, (a, n) in enumerate(self._segments):
                 c[k].addr, c[k].len = a, n

@@ -33,9 +33,10 @@ TOP = Path(__file__).resolve().parent.parent.parent
 STALL = 60.0     # progress deadline: under TCG on a shared host a layer can take seconds
 PEER = 10.0      # liveness deadline: heartbeats on the control connection
 DEATH = 25.0     # a killed peer is reported within this
-# 32 layers x (K, V) x 128 pages of 16 KiB per node; a request moves 96 pages of each.
+# 32 layers x (K, V) x 128 pages of 16 KiB per node; a request moves 24 pages of each (24 MiB:
+# seconds over rxe under TCG).
 LAY = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
-PAGES = 96
+PAGES = 24
 
 
 @pytest.fixture
@@ -137,10 +138,10 @@ import sys, random
 from p2phub.hub import Hub
 from p2phub.kv import Agent, KVLayout, KVPool
 from p2phub.kv.pattern import page
-dev, md, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dev, md, seed, pages = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 lay = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
 rnd = random.Random(1)
-src, dst = rnd.sample(range(128), 96), rnd.sample(range(128), 96)
+src, dst = rnd.sample(range(128), pages), rnd.sample(range(128), pages)
 with Hub() as hub, KVPool.registered(hub, lay) as pool:
     for ly in range(32):
         for kv in range(2):
@@ -155,7 +156,7 @@ with Hub() as hub, KVPool.registered(hub, lay) as pool:
     xs = []
     for ly in range(32):
         xs.append(a.send_request("decode", 9, src, dst, [ly], end=ly == 31))
-        time.sleep(0.3)
+        time.sleep(0.5)    # a killer has time to strike mid-request
     for x in xs:
         x.wait(120)
     print("sent", flush=True)
@@ -168,7 +169,7 @@ def test_sender_killed_mid_transfer_is_reported_and_the_pool_reused(hub: Hub, la
     with KVPool.registered(hub, LAY) as pb, _agent("decode", pb, [lab["node_b_rdma"]]) as rx:
         env = dict(os.environ, PYTHONPATH=str(TOP))
         child = subprocess.Popen([sys.executable, "-c", _CHILD, lab["node_a_rdma"],
-                                  rx.metadata().decode(), "31"],
+                                  rx.metadata().decode(), "31", str(PAGES)],
                                  stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert child.stdout.readline().strip() == "connected"

@@ -89,17 +89,17 @@ def test_errors_are_nixls_classes_and_the_builtins(two) -> None:
     h = a.make_prepped_xfer("WRITE", lh, [0], rh, [0])
     with pytest.raises(nixlNotPostedError):
         a.check_xfer_state(h)
-    vram = [(buf.ctypes.data, 4096, 0, "")]
-    with pytest.raises(nixlNotSupportedError, match="VRAM"):
-        a.register_memory(vram, "VRAM")
+    file_ = [(buf.ctypes.data, 4096, 0, "")]
+    with pytest.raises(nixlNotSupportedError, match="FILE needs a storage plugin"):
+        a.register_memory(file_, "FILE")
     with pytest.raises(ValueError, match="not found"):
-        a.query_memory(vram, "GDS", "DRAM")
+        a.query_memory(file_, "GDS", "DRAM")
 
 
 def test_plugins_and_backends(two) -> None:
     a, _ = two
     assert a.get_plugin_list() == ["P2PHUB"]
-    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM"]
+    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM", "VRAM"]
     assert "stall_timeout" in a.get_plugin_params("P2PHUB")
     # UCX has no meaning here: answered as NIXL answers for a plugin that is not installed
     assert a.get_plugin_params("UCX") == {} and a.get_plugin_mem_types("UCX") == []
