@@ -93,6 +93,7 @@ def dev() -> Iterator[Device]:
 
 @pytest.fixture
 def ctrl(bdf: str, dev: Device) -> Iterator[int]:
+    bind.bind(bdf)   # an unbind test hands the controller back to nvme; take it again
     fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(bdf), True)
     yield fd
     os.close(fd)
