@@ -701,9 +701,9 @@ class Agent:
         """(address, length) ranges inside this agent's registered segments."""
         h = tp.hot()
         c = h.ffi.new("struct kv_iov[]", max(1, len(descs)))
-        segs = list(self._segments)
+        look = tp.RangeLookup(list(self._segments))   # sorted: vLLM prepares thousands at once
         for i, (a, n) in enumerate(descs):
-            if n <= 0 or not any(sa <= a and a + n <= sa + sn for sa, sn in segs):
+            if look.find(a, n) is None:
                 raise UsageError(f"local descriptor {i} ({a:#x}+{n}) is in no registered segment")
             c[i].addr, c[i].len = a, n
         return DescList(self, None, c, len(descs), list(descs))
@@ -713,11 +713,14 @@ class Agent:
         h = tp.hot()
         ra = self.remote(peer)
         c = h.ffi.new("struct kv_wire[]", max(1, len(descs)))
+        look = tp.RangeLookup(ra.segments)
         for i, (a, n) in enumerate(descs):
             if n <= 0:
                 raise UsageError(f"remote descriptor {i}: length {n}")
-            seg, off = ra.find(a, n)
-            c[i].seg, c[i].off, c[i].len = seg, off, n
+            seg = look.find(a, n)
+            if seg is None:
+                raise UsageError(f"remote range {a:#x}+{n} is in no segment {peer!r} registered")
+            c[i].seg, c[i].off, c[i].len = seg, a - ra.segments[seg][0], n
         return DescList(self, peer, c, len(descs), list(descs))
 
     def make_xfer(self, peer: str, local: DescList, local_idx: Sequence[int], remote: DescList,

@@ -36,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import metrics
 from . import _build
@@ -110,6 +110,34 @@ class SegmentIndex:
             k -= 1
         from ..errors import UsageError
         raise UsageError(f"local range {addr:#x}+{length} is in no registered segment")
+
+
+class RangeLookup:
+    """Which of a list of (addr, len) segments holds a range: bisect over the starts, walking
+    back only as far as an earlier segment can still reach (segments may overlap)."""
+
+    def __init__(self, segs: Sequence[tuple[int, int]]) -> None:
+        order = sorted((a, a + n, i) for i, (a, n) in enumerate(segs) if n > 0)
+        self.starts = [o[0] for o in order]
+        self.order = order
+        self.reach = []
+        m = 0
+        for _a, e, _i in order:
+            m = max(m, e)
+            self.reach.append(m)
+
+    def find(self, addr: int, length: int) -> int | None:
+        if length <= 0:
+            return None
+        import bisect
+        k = bisect.bisect_right(self.starts, addr) - 1
+        end = addr + length
+        while k >= 0 and self.reach[k] >= end:
+            a, e, i = self.order[k]
+            if a <= addr and end <= e:
+                return i
+            k -= 1
+        return None
 
 
 class Message:

@@ -29,7 +29,8 @@ from ..kv import transport as tp
 from ..kv.agent import DescList
 from ..kv.errors import KVError, KVPeerError, KVRejected
 from . import _bindings as nixlBind
-from ._kvagent import _Lookup, exchange
+from ..kv.transport import RangeLookup
+from ._kvagent import exchange
 from .logging import get_logger  # noqa: F401 - nixl._api has it
 from .errors import (
     nixlBackendError, nixlError, nixlInvalidParamError, nixlNoTelemetryError,
@@ -619,7 +620,7 @@ class nixl_agent:  # noqa: N801
         return out
 
     def _registered(self, rows: list[tuple[int, int, int]], what: str) -> None:
-        look = _Lookup(self._regs)
+        look = RangeLookup(self._regs)
         for i, (a, n, _d) in enumerate(rows):
             if look.find(a, n) is None:
                 raise nixlNotFoundError(f"{what}: descriptor {i} ({a:#x}+{n}) is not inside "

@@ -4,15 +4,14 @@ over the KV agent's own HELLO handshake so nothing else listens."""
 
 from __future__ import annotations
 
-import bisect
 import json
 import socket
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import UsageError
 from ..kv import transport as tp
-from ..kv.agent import Agent, DescList
+from ..kv.agent import Agent
 from ..kv.errors import KVError
 from .errors import nixlInvalidParamError, nixlRemoteDisconnectError
 
@@ -50,31 +49,6 @@ class NixlKVAgent(Agent):
                 md = dict(md, segments=segs)
         return super().add_remote(md)
 
-    def prep_local(self, descs: Sequence[tuple[int, int]]) -> DescList:
-        """As Agent.prep_local, with a sorted lookup (vLLM prepares num_blocks x regions
-        descriptors at once)."""
-        h = tp.hot()
-        look = _Lookup(list(self._segments))
-        c = h.ffi.new("struct kv_iov[]", max(1, len(descs)))
-        for i, (a, n) in enumerate(descs):
-            if look.find(a, n) is None:
-                raise UsageError(f"local descriptor {i} ({a:#x}+{n}) is in no registered segment")
-            c[i].addr, c[i].len = a, n
-        return DescList(self, None, c, len(descs), list(descs))
-
-    def prep_remote(self, peer: str, descs: Sequence[tuple[int, int]]) -> DescList:
-        """As Agent.prep_remote, with a sorted lookup."""
-        h = tp.hot()
-        ra = self.remote(peer)
-        look = _Lookup(ra.segments)
-        c = h.ffi.new("struct kv_wire[]", max(1, len(descs)))
-        for i, (a, n) in enumerate(descs):
-            hit = look.find(a, n)
-            if hit is None:
-                raise UsageError(f"remote range {a:#x}+{n} is in no segment {peer!r} registered")
-            c[i].seg, c[i].off, c[i].len = hit, a - ra.segments[hit][0], n
-        return DescList(self, peer, c, len(descs), list(descs))
-
     def deregister_range(self, addr: int, length: int) -> None:
         """Take the registered segment (addr, length) out of service: its slot stays (segment
         ids are positional on the wire) but matches no address, so inbound runs into it are
@@ -104,33 +78,6 @@ class NixlKVAgent(Agent):
         if flags:
             md["nixl"] = flags
         return md
-
-
-class _Lookup:
-    """Which of a list of (addr, len) segments holds a range: bisect over the starts, walking
-    back only as far as an earlier segment can still reach (segments may overlap)."""
-
-    def __init__(self, segs: Sequence[tuple[int, int]]) -> None:
-        order = sorted((a, a + n, i) for i, (a, n) in enumerate(segs) if n > 0)
-        self.starts = [o[0] for o in order]
-        self.order = order
-        self.reach = []
-        m = 0
-        for _a, e, _i in order:
-            m = max(m, e)
-            self.reach.append(m)
-
-    def find(self, addr: int, length: int) -> int | None:
-        if length <= 0:
-            return None
-        k = bisect.bisect_right(self.starts, addr) - 1
-        end = addr + length
-        while k >= 0 and self.reach[k] >= end:
-            a, e, i = self.order[k]
-            if a <= addr and end <= e:
-                return i
-            k -= 1
-        return None
 
 
 def exchange(agent: NixlKVAgent, host: str, port: int, md: dict, timeout: float) -> dict:
