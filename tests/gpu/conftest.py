@@ -31,3 +31,41 @@ def cuda_reason() -> str | None:
 def _needs_cuda(cuda_reason: str | None) -> None:
     if cuda_reason:
         pytest.skip(f"gpu tier: {cuda_reason}")
+
+
+# ---------------------------------------------------------------- shared fixtures
+
+@pytest.fixture(scope="session")
+def torch():
+    """torch with CUDA initialised (skips, naming why, where torch or its CUDA is missing)."""
+    t = pytest.importorskip("torch")
+    if not t.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    t.cuda.init()
+    return t
+
+
+@pytest.fixture(scope="session")
+def cp():
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="session")
+def be():
+    """The CUDA backend plugin (backends/cuda)."""
+    import p2phub_cuda
+    return p2phub_cuda.backend()
+
+
+@pytest.fixture(scope="session")
+def cu():
+    """The CUDA driver API module the backend uses."""
+    from p2phub_cuda.backend import cu as driver
+    return driver
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """The backend's stream operations (fences on streams)."""
+    import p2phub_cuda
+    return p2phub_cuda.stream_ops()

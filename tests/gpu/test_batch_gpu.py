@@ -18,14 +18,6 @@ from p2phub.hub import Hub
 KiB, MiB = 1 << 10, 1 << 20
 
 
-@pytest.fixture(scope="module")
-def torch():
-    t = pytest.importorskip("torch")
-    if not t.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return t
-
-
 @pytest.fixture()
 def src(tmp_path):
     data = np.random.default_rng(7).integers(0, 256, 64 * MiB + 4321, dtype=np.uint8)

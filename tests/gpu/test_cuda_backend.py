@@ -13,23 +13,6 @@ from p2phub.sources import dmabuf_exporter
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def be():
-    import p2phub_cuda
-    return p2phub_cuda.backend()
-
-
-@pytest.fixture(scope="module")
-def cu():
-    from p2phub_cuda.backend import cu as driver
-    return driver
-
-
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
 def _alloc(cu, nbytes: int) -> int:
     err, ptr = cu.cuMemAlloc(nbytes)
     assert int(err) == 0

@@ -24,25 +24,6 @@ MiB = 1 << 20
 TOP = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def be():
-    import p2phub_cuda
-    return p2phub_cuda.backend()
-
-
-@pytest.fixture(scope="module")
-def cu():
-    from p2phub_cuda.backend import cu as driver
-    return driver
-
-
-@pytest.fixture(scope="module")
-def torch():
-    t = pytest.importorskip("torch")
-    t.cuda.init()
-    return t
-
-
 def _mmap_supported(be) -> bool:
     try:
         return bool(be.device_attribute("CU_DEVICE_ATTRIBUTE_DMA_BUF_MMAP_SUPPORTED"))

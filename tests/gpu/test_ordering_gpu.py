@@ -23,25 +23,6 @@ from p2phub.ordering import AccessKind, FenceError, HostFence, Ordering
 N = 1 << 20  # int32 elements
 
 
-@pytest.fixture(scope="module")
-def ops():
-    import p2phub_cuda
-    return p2phub_cuda.stream_ops()
-
-
-@pytest.fixture(scope="module")
-def torch():
-    t = pytest.importorskip("torch")
-    if not t.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-    return t
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return pytest.importorskip("cupy")
-
-
 def _blocked(query, seconds: float = 0.2) -> bool:
     """True when the stream stays busy (held by the fence) for `seconds`."""
     end = time.monotonic() + seconds

@@ -14,11 +14,6 @@ from p2phub.staged import StagedModeError
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
 @pytest.fixture()
 def src_file(tmp_path):
     data = os.urandom(40 * MiB + 12345)

@@ -44,3 +44,62 @@ def klog_clean():
     bad = [f"{r.kind}: {r.line}" for r in klog.reports(new)]
     if bad:
         pytest.fail("kernel log reports during this test:\n" + "\n".join(bad), pytrace=False)
+
+
+# ---------------------------------------------------------------- shared fixtures
+# The objects most lab tests need, defined once. A test module overrides one only where its
+# tests need other semantics (and says why).
+
+@pytest.fixture
+def hub():
+    """A Hub on /dev/p2phub, closed (and checked closable) after the test."""
+    from p2phub.hub import Hub
+    with Hub() as h:
+        yield h
+
+
+@pytest.fixture
+def dev():
+    """A bare /dev/p2phub fd for ioctl-level tests."""
+    from p2phub.device import Device
+    with Device() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def pds(lab: dict[str, str]):
+    """Protection domains on the two nodes' rxe devices (node A, node B)."""
+    from p2phub.rdma import ProtectionDomain
+    a, b = ProtectionDomain(lab["node_a_rdma"]), ProtectionDomain(lab["node_b_rdma"])
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def bdf(lab: dict[str, str]):
+    """The NVMe target; whoever took it in the module, it is back on the kernel nvme driver after."""
+    from p2phub.nvme import bind
+    b = lab["nvme_target"]
+    yield b
+    if bind.current_driver(b) != "nvme":
+        bind.unbind(b)
+
+
+@pytest.fixture(scope="module")
+def owned_bdf(lab: dict[str, str]):
+    """The NVMe target bound to p2phub for the module, then handed back to the kernel."""
+    from p2phub.nvme import bind
+    b = lab["nvme_target"]
+    bind.bind(b)
+    yield b
+    bind.unbind(b)
+
+
+@pytest.fixture(scope="module")
+def gpu(lab: dict[str, str]):
+    """The stand-in GPU (p2phub_fakegpu.ko loaded for the module, unloaded after if loaded here:
+    an unload refused as busy is a leak of the code under test)."""
+    import p2phub_fakegpu as fg
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as g:
+        yield g

@@ -47,25 +47,11 @@ def _give_back(bdf: str) -> None:
     assert bind.current_driver(bdf) == "nvme"
 
 
-@pytest.fixture(scope="module")
-def bdf(lab: dict[str, str]) -> Iterator[str]:
-    b = lab["nvme_target"]
-    yield b
-    if bind.current_driver(b) != "nvme":
-        bind.unbind(b)
-
-
 @pytest.fixture
 def ctrl(bdf: str, hub: Hub) -> Iterator[nvme.Controller]:
     with nvme.open(bdf, hub=hub, io_queues=4) as c:
         yield c
     assert _counter("live_handles") == 0 and _counter("live_dma_buffers") == 0
-
-
-@pytest.fixture(scope="module")
-def hub() -> Iterator[Hub]:
-    with Hub() as h:
-        yield h
 
 
 class Vgem:

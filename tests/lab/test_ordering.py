@@ -22,37 +22,13 @@ from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io
 from p2phub.nvme import ReadOp
 from p2phub.ordering import AccessKind, FenceError, OrderingError
-from p2phub.rdma import Access, ProtectionDomain, WriteState, connected_pair, remote_buffer
+from p2phub.rdma import Access, WriteState, connected_pair, remote_buffer
 
 pytestmark = pytest.mark.lab
 
 KiB, MiB = 1 << 10, 1 << 20
 LBA = 512
 SSD_OFF = 24 * MiB  # a region of the namespace no other lab test uses
-
-
-@pytest.fixture(scope="module")
-def pds(lab: dict[str, str]) -> Iterator[tuple[ProtectionDomain, ProtectionDomain]]:
-    a, b = ProtectionDomain(lab["node_a_rdma"]), ProtectionDomain(lab["node_b_rdma"])
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    with Hub() as h:
-        yield h
-
-
-@pytest.fixture
-def bdf(lab: dict[str, str]) -> Iterator[str]:
-    b = lab["nvme_target"]
-    if bind.current_driver(b) != "nvme":
-        bind.unbind(b)
-    yield b
-    if bind.current_driver(b) != "nvme":
-        bind.unbind(b)
 
 
 def _view(reg) -> mmap.mmap:

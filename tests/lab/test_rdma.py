@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-from typing import Iterator
 
 import pytest
 import pyverbs.enums as e
@@ -24,27 +23,13 @@ from p2phub.errors import P2PHubError, P2PHubOSError, RevokedError, UsageError
 from p2phub.hostmem import VgemBuffer
 from p2phub.hub import Hub
 from p2phub.nvme import bind, kernel_io
-from p2phub.rdma import Access, MrPath, ProtectionDomain, dmabuf_mr_support
+from p2phub.rdma import Access, MrPath, dmabuf_mr_support
 
 import p2phub_fakegpu as fg
 import regutil as ru
 from rdmautil import CompletionError, connected_pair
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def pds(lab: dict[str, str]) -> Iterator[tuple[ProtectionDomain, ProtectionDomain]]:
-    a, b = ProtectionDomain(lab["node_a_rdma"]), ProtectionDomain(lab["node_b_rdma"])
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    with Hub() as h:
-        yield h
 
 
 def _cpu_view(reg):

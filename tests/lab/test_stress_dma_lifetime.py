@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -135,14 +135,6 @@ def _watch(read, seconds: float = WATCH_S, interval: float = 0.1) -> tuple[bytes
 def _landed(view: bytes, data: bytes, chunk: int = MiB) -> int:
     """How many whole chunks of `view` already hold the SSD's bytes."""
     return sum(1 for o in range(0, len(data), chunk) if view[o:o + chunk] == data[o:o + chunk])
-
-
-@pytest.fixture(scope="module")
-def bdf(lab: dict[str, str]) -> Iterator[str]:
-    b = lab["nvme_target"]
-    yield b
-    if bind.current_driver(b) != "nvme":
-        bind.unbind(b)
 
 
 @pytest.fixture(scope="module")
@@ -304,12 +296,6 @@ def test_kill_9_mid_io(bdf: str, ssd_data: bytes, lab: dict[str, str]) -> None:
 STORM_REG = 8 * MiB   # one stand-in GPU range per iteration, distinct ranges in turn
 
 
-@pytest.fixture(scope="module")
-def gpu(lab: dict[str, str]) -> Iterator[fg.FakeGpu]:
-    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as g:
-        yield g
-
-
 def test_revocation_storm_during_nvme_reads(bdf: str, ssd_data: bytes, gpu: fg.FakeGpu,
                                             lab: dict[str, str]) -> None:
     """Reads into stand-in GPU memory in a loop; another thread revokes the registration under
@@ -416,15 +402,6 @@ def test_revocation_storm_during_nvme_reads(bdf: str, ssd_data: bytes, gpu: fg.F
 
 
 # --------------------------------------------------------------------------- 4. RDMA MRs
-
-
-@pytest.fixture(scope="module")
-def pds(lab: dict[str, str]):
-    from p2phub.rdma import ProtectionDomain
-    a, b = ProtectionDomain(lab["node_a_rdma"]), ProtectionDomain(lab["node_b_rdma"])
-    yield a, b
-    a.close()
-    b.close()
 
 
 def test_release_during_rdma_writes_into_an_mr(pds, lab: dict[str, str]) -> None:
