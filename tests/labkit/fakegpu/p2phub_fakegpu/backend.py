@@ -22,6 +22,16 @@ from p2phub.errors import UsageError
 from . import DEVICE_PATH, EXPORT_ALIGN, MODULE, VA_BASE, FakeGpu, GpuMemory
 
 IVSHMEM = (0x1AF4, 0x1110)
+
+
+def _bus_id() -> str:
+    """The stand-in's PCI address (the one function its driver is bound to), as a vendor runtime
+    names its GPU's; "" when that is not exactly one."""
+    try:
+        found = [n for n in os.listdir(f"/sys/bus/pci/drivers/{MODULE}") if n.count(":") == 2]
+    except OSError:
+        return ""
+    return found[0].lower() if len(found) == 1 else ""
 KiB = 1 << 10
 
 
@@ -85,7 +95,8 @@ class FakeGpuBackend:
         if start + length > bar:
             raise UsageError(f"stand-in memory [{start:#x}, +{length:#x}) runs past the "
                              f"{bar:#x}-byte BAR")
-        rng = GpuRange(self.name, 0, VA_BASE + start, length, VA_BASE, bar, keepalive=[obj])
+        rng = GpuRange(self.name, 0, VA_BASE + start, length, VA_BASE, bar, _bus_id(),
+                       keepalive=[obj])
         if export_dmabuf:
             if start % EXPORT_ALIGN or length % EXPORT_ALIGN:
                 raise UsageError(f"stand-in memory [{start:#x}, +{length:#x}): dma-buf export "
