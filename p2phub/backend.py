@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any, Iterator, Protocol
 
 from .errors import UsageError
+from ._resource import Resource
 
 GROUP = "p2phub.backends"
 
@@ -83,7 +84,7 @@ class GpuClaim:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class GpuBuffer:
+class GpuBuffer(Resource):
     """GPU memory exported as a dma-buf (``fd``), with a CPU path to fill and read it."""
 
     fd: int = -1
@@ -96,7 +97,7 @@ class GpuBuffer:
     def read(self, n: int) -> bytes:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def _close(self) -> None:
         raise NotImplementedError
 
 

@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .._resource import Resource
 from . import plot
 from .argtypes import comma_list, positive, size_text
 
@@ -199,7 +200,7 @@ def ceiling_write(path: str, size: int, chunk: int, threads: int) -> float:
         os.close(fd)
 
 
-class P2PHubMethod:
+class P2PHubMethod(Resource):
     def __init__(self, gpu: Any, chunk: int, lanes: int, mode: str, show: Callable | None,
                  direct: bool = True) -> None:
         from p2phub.hub import Hub
@@ -231,7 +232,7 @@ class P2PHubMethod:
         fence.wait()
         return time.perf_counter() - t0
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.hub.close()
 
 

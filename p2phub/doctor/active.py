@@ -121,7 +121,7 @@ class CudaMemory(GpuMemory):
         self._ok(err, "cuMemcpyDtoH")
         return bytes(buf)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

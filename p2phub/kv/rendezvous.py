@@ -18,6 +18,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from ..errors import UsageError
+from .._resource import Resource
 from .errors import KVError
 
 __all__ = ["Rendezvous", "TCPStoreRendezvous", "RedisRendezvous", "open_rendezvous"]
@@ -32,7 +33,7 @@ class Rendezvous(Protocol):
     def close(self) -> None: ...
 
 
-class TCPStoreRendezvous:
+class TCPStoreRendezvous(Resource):
     """torch.distributed.TCPStore: the store torchrun / vLLM / SGLang already start.
     ``is_master=True`` makes this process serve it (port 0 picks a free port: ``.port``)."""
 
@@ -61,11 +62,11 @@ class TCPStoreRendezvous:
     def remove(self, name: str) -> None:
         self.store.delete_key(PREFIX + name)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.store = None  # type: ignore[assignment]
 
 
-class RedisRendezvous:
+class RedisRendezvous(Resource):
     """A Redis server, spoken to in RESP directly (SET / GET / DEL; no client library)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0,
@@ -132,7 +133,7 @@ class RedisRendezvous:
     def remove(self, name: str) -> None:
         self._call(b"DEL", (PREFIX + name).encode())
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.sock.close()
 
 

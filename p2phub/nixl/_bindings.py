@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Iterable, Optional
 
+from .._resource import Resource
 from .errors import (  # noqa: F401 - re-exported under NIXL's module
     nixlBackendError, nixlCancelledError, nixlError, nixlInvalidParamError, nixlMismatchError,
     nixlNoTelemetryError, nixlNotAllowedError, nixlNotFoundError, nixlNotPostedError,
@@ -286,7 +287,7 @@ def _env_bool(name: str) -> Optional[bool]:
     return None
 
 
-class nixlAgent:  # noqa: N801
+class nixlAgent(Resource):  # noqa: N801
     """The core one ``nixl_agent`` drives: the p2phub KV agent, the registered ranges, and the
     tables behind NIXL's integer handles. Built as ``nixlAgent(name, nixlAgentConfig)``."""
 
@@ -322,7 +323,7 @@ class nixlAgent:  # noqa: N801
         self.dlists.pop(handle, None)
         return nixl_status_t.NIXL_SUCCESS
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.kv.close()
 
 

@@ -17,6 +17,7 @@ from functools import lru_cache
 import cffi
 
 from ..errors import P2PHubOSError, UsageError
+from .._resource import Resource
 
 CDEF = """
 struct ibv_device;
@@ -103,7 +104,7 @@ def device_names() -> list[str]:
         L.ibv_free_device_list(devs)
 
 
-class VerbsPd:
+class VerbsPd(Resource):
     """A PD in C: opened from a device name, or imported from a pyverbs Context + PD."""
 
     def __init__(self, ctx, pd, imported: bool) -> None:
@@ -175,7 +176,7 @@ class VerbsPd:
             return False, f"ibv_reg_dmabuf_mr: {name} (the provider has no dma-buf MR support)"
         return True, f"ibv_reg_dmabuf_mr(fd -1): {name}"
 
-    def close(self) -> None:
+    def _close(self) -> None:
         L = lib()
         if self._pd is not None:
             if self._imported:

@@ -62,7 +62,7 @@ class StandinBuffer(GpuBuffer):
     def read(self, n: int) -> bytes:
         return bytes(self.map[:n])
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
