@@ -847,7 +847,7 @@ def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: i
                   reg_offset: int) -> Fence:
     if isinstance(reg, StagedRegistration):
         raise reg._refuse(f"an NVMe {op} straight into memory")
-    from .nvme.controller import Op
+    from .nvme.namespace import Op
     lba_bytes = ns.lba_size
     if offset % lba_bytes:
         raise UsageError(f"offset={offset} is not a multiple of the namespace's {lba_bytes}-byte LBA")

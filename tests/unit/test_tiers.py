@@ -191,3 +191,43 @@ def test_the_reader_sees_function_level_imports_and_cycles(tmp_path) -> None:
     assert got == {"p2phub.doctor.core", "p2phub.uapi", "p2phub"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _imported_names(name: str, path: Path, known: set[str]) -> list[tuple[int, str, str]]:
+    """(line, module, name) for every `from <p2phub module> import name` in `path` that names
+    something other than a submodule, at module or function level."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        if mod not in known:
+            continue
+        out += [(node.lineno, mod, a.name) for a in node.names
+                if a.name != "*" and f"{mod}.{a.name}" not in known]
+    return out
+
+
+def test_every_imported_name_exists() -> None:
+    """An import inside a function runs only when that function does: a name moved to another
+    module must fail here, not in the first user's call."""
+    import importlib
+
+    mods = _modules()
+    known = set(mods)
+    missing = []
+    for name, path in sorted(mods.items()):
+        for line, mod, attr in _imported_names(name, path, known):
+            try:
+                target = importlib.import_module(mod)
+            except ImportError:
+                continue    # an optional dependency of that module is absent here
+            if not hasattr(target, attr):
+                missing.append(f"{path.relative_to(TOP)}:{line}: {mod} has no {attr!r}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
