@@ -22,7 +22,6 @@ from __future__ import annotations
 import grp
 import json
 import os
-import pwd
 import re
 import shutil
 import stat
@@ -43,7 +42,7 @@ TOP = Path(__file__).resolve().parents[2]
 KMOD = TOP / "kmod"
 VERSION = re.search(r'^PACKAGE_VERSION="([^"]+)"', (KMOD / "dkms.conf").read_text(), re.M).group(1)
 PKG = f"p2phub/{VERSION}"
-USER = "p2phub-lab-member"
+MEMBER_UID = 4242   # no account needed: setpriv sets the ids
 RULES = Path("/etc/udev/rules.d/60-p2phub.rules")
 MODLOAD = Path("/etc/modules-load.d/p2phub.conf")
 # Where DKMS and the package write; each must be the VM's overlay, not the host's directory.
@@ -105,8 +104,6 @@ def lab_module_out(lab: dict[str, str]) -> Iterator[None]:
             sh("dkms", "remove", PKG, "--all", check=False)
         shutil.rmtree(f"/usr/src/p2phub-{VERSION}", ignore_errors=True)
         sh("umount", str(tree), check=False)
-        if sh("getent", "passwd", USER, check=False).returncode == 0:
-            sh("userdel", USER, check=False)
         params = [] if lab.get("iommu_groups") == "1" else ["allow_unsafe_noiommu=1"]
         sh("insmod", f"{lab['modules_dir']}/p2phub.ko", *params)
         sh("udevadm", "settle", check=False)
@@ -175,15 +172,16 @@ def test_dkms_install_modprobe_group_access_and_remove(lab_module_out: None) -> 
     assert (grp.getgrgid(st.st_gid).gr_name, oct(st.st_mode & 0o777)) == ("p2phub", "0o660")
 
     # -- a non-root member of p2phub registers memory; a non-member is refused
-    sh("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--groups", "p2phub", USER)
-    pw = pwd.getpwnam(USER)
-    member = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
+    # (an unnamed uid with the p2phub group as a supplementary group: what a member's login
+    # gets, without writing /etc/shadow, which useradd cannot do on the lab's overlay /etc)
+    gid = grp.getgrnam("p2phub").gr_gid
+    member = ["setpriv", f"--reuid={MEMBER_UID}", "--regid=65534", f"--groups={gid}"]
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     buf = hostmem.Udmabuf(1 << 20) if Path("/dev/udmabuf").exists() else hostmem.VgemBuffer(1 << 20)
     try:
         got = register_as(member, buf.fd)
         assert got["ok"] and got["length"] == 1 << 20, got
-        assert got["uid"] == pw.pw_uid and grp.getgrnam("p2phub").gr_gid in got["groups"], got
+        assert got["uid"] == MEMBER_UID and gid in got["groups"], got
         refused = register_as(nobody, buf.fd)
         assert not refused["ok"] and ("EACCES" in refused["error"] or "ermission" in refused["error"]), refused
     finally:
