@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import capabilities
+from ._resource import Resource
 from .backend import GpuRange, check_range, describe, find_backend, get_backend
 from .errors import ModuleNotLoadedError, P2PHubOSError, StagedModeError, UsageError
 from .hostmem import PinnedHost
@@ -83,13 +84,12 @@ def choose_mode(path: str, mode: str) -> tuple[str, str]:
     return MODE_STAGED, why
 
 
-class NoDevice:
+class NoDevice(Resource):
     """Stands in for the /dev/p2phub Device in staged mode: every ioctl is refused clearly."""
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         self._reason = reason
-        self.closed = False
         self.fd = -1
 
     def _error(self, what: str) -> StagedModeError:
@@ -103,8 +103,8 @@ class NoDevice:
     def info(self):
         raise self._error("P2PHUB_GET_INFO")
 
-    def close(self) -> None:
-        self.closed = True
+    def _close(self) -> None:
+        pass   # holds nothing
 
 
 # ------------------------------------------------------------------ fences
@@ -216,12 +216,12 @@ class FutureFence(Fence):
 
 
 @dataclass
-class HostBuf:
+class HostBuf(Resource):
     ptr: int
     size: int
     view: memoryview
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.view.release()
 
 
@@ -293,7 +293,7 @@ class _Lane:
     pending: list[bool] = field(default_factory=lambda: [False, False])
 
 
-class Stager:
+class Stager(Resource):
     """Lanes of pinned chunks and streams for one copy engine and device, reused by every
     load and save (pinned memory is dear to allocate)."""
 
@@ -309,7 +309,6 @@ class Stager:
         self.nlanes = lanes
         self._lanes: list[_Lane] = []
         self._busy = threading.Lock()   # one transfer at a time uses the lanes
-        self._closed = False
 
     def _ensure(self) -> list[_Lane]:
         if not self._lanes:
@@ -321,7 +320,7 @@ class Stager:
                     [self.ops.event_create(), self.ops.event_create()]))
         return self._lanes
 
-    def close(self) -> None:
+    def _close(self) -> None:
         with self._busy:
             for lane in self._lanes:
                 for b in lane.bufs:
@@ -330,7 +329,6 @@ class Stager:
                     self.ops.event_destroy(e)
                 self.ops.stream_destroy(lane.stream)
             self._lanes.clear()
-            self._closed = True
 
     # ------------------------------------------------------------- transfers
 
@@ -631,7 +629,7 @@ def register_host(hub: "Hub", mem: PinnedHost, reason: str | None = None) -> Sta
     return reg
 
 
-class Staging:
+class Staging(Resource):
     """A Hub's staged engine: its lanes (one Stager per copy engine and device, reused by
     every load and save) and its open staged registrations."""
 
@@ -669,7 +667,7 @@ class Staging:
         for st in stagers:
             st.close()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """The Hub closes: every lane and every staged registration (forced)."""
         self.close_stagers()
         for reg in list(self._regs):

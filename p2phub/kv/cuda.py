@@ -21,6 +21,7 @@ import ctypes
 import threading
 from typing import Any
 
+from .._resource import Resource
 from ..errors import UsageError
 from .errors import KVError
 
@@ -148,7 +149,7 @@ def set_driver(d: CudaDriver | None) -> CudaDriver | None:
         return old
 
 
-class Staging:
+class Staging(Resource):
     """A pinned staging buffer of two chunk-sized halves, with a stream each, for one
     direction of one connection; made, used and freed by one thread (the connection's sender
     or its reader)."""
@@ -182,7 +183,7 @@ class Staging:
         code = int(self.cuerr[0])
         return CudaCopyError(f"{self.what}: {what}", code, self.drv.error_name(code))
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Wait for the streams, free the buffer and the streams (errors are ignored: this
         runs when a connection ends, whatever ended it)."""
         try:

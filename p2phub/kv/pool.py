@@ -14,6 +14,7 @@ import ctypes
 import mmap
 from typing import Any, Sequence
 
+from .._resource import Resource
 from ..errors import UsageError
 from ..ordering import AccessKind
 from ..ordering import bind as bind_access
@@ -99,7 +100,7 @@ def _cuda_buffer(t: Any, i: int) -> tuple[int, int, int | None]:
     return addr, n, None
 
 
-class KVPool:
+class KVPool(Resource):
     """The segments of one KV layout. ``device`` is "cpu" (host memory) or a GPU backend name."""
 
     def __init__(self, layout: KVLayout, segments: list[Segment], device: str = "cpu") -> None:
@@ -115,7 +116,6 @@ class KVPool:
         self.device = device
         self.cuda_device: int | None = None   # the CUDA device ordinal of a "cuda" pool
         self._closers: list[Any] = []
-        self._closed = False
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -254,23 +254,10 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(s.length for s in self.segments)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for c in self._closers:
+    def _close(self) -> None:
+        closers, self._closers = self._closers, []
+        for c in closers:
             c()
-        self._closers = []
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "KVPool":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<KVPool {self.layout.num_layers} layers, {self.nbytes} bytes on {self.device}>"

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .._resource import Resource
 from ..errors import UsageError
 from ..ordering import AccessKind, Fence
 from ..ordering.errors import FenceError
@@ -121,7 +122,7 @@ class NotifyFence(RdmaFence):
     WRITE_WITH_IMM carrying ``imm`` has landed and been made visible."""
 
 
-class QueuePair:
+class QueuePair(Resource):
     """An RC queue pair on a ProtectionDomain, with its own completion queue."""
 
     def __init__(self, pd: ProtectionDomain, *, depth: int = 256, port: int = 1,
@@ -479,12 +480,12 @@ class QueuePair:
             return len(self._pending) + sum(len(q) for q in self._expect.values())
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
+    def _close(self) -> None:
         """Destroy the QP; every fence still pending fails ("queue pair destroyed")."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True   # under the lock: posts racing the close see it
             num = self.qp_num_str
             pending = list(self._pending.values())
             for q in self._expect.values():
@@ -507,11 +508,6 @@ class QueuePair:
         except Exception:  # noqa: BLE001 - closed pyverbs objects refuse attribute reads
             return "?"
 
-    def __enter__(self) -> "QueuePair":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<QueuePair {self.pd.device}>"
