@@ -37,7 +37,7 @@ NVIDIA_P2P_ALIGN = 64 << 10
 
 
 @dataclass
-class GpuRange:
+class GpuRange(Resource):
     """A validated range of GPU memory, ready to register."""
 
     backend: str             # "cuda", "rocm"
@@ -50,7 +50,7 @@ class GpuRange:
     dmabuf_fd: int = -1      # a dma-buf of exactly [ptr, ptr + length), owned by this object
     keepalive: list[Any] = field(default_factory=list)  # the caller's object, kept alive
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self.dmabuf_fd >= 0:
             os.close(self.dmabuf_fd)
             self.dmabuf_fd = -1
