@@ -10,7 +10,8 @@ Three sides, in the same run, each pinned to the same CPU:
   I/O. The random LBAs are drawn before the clock starts (a user brings their own).
 - ``c_loop``: the engine's own loop (``Namespace.run_generated``: requests
   generated in C, no request array) on a DMA-coherent buffer: the ceiling of
-  the engine.
+  the engine. The public path and the C loop run chunk by chunk in turn (4096
+  requests each), so drifting machine speed slows both alike.
 - ``fio_io_uring``: fio with io_uring (polled completion: --hipri, registered
   buffers and files) on a controller left on the kernel nvme driver.
 
@@ -81,27 +82,32 @@ def _percentiles(lat_ns: list[int]) -> dict[str, float]:
     return out
 
 
-def _timed(run_chunk: Any, seconds: float, warmup: float) -> tuple[int, float, list[int]]:
-    """Call run_chunk() -> latencies until `seconds` have passed (after `warmup`)."""
-    t_end = time.monotonic() + warmup
-    while time.monotonic() < t_end:
-        run_chunk()
-    samples: list[int] = []
-    total = 0
-    t0 = time.monotonic()
-    while True:
-        lat = run_chunk()
-        total += len(lat)
-        samples.extend(lat)
-        if time.monotonic() - t0 >= seconds:
-            break
-    return total, time.monotonic() - t0, samples
+def _interleaved(chunks: dict[str, Any], seconds: float, warmup: float) -> dict[str, tuple[int, float, list[int]]]:
+    """Call each run_chunk() -> latencies in turn until each has run `seconds` (after `warmup`
+    of each): the sides alternate chunk by chunk, so a machine whose speed drifts (a shared host,
+    an emulator) slows them alike. Per side: (requests, seconds spent in its own chunks,
+    latencies)."""
+    for run_chunk in chunks.values():
+        t_end = time.monotonic() + warmup
+        while time.monotonic() < t_end:
+            run_chunk()
+    acc = {name: [0, 0.0, []] for name in chunks}
+    while min(a[1] for a in acc.values()) < seconds:
+        for name, run_chunk in chunks.items():
+            t0 = time.monotonic()
+            lat = run_chunk()
+            a = acc[name]
+            a[1] += time.monotonic() - t0
+            a[0] += len(lat)
+            a[2].extend(lat)
+    return {name: (a[0], a[1], a[2]) for name, a in acc.items()}
 
 
 def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, warmup: float) -> dict:
+    """The public batch API and the engine's C loop, chunk by chunk in turn, at each QD."""
     from ..hub import Hub
 
-    out: dict[str, Any] = {"public": {}, "c_loop": {}}
+    out: dict[str, Any] = {"public": {}, "c_loop": {}, "interleaved": True}
     with Hub() as hub:
         ctrl = hub.nvme(bdf, io_queues=1, queue_depth=max(64, 2 * max(qds)))
         reg = None
@@ -113,6 +119,7 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
             out.update({"controller": ctrl.ident.model, "namespace_blocks": ns.blocks, "lba_size": ns.lba_size})
             nslots = max(qds)
             reg = hub.alloc_host(nslots * bs, device=bdf)
+            dma = ctrl.alloc_dma(nslots * bs, "bench")   # the C loop's own DMA-coherent buffer
             units = ns.blocks // (bs // ns.lba_size)
             rnd = random.Random(0x5EED)
             pools = [array.array("Q", [rnd.randrange(units) * (bs // ns.lba_size) for _ in range(CHUNK)])
@@ -120,6 +127,7 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
             for qd in qds:
                 offsets = array.array("Q", [(i % qd) * bs for i in range(CHUNK)])
                 k = [0]
+                seed = [0x1234567 + qd]
 
                 def public_chunk() -> list[int]:
                     k[0] += 1
@@ -128,38 +136,25 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
                     fut.result(timeout=60)
                     return fut.latencies_ns()
 
-                total, elapsed, samples = _timed(public_chunk, seconds, warmup)
-                out["public"][f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed,
+                def c_chunk() -> list[int]:
+                    seed[0] += 1
+                    return ns.run_generated("read", dma, bs, CHUNK, qd=qd, seed=seed[0] - 1, qpair=qp,
+                                            timeout=5.0, slots=qd, latencies=True)
+
+                got = _interleaved({"public": public_chunk, "c_loop": c_chunk}, seconds, warmup)
+                for side, (total, elapsed, samples) in got.items():
+                    out[side][f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed,
                                             **_percentiles(samples)}
             stats = qp.stats()
-            gate = {"refused": stats["refused"], "registration_inflight_after": ctrl.inflight(reg)}
-            out["public"]["gate"] = gate
+            out["public"]["gate"] = {"refused": stats["refused"],
+                                     "registration_inflight_after": ctrl.inflight(reg)}
             ctrl.quiesce_registration(reg, timeout=10)
-            out["c_loop"] = _c_loop(ctrl, ns, qp, qds, bs, seconds, warmup)
-            stats = qp.stats()
             out["doorbells"] = stats["doorbells"]
             out["submitted"] = stats["submitted"]
         finally:
             ctrl.close()
             if reg is not None:
                 reg.close()
-    return out
-
-
-def _c_loop(ctrl: Any, ns: Any, qp: Any, qds: list[int], bs: int, seconds: float, warmup: float) -> dict:
-    """The engine's own loop: requests generated in C (``Namespace.run_generated``)."""
-    buf = ctrl.alloc_dma(max(qds) * bs, "bench")
-    out: dict[str, Any] = {}
-    for qd in qds:
-        seed = [0x1234567 + qd]
-
-        def chunk() -> list[int]:
-            seed[0] += 1
-            return ns.run_generated("read", buf, bs, CHUNK, qd=qd, seed=seed[0] - 1, qpair=qp,
-                                    timeout=5.0, slots=qd, latencies=True)
-
-        total, elapsed, samples = _timed(chunk, seconds, warmup)
-        out[f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed, **_percentiles(samples)}
     return out
 
 
