@@ -14,6 +14,9 @@ verbs MR over the very same pages, in the same run:
 - ibv_reg_mr: ``ibv_reg_mr`` + ``ibv_dereg_mr`` (pyverbs) over the udmabuf's memfd
   mapping, on the RDMA device given.
 
+cold, ioctl and ibv_reg_mr are timed one call of each in turn, so all three see the same
+machine even where its speed drifts (a shared host, an emulator).
+
 udmabuf caps one buffer at its ``size_limit_mb`` parameter (64 MiB by default):
 raise it (``/sys/module/udmabuf/parameters/size_limit_mb``, or the kernel command
 line ``udmabuf.size_limit_mb=N``) to measure larger sizes.
@@ -107,16 +110,39 @@ class Timing:
     max_us: float
 
 
-def _time(fn: Callable[[], None], min_time: float, max_iters: int) -> Timing:
-    fn()  # warm-up: first-touch faults, lazy allocations
-    samples: list[float] = []
-    start = time.monotonic()
-    while len(samples) < 3 or (time.monotonic() - start < min_time and len(samples) < max_iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1000)
+def _timing(samples: list[float]) -> Timing:
     return Timing(len(samples), statistics.median(samples), statistics.fmean(samples),
                   min(samples), max(samples))
+
+
+def _time(fn: Callable[[], None], min_time: float, max_iters: int) -> Timing:
+    return _time_in_turn({"": fn}, min_time, max_iters)[""]
+
+
+def _time_in_turn(fns: dict[str, Callable[[], None]], min_time: float,
+                  max_iters: int) -> dict[str, Timing]:
+    """Time each fn, one call of each in turn, until each has 3 samples and either `min_time`
+    seconds of its own or `max_iters` samples: methods compared in one table see the same
+    machine, even when its speed drifts."""
+    for fn in fns.values():
+        fn()  # warm-up: first-touch faults, lazy allocations
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+
+    def more(name: str) -> bool:
+        n = len(samples[name])
+        return n < 3 or (spent[name] < min_time and n < max_iters)
+
+    while any(more(name) for name in fns):
+        for name, fn in fns.items():
+            if not more(name):
+                continue
+            t0 = time.perf_counter_ns()
+            fn()
+            dt = time.perf_counter_ns() - t0
+            samples[name].append(dt / 1000)
+            spent[name] += dt / 1e9
+    return {name: _timing(v) for name, v in samples.items()}
 
 
 def _udmabuf(size: int) -> Udmabuf:
@@ -172,8 +198,10 @@ def _bench_register(args: argparse.Namespace) -> dict:
                     def verbs() -> None:
                         MR(pd, size, access, address=addr).close()
 
-                    tc = _time(cold, args.min_time, args.max_iters)
-                    tb = _time(bare, args.min_time, args.max_iters)
+                    # the cold path, the bare ioctls and verbs, one call of each in turn
+                    turns = _time_in_turn({"cold": cold, "bare": bare, "verbs": verbs},
+                                          args.min_time, args.max_iters)
+                    tc, tb, tv = turns["cold"], turns["bare"], turns["verbs"]
                     with hub.register_dmabuf(buf.fd, 0, size, device=device) as held:
                         def hit() -> None:
                             hub.register_dmabuf(buf.fd, 0, size, device=device).close()
@@ -189,7 +217,6 @@ def _bench_register(args: argparse.Namespace) -> dict:
                             fcntl.ioctl(dev_fd, uapi.REG_INFO, info_arg, True)
                         tstat = _time(lambda: os.fstat(buf.fd), args.min_time, args.max_iters)
                         tinfo = _time(info, args.min_time, args.max_iters)
-                    tv = _time(verbs, args.min_time, args.max_iters)
                 finally:
                     cpu.close()
                     buf.close()
