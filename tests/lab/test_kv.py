@@ -39,12 +39,6 @@ LAY = KVLayout(num_layers=32, blocks_per_layer=128, block_bytes=16384)
 PAGES = 24
 
 
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    with Hub() as h:
-        yield h
-
-
 def _fill(pool: KVPool, seed: int, blocks) -> None:
     lay = pool.layout
     for ly in range(lay.num_layers):

@@ -35,17 +35,9 @@ def _open_arg(bdf: str, **kw: int) -> uapi.NvmeOpen:
 
 
 @pytest.fixture(scope="module")
-def bdf(lab: dict[str, str]) -> Iterator[str]:
-    b = lab["nvme_target"]
-    bind.bind(b)
-    yield b
-    bind.unbind(b)
-
-
-@pytest.fixture
-def dev() -> Iterator[Device]:
-    with Device() as d:
-        yield d
+def bdf(owned_bdf: str) -> str:
+    """This module's tests own the controller: bound to p2phub for the module (conftest)."""
+    return owned_bdf
 
 
 @pytest.fixture

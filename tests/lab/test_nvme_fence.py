@@ -78,17 +78,9 @@ def _map_reg(ctrl: int, handle: int, count: int = 0) -> tuple[int, uapi.NvmeMapR
 
 
 @pytest.fixture(scope="module")
-def bdf(lab: dict[str, str]) -> Iterator[str]:
-    b = lab["nvme_target"]
-    bind.bind(b)
-    yield b
-    bind.unbind(b)
-
-
-@pytest.fixture
-def dev() -> Iterator[Device]:
-    with Device() as d:
-        yield d
+def bdf(owned_bdf: str) -> str:
+    """This module's tests own the controller: bound to p2phub for the module (conftest)."""
+    return owned_bdf
 
 
 @pytest.fixture
