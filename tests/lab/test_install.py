@@ -103,7 +103,9 @@ def lab_module_out(lab: dict[str, str]) -> Iterator[None]:
         if sh("dkms", "status", PKG, check=False).stdout.strip():
             sh("dkms", "remove", PKG, "--all", check=False)
         shutil.rmtree(f"/usr/src/p2phub-{VERSION}", ignore_errors=True)
-        sh("umount", str(tree), check=False)
+        # udevd keeps the module indexes it read mapped: detach the tmpfs lazily if it is busy
+        if sh("umount", str(tree), check=False).returncode != 0:
+            sh("umount", "--lazy", str(tree))
         params = [] if lab.get("iommu_groups") == "1" else ["allow_unsafe_noiommu=1"]
         sh("insmod", f"{lab['modules_dir']}/p2phub.ko", *params)
         sh("udevadm", "settle", check=False)
