@@ -6,7 +6,8 @@ A connector written against NIXL moves with its import changed::
 
 Every public ``nixl_agent`` method is here with NIXL's arguments, return types and errors
 (see docs/kv.md, "Use it from vLLM", for what differs). One backend, ``P2PHUB`` (p2phub's
-TCP transport), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
+KV agent: TCP, or RDMA over the NICs it is told: ``nixl_agent_config(transport=,
+rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT / P2PHUB_NIXL_RDMA_DEVICES), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
 selects it, so configurations written for NIXL's default work unchanged, while ``UCX``
 itself is an absent plugin (no parameters, no memory types), as NIXL answers for a plugin
 that is not installed.
@@ -345,7 +346,7 @@ class _Estimator:
 
 # ---------------------------------------------------------------------------- the agent
 class nixl_agent:  # noqa: N801
-    """NIXL's nixl_agent over p2phub's KV agent (TCP)."""
+    """NIXL's nixl_agent over p2phub's KV agent (TCP, or RDMA where told its NICs)."""
 
     def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
                  instantiate_all: bool = False) -> None:
