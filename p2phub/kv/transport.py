@@ -447,9 +447,16 @@ class Connection:
                     else:
                         self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
                 self._announce(xfer, placed, wait=True)
+                # The ACK is due within stall_timeout of the last byte; a READ answered over
+                # RDMA is WRITTEN by the peer first (as long as the bytes take: its WRITEs have
+                # their own progress deadline there, its heartbeats keep coming here, and the
+                # transfer's deadline still holds)
+                due = (float("inf") if self.rdma is not None and any(
+                    m.type == READ and m.dest is not None for m in msgs)
+                    else time.monotonic() + self.agent.stall_timeout)
                 with self._lock:
                     if xfer.id in self._pending:
-                        self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
+                        self._pending[xfer.id] = (xfer, due)
             except KVPeerError as exc:
                 self._fail_connection(exc)
                 break
