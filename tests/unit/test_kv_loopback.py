@@ -290,13 +290,14 @@ def test_killed_peer_fails_both_directions_within_the_peer_timeout_and_its_resta
     assert 0 < len(got["landed"]) < 16
     # decode restarts at its address: the next request each way succeeds, every byte whole
     b2, _ = start(procs, "decode", lay, stall=30.0, peer_timeout=HB, port=port)
-    b2.call("fill", seed=2)
     b2.call("add_remote", md=amd)
+    a.call("fill", seed=1)          # req 8's landed layers overwrote some of a's pages
     b2.send("expect", peer="prefill", req=10, timeout=20)
     sent = a.call("send", peer="decode", req=10, local=ids, remote=ids[::-1], timeout=20)
     assert sent["state"] == "DONE", sent                 # no add_remote: found under its name
     assert b2.reply()["status"] == "done"
     assert b2.call("verify", seed=1, local=ids, remote=ids[::-1])["bad"] == 0
+    b2.call("fill", seed=2)         # req 10 filled b2's pages with a's
     a.send("expect", peer="decode", req=11, timeout=20)
     assert b2.call("send", peer="prefill", req=11, local=ids, remote=ids, timeout=20)["state"] == "DONE"
     assert a.reply()["status"] == "done"
