@@ -208,16 +208,19 @@ class Link:
                 la, roff, n = la + c, roff + c, n - c
         fences: list[Any] = []
         try:
-            for j in range(nq):
-                q, todo, fl = self.qps[j], ops[j], self._inflight[j]
-                for k in range(0, len(todo), WINDOW):
+            for k in range(0, max(len(o) for o in ops), WINDOW):   # the rails in turn
+                for j in range(nq):
+                    group, fl = ops[j][k:k + WINDOW], self._inflight[j]
+                    if not group:
+                        continue
                     while fl and fl[0].done():
                         fl.popleft().wait(0)      # raises a failed group's error
                     while len(fl) >= MOST:
                         self._wait(fl.popleft(), timeout)
-                    fl.append(q.write_many(todo[k:k + WINDOW]))
-                if todo:
-                    fences.append(fl[-1])
+                    fl.append(self.qps[j].write_many(group))
+            for j in range(nq):
+                if ops[j]:
+                    fences.append(self._inflight[j][-1])
                     rails[j % len(rails)].bytes += load[j]
         except BaseException as exc:
             raise self._peer_error(exc, timeout) from None

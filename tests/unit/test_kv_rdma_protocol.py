@@ -268,3 +268,30 @@ def test_nixl_adapter_is_told_rdma_by_config_and_environment(monkeypatch) -> Non
     finally:
         for ag in (d, p, t):
             ag.close()
+
+
+def test_two_rails_each_carry_a_share_and_every_byte_lands() -> None:
+    pa, pb = KVPool.host(LAY), KVPool.host(LAY)
+    for ly in range(LAY.num_layers):
+        for kv in range(2):
+            for blk in range(LAY.blocks_per_layer):
+                pa.block(ly, kv, blk)[:] = page(4, ly, kv, blk, LAY.block_bytes)
+    a = Agent("a", pa, stall_timeout=10.0, rdma_devices=["nic-a", "nic-c"])
+    b = Agent("b", pb, stall_timeout=10.0, rdma_devices=["nic-b", "nic-d"])
+    try:
+        a.add_remote(b.metadata())
+        src, dst = list(range(0, 32, 2)), list(range(31, 0, -2))
+        r = b.expect("a", 4)
+        a.send_request("b", 4, src, dst).wait(10)
+        r.done.wait(10)
+        for ly in range(LAY.num_layers):
+            for kv in range(2):
+                for s, d in zip(src, dst):
+                    assert bytes(b.pool.block(ly, kv, d)) == page(4, ly, kv, s, LAY.block_bytes)
+        per = a.rail_bytes()
+        total = LAY.num_layers * 2 * len(src) * LAY.block_bytes
+        assert set(per) == {"nic-a", "nic-c"} and sum(per.values()) == total
+        assert min(per.values()) >= total // 4, per
+    finally:
+        a.close()
+        b.close()
