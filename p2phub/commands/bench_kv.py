@@ -225,6 +225,13 @@ def bench(args: argparse.Namespace, progress: Any = None) -> dict:
             }
         for m, why in skipped.items():
             entry["methods"][m] = {"skipped": why}
+        if "p2phub-nixl" in runs and "p2phub-xfer" in runs:
+            # the NIXL adapter's cost: its path against the own API's, run by run
+            pairs = [x["gbps"] / y["gbps"] for x, y in zip(runs["p2phub-nixl"], runs["p2phub-xfer"])
+                     if "gbps" in x and "gbps" in y]
+            if pairs:
+                entry["nixl_over_xfer"] = {"runs": [round(v, 3) for v in pairs],
+                                           "median": round(statistics.median(pairs), 3)}
         results.append(entry)
     return {
         "schema": SCHEMA,
@@ -262,6 +269,12 @@ def _render(report: dict) -> None:
                 notes.setdefault(f"{m} at {e['block'] >> 10} KiB: {err}", None)
     console = Console()
     console.print(t)
+    for e in report["results"]:
+        if "nixl_over_xfer" in e:
+            a = e["nixl_over_xfer"]
+            console.print(f"{e['block'] >> 10} KiB: p2phub-nixl / p2phub-xfer, run by run "
+                          f"{', '.join(f'{v:.2f}' for v in a['runs'])}: median {a['median']:.3f}",
+                          markup=False, highlight=False)
     for note in notes:
         console.print(note, markup=False, highlight=False)
 

@@ -454,8 +454,8 @@ class Agent:
             if hello.get("qps") and self.rails is not None:
                 from .rdma import Link
                 link = Link(self.rails, len(hello["qps"]), peer)
-                try:
-                    link.connect(hello["qps"])
+                try:   # its MRs too, when it sent them: READs are answered by RDMA WRITE
+                    link.connect(hello["qps"], hello.get("rdma") or None)
                 except BaseException:
                     link.close()
                     raise
@@ -509,7 +509,8 @@ class Agent:
         try:
             _tune(sock)
             tp.send_hello(sock, self.name, self.incarnation,
-                          extra={"qps": link.infos()} if link is not None else None)
+                          extra={"qps": link.infos(), "rdma": self.rails.metadata()}
+                          if link is not None else None)
             hello = tp.recv_hello(sock, self.stall_timeout)
             sock.settimeout(None)
             ra = self._check_hello(peer, ra, hello)
@@ -753,9 +754,28 @@ class Agent:
             raise UsageError(f"index pair {bad[0]}: local and remote descriptors differ in length")
         msgs = self._by_device(tp.DATA if op == "WRITE" else tp.READ, req, ra, wire, liov, rc,
                                int(total[0]))
+        if op == "READ" and self.rails is not None and ra.rdma:
+            for m in msgs:
+                if m.dev < 0:
+                    m.dest = self._dest_runs(m.iov, m.nruns)
         if notif:
             msgs.append(tp.Message(tp.NOTIF, req, 0, body=bytes(notif)))
         return tp.Xfer(peer, msgs, next(self._xids))
+
+    def _dest_runs(self, iov: Any, n: int) -> tuple[Any, Any]:
+        """Where a READ's runs land here, as (segment, offset, length) wire runs, and one
+        iov of that table to send beside the READ (the peer WRITEs the bytes there)."""
+        h = tp.hot()
+        segs = self.rails.segments
+        table = h.ffi.new("struct kv_wire[]", max(1, n))
+        for i in range(n):
+            a, ln = int(iov[i].addr), int(iov[i].len)
+            k = segs.find(a, ln)
+            table[i].seg, table[i].off, table[i].len = k, a - segs.base(k), ln
+        one = h.ffi.new("struct kv_iov[]", 1)
+        one[0].addr = int(h.ffi.cast("uintptr_t", table))
+        one[0].len = n * tp.WIRE_RUN
+        return table, one
 
     def _by_device(self, type_: int, req: int, ra: RemoteAgent, wire: Any, liov: Any, n: int,
                    total: int) -> list[tp.Message]:

@@ -283,7 +283,8 @@ def torch_staged(role: str, total: int, block: int, iters: int) -> None:
 def p2phub_xfer(role: str, total: int, block: int, iters: int) -> None:
     """p2phub's own API the way the NIXL methods use theirs: one registered buffer, lists
     prepared once (prep_local / prep_remote), one transfer by index (make_xfer), posted and
-    awaited `iters` times. The same wire work as p2phub-nixl, without the adapter."""
+    its state polled until done, `iters` times, as the nixl method polls check_xfer_state.
+    The same wire work and the same waiting as p2phub-nixl, without the adapter."""
     from .agent import Agent
     n = total // block
     p = perm(n)
@@ -310,8 +311,12 @@ def p2phub_xfer(role: str, total: int, block: int, iters: int) -> None:
     for i in range(iters + 1):
         if i == 1:
             t0 = time.perf_counter()
-        agent.post(x)
-        x.wait(120)
+        st = agent.post(x)
+        while st == "PROC":
+            time.sleep(0)      # what check_xfer_state does between polls
+            st = x.state
+        if st != "DONE":
+            raise SystemExit(f"p2phub-xfer transfer: {x.error}")
     secs = time.perf_counter() - t0
     agent.send_notif(name, b"final")
     _say({"seconds": secs, "bytes": iters * total})

@@ -12,7 +12,9 @@ Wire format (little endian). Every message starts with a 40-byte header:
     NOTIF  n bytes of notification for the receiver's get_new_notifs()
     READ   n runs of the receiver's segments (nbytes in all) that it sends back, in order, as
            one DATA message with F_READ_RESP and no run table, which the reader lands in the
-           local ranges it planned
+           local ranges it planned; with F_PLACED (RDMA) n more runs follow, the reader's own
+           (segment, offset) for each, and the receiver may instead RDMA-WRITE the bytes there
+           and answer with F_READ_RESP|F_PLACED and no payload (kv/rdma.py)
     ACK    receiver -> sender: the transfer `xfer` has landed (after its LAST message)
     ERR    receiver -> sender: the transfer was refused; n bytes of reason
     FAIL   sender -> receiver: the sender gave the transfer up; n bytes of reason
@@ -143,7 +145,8 @@ class RangeLookup:
 class Message:
     """One DATA or NOTIF message, planned once: header fields, run table, payload ranges."""
 
-    __slots__ = ("type", "req", "layer", "wire", "iov", "nruns", "nbytes", "body", "last", "dev")
+    __slots__ = ("type", "req", "layer", "wire", "iov", "nruns", "nbytes", "body", "last", "dev",
+                 "dest")
 
     def __init__(self, type_: int, req: int, layer: int, wire: Any = None, iov: Any = None,
                  nruns: int = 0, nbytes: int = 0, body: bytes = b"") -> None:
@@ -157,6 +160,7 @@ class Message:
         self.body = body
         self.last = False
         self.dev = -1       # the device of its local ranges: -1 host, else a CUDA ordinal
+        self.dest: Any = None   # READ over RDMA: its local runs as (segment, offset) wire runs
 
 
 class Xfer:
@@ -419,24 +423,40 @@ class Connection:
                 if any(m.dev >= 0 for m in msgs):
                     self._send_staged(xfer, msgs)
                     continue
+                placed: list[tuple[int, Message, list]] = []   # RDMA-posted, not announced
                 for i, m in enumerate(msgs):
                     flags = (F_LAST if i == len(msgs) - 1 else 0) | (F_REQ_END if m.last else 0)
                     if m.type == DATA and self.rdma is not None:
-                        if m.nruns:
-                            self.rdma.write(m, self.agent.stall_timeout)
-                        self._send_raw(DATA, flags | F_PLACED, xfer.id, m.req, m.layer,
-                                       wire=m.wire, nruns=m.nruns, nbytes=m.nbytes)
-                    elif m.type == DATA:
+                        fences = (self.rdma.post(m.iov, m.wire, m.nruns, self.agent.stall_timeout)
+                                  if m.nruns else [])
+                        placed.append((flags, m, fences))
+                        self._announce(xfer, placed, wait=False)
+                        continue
+                    self._announce(xfer, placed, wait=True)   # its data lands before this
+                    if m.type == DATA:
                         self._send_raw(DATA, flags, xfer.id, m.req, m.layer, wire=m.wire,
                                        nruns=m.nruns, iov=m.iov, niov=m.nruns, nbytes=m.nbytes)
+                    elif m.type == READ and self.rdma is not None and m.dest is not None:
+                        # the peer WRITEs the runs into m.dest (our segments) over RDMA
+                        self._send_raw(READ, flags | F_PLACED, xfer.id, m.req, m.layer,
+                                       wire=m.wire, nruns=m.nruns, iov=m.dest[1], niov=1,
+                                       nbytes=m.nbytes)
                     elif m.type == READ:
                         self._send_raw(READ, flags, xfer.id, m.req, m.layer, wire=m.wire,
                                        nruns=m.nruns, nbytes=m.nbytes)
                     else:
                         self._send_raw(m.type, flags, xfer.id, m.req, m.layer, body=m.body)
+                self._announce(xfer, placed, wait=True)
+                # The ACK is due within stall_timeout of the last byte; a READ answered over
+                # RDMA is WRITTEN by the peer first (as long as the bytes take: its WRITEs have
+                # their own progress deadline there, its heartbeats keep coming here, and the
+                # transfer's deadline still holds)
+                due = (float("inf") if self.rdma is not None and any(
+                    m.type == READ and m.dest is not None for m in msgs)
+                    else time.monotonic() + self.agent.stall_timeout)
                 with self._lock:
                     if xfer.id in self._pending:
-                        self._pending[xfer.id] = (xfer, time.monotonic() + self.agent.stall_timeout)
+                        self._pending[xfer.id] = (xfer, due)
             except KVPeerError as exc:
                 self._fail_connection(exc)
                 break
@@ -456,6 +476,19 @@ class Connection:
                 break
             if x is not None:
                 x._finish(self._closed_error())
+
+    def _announce(self, xfer: Xfer, placed: list, wait: bool) -> None:
+        """Send the F_PLACED header and run table of each RDMA-posted message whose WRITEs
+        completed, in order; with `wait`, wait for all of them (before a message that must
+        follow their data, and at the end of the transfer)."""
+        while placed:
+            flags, m, fences = placed[0]
+            if not wait and not all(f.done() for f in fences):
+                return
+            self.rdma.wait(fences, self.agent.stall_timeout)
+            self._send_raw(DATA, flags | F_PLACED, xfer.id, m.req, m.layer, wire=m.wire,
+                           nruns=m.nruns, nbytes=m.nbytes)
+            placed.pop(0)
 
     def _stage(self, direction: str, dev: int) -> Any:
         """The pinned staging buffer of this direction for CUDA device `dev` (made once)."""
@@ -575,7 +608,7 @@ class Connection:
                 if magic != MAGIC:
                     raise KVPeerError(self.peer, "reset", f"bad magic {magic:#x}: not a p2phub KV stream")
                 if type_ == DATA and flags & F_READ_RESP:
-                    self._on_read_resp(xid, layer, n, nbytes)
+                    self._on_read_resp(flags, xid, layer, n, nbytes)
                 elif type_ == DATA and flags & F_PLACED:
                     self._on_placed(flags, xid, req, layer, n, nbytes)
                 elif type_ == DATA:
@@ -749,10 +782,12 @@ class Connection:
         self._land(flags, xid, req, layer, wire)   # only now: its bytes are on the GPU
 
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
-        """Serve a READ: check the runs against our segments, send their bytes back."""
+        """Serve a READ: check the runs against our segments, send their bytes back (over
+        RDMA into the reader's segments when it named them and we can, else on the socket)."""
         if nruns > MAX_RUNS:
             raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
         wire = self._recv(nruns * WIRE_RUN)
+        dest = self._recv(nruns * WIRE_RUN) if flags & F_PLACED else None
         dev = self._runs_device(wire, nruns)
         if dev is None:
             self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: its runs are in "
@@ -768,7 +803,12 @@ class Connection:
             if not flags & F_LAST:
                 self._skip.add(xid)
             return
-        if dev >= 0:
+        if (dest is not None and dev < 0 and self.rdma is not None and nruns
+                and self.rdma.can_place(dest, nruns)):
+            self.rdma.write(iov, hot().ffi.from_buffer("struct kv_wire[]", dest), nruns,
+                            self.agent.stall_timeout)
+            self._send_raw(DATA, F_READ_RESP | F_PLACED, xid, req, layer, nbytes=nbytes)
+        elif dev >= 0:
             self._send_read_resp_staged(xid, req, layer, iov, nruns, nbytes, dev)
         else:
             self._send_raw(DATA, F_READ_RESP, xid, req, layer, iov=iov, niov=nruns, nbytes=nbytes)
@@ -803,11 +843,16 @@ class Connection:
                                   f"no send progress for {self.agent.stall_timeout} s")
             raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
 
-    def _on_read_resp(self, xid: int, index: int, nruns: int, nbytes: int) -> None:
-        """The bytes of our READ message `index` of transfer `xid`: into its planned ranges."""
+    def _on_read_resp(self, flags: int, xid: int, index: int, nruns: int, nbytes: int) -> None:
+        """The bytes of our READ message `index` of transfer `xid`: into its planned ranges
+        (with F_PLACED the peer already WROTE them there over RDMA: nothing follows)."""
         h = hot()
         if nruns:
             raise KVPeerError(self.peer, "reset", "a READ answer with a run table")
+        if flags & F_PLACED:
+            if self.rdma is None:
+                raise KVPeerError(self.peer, "reset", "an RDMA-placed READ answer without RDMA")
+            return
         with self._lock:
             ent = self._pending.get(xid)
         msgs = ent[0].messages if ent is not None else []

@@ -6,7 +6,8 @@ A connector written against NIXL moves with its import changed::
 
 Every public ``nixl_agent`` method is here with NIXL's arguments, return types and errors
 (see docs/kv.md, "Use it from vLLM", for what differs). One backend, ``P2PHUB`` (p2phub's
-TCP transport), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
+KV agent: TCP, or RDMA over the NICs it is told: ``nixl_agent_config(transport=,
+rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT / P2PHUB_NIXL_RDMA_DEVICES), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
 selects it, so configurations written for NIXL's default work unchanged, while ``UCX``
 itself is an absent plugin (no parameters, no memory types), as NIXL answers for a plugin
 that is not installed.
@@ -239,12 +240,17 @@ class nixl_agent_config:  # noqa: N801
     transfers when ``enable_listen_thread`` is set (an ephemeral port otherwise; p2phub's
     agent always listens). ``num_threads`` and ``enable_prog_thread`` are accepted and have
     no effect (the transport's threads are per connection). ``stall_timeout`` (p2phub):
-    seconds without progress after which a peer's transfers fail."""
+    seconds without progress after which a peer's transfers fail. ``transport`` ("auto",
+    "tcp", "rdma") and ``rdma_devices`` (p2phub: NIC names, or ["all"]) choose how payload
+    moves; left out, P2PHUB_NIXL_TRANSPORT and P2PHUB_NIXL_RDMA_DEVICES (comma-separated)
+    decide, and without either it is TCP. With devices, "auto" moves payload over RDMA to
+    every peer that has some too, and TCP to the others."""
 
     def __init__(self, enable_prog_thread: bool = True, enable_listen_thread: bool = False,
                  listen_port: int = DEFAULT_COMM_PORT, capture_telemetry: bool = False,
                  num_threads: int = 0, backends: list[str] = ["UCX"],  # noqa: B006 - NIXL's default
-                 sync_mode: Optional[nixl_thread_sync_t] = None, stall_timeout: float = 10.0) -> None:
+                 sync_mode: Optional[nixl_thread_sync_t] = None, stall_timeout: float = 10.0,
+                 transport: Optional[str] = None, rdma_devices: Optional[list[str]] = None) -> None:
         self.backends = backends
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
@@ -257,6 +263,10 @@ class nixl_agent_config:  # noqa: N801
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout={stall_timeout!r} must be > 0 seconds")
         self.stall_timeout = float(stall_timeout)
+        if transport is not None and transport not in ("auto", "tcp", "rdma"):
+            raise ValueError(f"transport={transport!r}: want 'auto', 'tcp' or 'rdma'")
+        self.transport = transport
+        self.rdma_devices = list(rdma_devices) if rdma_devices is not None else None
 
 
 # ---------------------------------------------------------------------------- internals
@@ -336,7 +346,7 @@ class _Estimator:
 
 # ---------------------------------------------------------------------------- the agent
 class nixl_agent:  # noqa: N801
-    """NIXL's nixl_agent over p2phub's KV agent (TCP)."""
+    """NIXL's nixl_agent over p2phub's KV agent (TCP, or RDMA where told its NICs)."""
 
     def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
                  instantiate_all: bool = False) -> None:
@@ -354,6 +364,8 @@ class nixl_agent:  # noqa: N801
         cfg.syncMode = (nixl_conf.sync_mode or default_sync).value
         cfg.captureTelemetry = nixl_conf.capture_telemetry
         cfg.stallTimeout = getattr(nixl_conf, "stall_timeout", 10.0)
+        cfg.transport = getattr(nixl_conf, "transport", None)
+        cfg.rdmaDevices = getattr(nixl_conf, "rdma_devices", None)
         self.agent = nixlBind.nixlAgent(agent_name, cfg)   # looked up now: a spy may replace it
 
         self.name = agent_name
@@ -400,10 +412,23 @@ class nixl_agent:  # noqa: N801
         self.agent.close()
 
     # ------------------------------------------------------------------ plugins, backends
+    def _params(self) -> dict[str, str]:
+        kv = self.kv
+        return {"stall_timeout": str(kv.stall_timeout), "transport": kv.transport,
+                "rdma_devices": ",".join(kv.rails.devices) if kv.rails is not None else ""}
+
     def _plugin_params(self, plugin: str) -> None:
         if plugin == PLUGIN:
-            self.plugin_b_options[plugin] = {"stall_timeout": str(self.kv.stall_timeout)}
+            self.plugin_b_options[plugin] = self._params()
             self.plugin_mem_types[plugin] = list(MEM_TYPES)
+
+    def transport_to(self, remote_agent: Union[str, bytes]) -> str:
+        """p2phub: "rdma" or "tcp", how this agent's payload moves to and from that peer
+        (RDMA where both have devices, unless told "tcp"; each connection logs it too)."""
+        try:
+            return self.kv.transport_to(_name(remote_agent))
+        except UsageError as exc:
+            raise nixlNotFoundError(f"transport_to: {exc}") from None
 
     def get_plugin_list(self) -> list[str]:
         return self.plugin_list
@@ -457,7 +482,7 @@ class nixl_agent:  # noqa: N801
         self.agent.backends[h] = backend
         self.backends[backend] = h
         self.backend_mems[backend] = list(MEM_TYPES)
-        self.backend_options[backend] = {"stall_timeout": str(self.kv.stall_timeout)}
+        self.backend_options[backend] = self._params()
         logger.info("Backend %s was instantiated", backend)
 
     def _backends(self, names: Sequence[str]) -> list[int]:

@@ -273,6 +273,31 @@ class nixlAgentConfig:  # noqa: N801
         self.lthrDelay = lthrDelay
         self.etcdWatchTimeout = etcdWatchTimeout
         self.stallTimeout = 10.0          # p2phub: seconds without progress before a peer fails
+        self.transport: Optional[str] = None          # p2phub: "auto" | "tcp" | "rdma"
+        self.rdmaDevices: Optional[list[str]] = None  # p2phub: the RDMA NICs to move payload on
+
+
+def transport_choice(transport: Optional[str], devices: Optional[Iterable[str]]) -> tuple[str, list[str]]:
+    """The KV agent's transport and RDMA devices: the configuration's, else the environment's
+    (P2PHUB_NIXL_TRANSPORT, P2PHUB_NIXL_RDMA_DEVICES: comma-separated names, or "all" for
+    every device libibverbs sees), else "auto" with no devices (TCP)."""
+    t = transport or os.environ.get("P2PHUB_NIXL_TRANSPORT", "").strip() or "auto"
+    if t not in ("auto", "tcp", "rdma"):
+        raise nixlInvalidParamError(f"transport {t!r}: want 'auto', 'tcp' or 'rdma'")
+    if devices is None:
+        env = os.environ.get("P2PHUB_NIXL_RDMA_DEVICES", "")
+        devices = [d.strip() for d in env.split(",") if d.strip()]
+    devs = [str(d) for d in devices]
+    if devs == ["all"]:
+        from ..rdma import verbs
+        try:
+            devs = verbs.device_names()
+        except Exception as exc:  # noqa: BLE001 - no libibverbs: no devices
+            raise nixlInvalidParamError(f"RDMA devices 'all': {exc}") from None
+    if t == "rdma" and not devs:
+        raise nixlInvalidParamError("transport 'rdma' needs RDMA devices (rdma_devices in "
+                                    "nixl_agent_config, or P2PHUB_NIXL_RDMA_DEVICES)")
+    return t, ([] if t == "tcp" else devs)
 
 
 def _env_bool(name: str) -> Optional[bool]:
@@ -301,7 +326,15 @@ class nixlAgent(Resource):  # noqa: N801
         self.telemetry = env if env is not None else bool(config.captureTelemetry)
         port = int(config.listenPort) if config.useListenThread else 0
         host = os.environ.get("P2PHUB_NIXL_HOST", "127.0.0.1")
-        self.kv = NixlKVAgent(name, host=host, port=port, stall_timeout=float(config.stallTimeout))
+        transport, devices = transport_choice(getattr(config, "transport", None),
+                                              getattr(config, "rdmaDevices", None))
+        from ..errors import UsageError
+        try:
+            self.kv = NixlKVAgent(name, host=host, port=port,
+                                  stall_timeout=float(config.stallTimeout),
+                                  transport=transport, rdma_devices=devices or None)
+        except UsageError as exc:
+            raise nixlInvalidParamError(f"agent {name!r}: {exc}") from None
         self._ids = itertools.count(1)
         self.xfers: dict[int, Any] = {}
         self.dlists: dict[int, Any] = {}

@@ -61,6 +61,8 @@ class NixlKVAgent(Agent):
                 raise UsageError(f"{addr:#x}+{length} is not a registered segment") from None
             self._segments[i] = (0, 0)
             self._segidx.drop(i)
+            if self.rails is not None:   # a peer's RDMA WRITE into it now fails at its NIC
+                self.rails.drop_segment(i)
             c = h.ffi.new("struct kv_iov[]", len(self._segments))
             for k, (a, n) in enumerate(self._segments):
                 c[k].addr, c[k].len = a, n

@@ -263,10 +263,11 @@ def test_metadata_through_redis(procs, tmp_path) -> None:
 HB = 1.0      # peer_timeout of the heartbeat tests: well under their stall_timeout
 
 
-def test_killed_peer_fails_what_it_sent_and_what_it_was_sent_within_the_peer_timeout(procs) -> None:
+def test_killed_peer_fails_both_directions_within_the_peer_timeout_and_its_restart_is_reached(procs) -> None:
     lay = dict(num_layers=16, blocks_per_layer=32, block_bytes=65536)
+    port = _free_port()
     a, amd = start(procs, "prefill", lay, stall=30.0, peer_timeout=HB)
-    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=HB)
+    b, bmd = start(procs, "decode", lay, stall=30.0, peer_timeout=HB, port=port)
     a.call("fill", seed=1)
     b.call("fill", seed=2)
     a.call("add_remote", md=bmd)
@@ -287,6 +288,20 @@ def test_killed_peer_fails_what_it_sent_and_what_it_was_sent_within_the_peer_tim
     got = a.call("expect", peer="decode", req=8, timeout=30)   # what b was sending to a
     assert got["status"] == "failed" and "'decode'" in got["error"], got
     assert 0 < len(got["landed"]) < 16
+    # decode restarts at its address: the next request each way succeeds, every byte whole
+    b2, _ = start(procs, "decode", lay, stall=30.0, peer_timeout=HB, port=port)
+    b2.call("add_remote", md=amd)
+    a.call("fill", seed=1)          # req 8's landed layers overwrote some of a's pages
+    b2.send("expect", peer="prefill", req=10, timeout=20)
+    sent = a.call("send", peer="decode", req=10, local=ids, remote=ids[::-1], timeout=20)
+    assert sent["state"] == "DONE", sent                 # no add_remote: found under its name
+    assert b2.reply()["status"] == "done"
+    assert b2.call("verify", seed=1, local=ids, remote=ids[::-1])["bad"] == 0
+    b2.call("fill", seed=2)         # req 10 filled b2's pages with a's
+    a.send("expect", peer="decode", req=11, timeout=20)
+    assert b2.call("send", peer="prefill", req=11, local=ids, remote=ids, timeout=20)["state"] == "DONE"
+    assert a.reply()["status"] == "done"
+    assert a.call("verify", seed=2, local=ids, remote=ids)["bad"] == 0
 
 
 def test_restarted_peer_at_the_same_address_is_reconnected_under_its_name(procs) -> None:

@@ -27,14 +27,16 @@ def _impls() -> list:
 
 def run_roles(script: str, impl: str, tmp_path: Path, roles: tuple[str, str],
               extra: tuple[str, ...] = (), ucx_tls: str = "tcp",
-              timeout: float = 240) -> list[tuple[int, str]]:
-    """Run `script` once per role, both at once (UCX kept to TCP on lo for nixl); returns
-    (exit status, stdout) per role."""
+              timeout: float = 240, role_env: dict[str, dict[str, str]] | None = None
+              ) -> list[tuple[int, str]]:
+    """Run `script` once per role, both at once (UCX kept to TCP on lo for nixl), with
+    `role_env[role]` added to that role's environment; returns (exit status, stdout) per role."""
     pytest.importorskip("numpy")
     env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(HERE / script), "--impl", impl, "--dir", str(tmp_path), *extra]
-    procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True,
+                              env={**env, **(role_env or {}).get(r, {})})
              for r in roles]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in reversed(procs)][::-1]

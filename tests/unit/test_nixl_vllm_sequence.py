@@ -17,9 +17,10 @@ import vllm_nixl_replay as replay  # noqa: E402
 from test_kv_nixl import _impls, run_roles  # noqa: E402,F401 - p2phub, and nixl where it imports
 
 
-def _run(impl: str, tmp_path: Path, mem: str = "DRAM", ucx_tls: str = "tcp") -> tuple[dict, dict]:
+def _run(impl: str, tmp_path: Path, mem: str = "DRAM", ucx_tls: str = "tcp",
+         role_env: dict[str, dict[str, str]] | None = None, timeout: float = 180) -> tuple[dict, dict]:
     (prc, pout), (drc, dout) = run_roles("vllm_nixl_replay.py", impl, tmp_path, ("prefill", "decode"),
-                                         ("--mem", mem), ucx_tls, timeout=180)
+                                         ("--mem", mem), ucx_tls, timeout=timeout, role_env=role_env)
     lines = [ln for ln in dout.splitlines() if ln.startswith("{")], [ln for ln in pout.splitlines() if ln.startswith("{")]
     assert lines[0] and lines[1], (dout, pout, drc, prc)
     if impl == "p2phub":

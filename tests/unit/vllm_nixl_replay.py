@@ -22,7 +22,10 @@ The calls and their order follow vllm/distributed/kv_transfer/kv_connector/v1/ni
 - shutdown: release_xfer_handle, release_dlist_handle, remove_remote_agent, deregister_memory.
 
 Every byte is checked on decode against a pattern both sides compute from (region, block),
-and blocks no request named must stay zero. Prints one JSON line.
+and blocks no request named must stay zero. Prints one JSON line (with p2phub also the
+transport each side used and the payload bytes each of its RDMA NICs carried; what the agent
+listens on and which NICs it uses come from the environment, as a vLLM worker's would:
+P2PHUB_NIXL_HOST, P2PHUB_NIXL_RDMA_DEVICES, P2PHUB_NIXL_TRANSPORT).
 """
 
 from __future__ import annotations
@@ -255,6 +258,9 @@ def main() -> int:
                    push_bytes=t.totalBytes, push_descs=t.descCount)
         agent.release_xfer_handle(h)
         wait_file(d / "decode.done")            # decode reads from this cache until then
+
+    if args.impl == "p2phub":   # how its payload moved: "tcp" or "rdma", bytes per NIC
+        res.update(transport=agent.transport_to(remote_name), rail_bytes=agent.kv.rail_bytes())
 
     # -- shutdown
     agent.release_dlist_handle(src_handle)
