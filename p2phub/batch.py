@@ -62,6 +62,7 @@ DEFAULT_SLOTS = 256
 # measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
 # reads 1.1x to 1.4x slower buffered
 DEFAULT_BUFFERED_FROM = 1 << 20
+_OPT_NO_FIXED, _OPT_NO_IO_THREAD = 1, 2   # SIO_OPT_* of staged_io/_sio.h
 
 
 class BatchFence(Fence):
@@ -389,11 +390,13 @@ class _Engine:
     """One staged I/O engine (p2phub.staged_io) and its staging memory, for one copy engine
     and device of a hub; batches on it run one at a time on its worker thread."""
 
-    def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int) -> None:
+    def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
+                 options: int = 0) -> None:
         from .staged_io import load as load_sio
         self.mod = load_sio()
         self.ops, self.device = ops, device
         self.depth, self.slot, self.slots = depth, slot, slots
+        self.options = options
         self.lock = threading.Lock()
         self.cuda = getattr(ops, "name", "") != "host"
         self._eng = None
@@ -410,7 +413,7 @@ class _Engine:
                 self._stream = self.ops.stream_create()
             err = ffi.new("char[]", 256)
             eng = lib.sio_open(self.depth, self.slot, self.slots, ffi.cast("void *", self._stage.ptr),
-                               self._stream, err, 256)
+                               self._stream, self.options, err, 256)
             if eng == ffi.NULL:
                 self._free()
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
@@ -445,6 +448,8 @@ class _Engine:
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
                                                        "merged", "slot_waits", "max_inflight")}
             stats["batch_copy_api"] = bool(st.batch_api)
+            stats["fixed_buffers"] = bool(st.fixed)
+            stats["io_thread"] = bool(st.io_thread)
             if rc < 0:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
@@ -461,11 +466,14 @@ class _Engine:
 
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
                     slots: int = DEFAULT_SLOTS,
-                    buffered_from: int = DEFAULT_BUFFERED_FROM) -> None:
+                    buffered_from: int = DEFAULT_BUFFERED_FROM, *,
+                    fixed_buffers: bool = True, io_thread: bool = True) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
-    bytes and up go through the page cache."""
+    bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
+    engine registering its staging memory with io_uring, `io_thread=False` has one thread
+    both read and issue the GPU copies of a load (``fence.stats`` says which ran)."""
     if not 1 <= depth <= 4096:
         raise UsageError(f"depth={depth}: want 1..4096")
     if slot <= 0 or slot % ALIGN:
@@ -477,7 +485,9 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     for key in [k for k in hub.__dict__.get("_stagers", {}) if k[0] == "batch"]:
         hub.__dict__["_stagers"].pop(key).close()
     hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
-                                   "buffered_from": buffered_from}
+                                   "buffered_from": buffered_from,
+                                   "options": (0 if fixed_buffers else _OPT_NO_FIXED)
+                                   | (0 if io_thread else _OPT_NO_IO_THREAD)}
 
 
 def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
@@ -487,7 +497,8 @@ def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
     if key not in stagers:
         opts = hub.__dict__.get("_batch_opts", {})
         stagers[key] = _Engine(ops, device, opts.get("depth", DEFAULT_DEPTH),
-                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS))
+                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS),
+                               opts.get("options", 0))
     return stagers[key]
 
 
