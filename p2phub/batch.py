@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .errors import P2PHubOSError, UsageError
 from .backend import get_backend
 from .memory import Memory
-from .staged import ALIGN, Fence, StagedRegistration, _is_namespace
+from .staged import ALIGN, Fence, HostOps, StagedRegistration, _is_namespace
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -100,6 +100,8 @@ class _Mem:
     cuda: bool
     ops: Any
     device: int
+    cpu_map: Any = None    # file entries into a dma-buf registration: its CPU mapping
+    cpu_view: Any = None
 
 
 @dataclass
@@ -279,6 +281,36 @@ def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
     return f
 
 
+def _map_for_files(m: _Mem, i: int) -> None:
+    """File entries into memory that no GPU engine copies to (a dma-buf or host registration
+    of a P2P hub: vgem, udmabuf, p2phub's own host memory) go through its CPU mapping: read
+    into the staging slots, then memcpy. Entry i is the first such entry."""
+    import ctypes
+    try:
+        mm = m.reg.mmap()
+    except (UsageError, P2PHubOSError) as exc:
+        raise UsageError(f"entry {i}: {m.reg} has no CPU mapping, which file entries need "
+                         f"({exc})") from None
+    if len(mm) < m.length:
+        mm.close()
+        raise UsageError(f"entry {i}: the CPU mapping of {m.reg} is shorter than it")
+    m.cpu_map, m.cpu_view = mm, (ctypes.c_char * m.length).from_buffer(mm)
+    m.ptr, m.cuda, m.ops, m.device = ctypes.addressof(m.cpu_view), False, HostOps(), 0
+
+
+def _unmap(mems: list[_Mem]) -> None:
+    for m in mems:
+        if m is not None and m.cpu_map is not None:
+            m.cpu_view = None
+            m.cpu_map.close()
+            m.cpu_map = None
+
+
+def _close_plan(p: "_Plan") -> None:
+    _close_files(p.files)
+    _unmap(p.mems)
+
+
 def _close_files(files: list[_File]) -> None:
     for f in files:
         if f.owned and f.fd >= 0:
@@ -327,13 +359,11 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
     for k, target in enumerate(storages):
         if _is_namespace(target):
             nvme_rows |= si == k
-    for k, m in enumerate(p.mems):
-        if m is not None and m.ops is None:
-            if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
-                raise UsageError(f"entry {i}: {m.reg} is not GPU memory of hub.register(); "
-                                 "files reach it only through its own mapping (it serves NVMe "
-                                 "entries)")
     try:
+        for k, m in enumerate(p.mems):
+            if m is not None and m.ops is None:
+                if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
+                    _map_for_files(m, i)
         for k, target in enumerate(storages):
             used = si == k
             if not used.any():
@@ -363,7 +393,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
                 raise UsageError(f"entry {i}: range {int(off[i])}+{int(ln[i])} is past the end "
                                  f"of {f.name} ({f.size} bytes)")
     except BaseException:
-        _close_files(p.files)
+        _close_plan(p)
         raise
     return p
 
@@ -446,7 +476,8 @@ class _Engine:
                              ffi.from_buffer("long long[]", result, require_writable=True),
                              st, err, 256)
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
-                                                       "merged", "slot_waits", "max_inflight")}
+                                                       "merged", "slot_waits", "max_inflight",
+                                                       "in_place")}
             stats["batch_copy_api"] = bool(st.batch_api)
             stats["fixed_buffers"] = bool(st.fixed)
             stats["io_thread"] = bool(st.io_thread)
@@ -547,7 +578,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         for reg in held:
             reg._hold(1)
     except BaseException:
-        _close_files(p.files)
+        _close_plan(p)
         raise
     is_ns = np.isin(p.sidx, np.fromiter(p.namespaces, np.int64, len(p.namespaces)))
     parts: list[Any] = []
@@ -601,7 +632,7 @@ def _release(held: list[Any], p: _Plan) -> None:
     for reg in held:
         with reg._lock:
             reg._busy -= 1
-    _close_files(p.files)
+    _close_plan(p)
 
 
 def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> list[Any]:

@@ -283,6 +283,7 @@ struct slot {
     unsigned long long useful;  /* useful bytes */
     unsigned long long mem;     /* memory address of the useful bytes */
     unsigned long long seq;     /* the copy round whose event frees the slot */
+    int to_mem;                 /* a read straight into host memory: no staging, no copy */
 };
 
 struct sio_engine {
@@ -567,7 +568,7 @@ struct cursor {
 };
 
 /* Next piece into slot s; 0 when the entries are exhausted. */
-static int next_piece(struct sio_engine *e, struct cursor *c, unsigned long long n,
+static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigned long long n,
                       const unsigned long long *off, const unsigned long long *len,
                       const unsigned long long *mem, const unsigned char *flags,
                       const long long *result, struct slot *p)
@@ -595,6 +596,10 @@ static int next_piece(struct sio_engine *e, struct cursor *c, unsigned long long
         p->io_len = (p->need + SIO_ALIGN - 1) / SIO_ALIGN * SIO_ALIGN;
     p->done = 0;
     p->mem = mem[c->i] + c->done;
+    /* an O_DIRECT read into host memory whose address, offset and length are all aligned
+     * lands in place, as a plain O_DIRECT read would */
+    p->to_mem = !write && (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
+                ((p->mem | start | useful) % SIO_ALIGN) == 0;
     c->done += useful;
     return 1;
 }
@@ -605,6 +610,14 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
     struct slot *p = &e->slots[s];
     int op = write ? IORING_OP_WRITE : IORING_OP_READ;
 
+    if (p->to_mem) {
+        ring_push(&e->ring, op, fd[p->entry], (char *)(uintptr_t)p->mem + p->done,
+                  (unsigned)(p->io_len - p->done), p->pos + p->done, s, -1);
+        st->pieces++;
+        if (!p->done)
+            st->in_place++;
+        return;
+    }
     if (e->fixed)
         op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
     ring_push(&e->ring, op, fd[p->entry], slot_buf(e, s) + p->done,
@@ -692,7 +705,7 @@ static void *io_main(void *arg)
         while (more && nlf && inflight < e->depth) {
             unsigned s = lfree[nlf - 1];
 
-            if (!next_piece(e, &cur, x->n, x->off, x->len, x->mem, x->flags, x->result,
+            if (!next_piece(e, &cur, 0, x->n, x->off, x->len, x->mem, x->flags, x->result,
                             &e->slots[s])) {
                 more = 0;
                 break;
@@ -736,7 +749,8 @@ static void *io_main(void *arg)
             if (x->flags[p->entry] & SIO_CUDA) {
                 done[nd++] = s;
             } else {
-                memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
+                if (!p->to_mem)
+                    memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
                 lfree[nlf++] = s;
             }
         }
@@ -946,7 +960,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             unsigned s = e->free_list[e->nfree - 1];
             struct slot *p = &e->slots[s];
 
-            if (!next_piece(e, &cur, n, off, len, mem, flags, result, p)) {
+            if (!next_piece(e, &cur, write, n, off, len, mem, flags, result, p)) {
                 more = 0;
                 break;
             }
@@ -1022,7 +1036,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             result[p->entry] += (long long)p->useful;
             st->bytes += p->useful;
             if (write || !(flags[p->entry] & SIO_CUDA)) {
-                if (!write)
+                if (!write && !p->to_mem)
                     memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
                 e->free_list[e->nfree++] = s;
             } else {

@@ -14,6 +14,8 @@ struct sio_stats {
     unsigned long long merged;       /* pieces merged into the copy before them */
     unsigned long long slot_waits;   /* times no staging slot was free */
     unsigned long long max_inflight; /* deepest the queue went */
+    unsigned long long in_place;     /* pieces read straight into host memory (O_DIRECT,
+                                        aligned): no staging slot copy */
     int batch_api;                   /* 1: cuMemcpyBatchAsync was used for CUDA copies */
     int fixed;                       /* 1: reads (writes) went to registered staging buffers */
     int io_thread;                   /* 1: a second thread drove io_uring while this one
