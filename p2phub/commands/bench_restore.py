@@ -86,7 +86,9 @@ class Dest:
             self.torch = torch
             self.buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         else:
-            self.buf = np.zeros(nbytes, np.uint8)
+            import mmap
+            # page-aligned, as GPU memory and pinned host buffers are
+            self.buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
 
     def clear(self) -> None:
         if self.kind == "cuda":

@@ -14,6 +14,7 @@ import pytest
 from p2phub import batch
 from p2phub.errors import P2PHubOSError, UsageError
 from p2phub.hub import Hub
+from p2phub.memory import Memory
 
 KiB, MiB = 1 << 10, 1 << 20
 SHM = "/dev/shm"
@@ -332,3 +333,52 @@ def test_configure_batch_refusals(hub) -> None:
         batch.configure_batch(hub, depth=0)
     with pytest.raises(UsageError, match="multiple of 4096"):
         batch.configure_batch(hub, slot=1000)
+
+
+class _MappedDmabuf(Memory):
+    """Stands for a dma-buf registration of a P2P hub (vgem, udmabuf): no GPU engine, a CPU
+    mapping (a memfd here)."""
+
+    mode = "p2p"
+
+    def __init__(self, n: int, mappable: bool = True) -> None:
+        self.length, self.what, self.mappable = n, "a mapped dma-buf", mappable
+        self.fd = os.memfd_create("p2phub-test")
+        os.ftruncate(self.fd, n)
+
+    @property
+    def gpu(self):
+        return None
+
+    @property
+    def source(self):
+        return None
+
+    def mmap(self):
+        import mmap
+        if not self.mappable:
+            raise P2PHubOSError(errno.ENODEV, "mmap the dma-buf export", "no struct pages")
+        return mmap.mmap(self.fd, self.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_file_entries_reach_a_dmabuf_registration_through_its_cpu_mapping(hub, disk_file,
+                                                                          tmp_path) -> None:
+    path, data = disk_file
+    reg = _MappedDmabuf(4 * MiB)
+    offs = np.arange(64) * 8192
+    dst = np.arange(64)[::-1] * 65536 + 512          # unaligned places: through staging
+    f = hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg, mem_offsets=dst)
+    f.wait(60)
+    view = np.frombuffer(reg.mmap(), np.uint8)
+    for o, d in zip(offs, dst):
+        assert np.array_equal(view[d:d + 4096], data[o:o + 4096])
+    out = tmp_path / "out.bin"
+    out.write_bytes(bytes(MiB))
+    hub.save_batch(storage=str(out), offsets=np.arange(16) * 4096, lengths=4096, memory=reg,
+                   mem_offsets=dst[:16]).wait(60)
+    got = np.fromfile(out, np.uint8)
+    for i, d in enumerate(dst[:16]):
+        assert np.array_equal(got[i * 4096:(i + 1) * 4096], view[d:d + 4096])
+    with pytest.raises(UsageError, match="entry 0: .* has no CPU mapping"):
+        hub.load_batch(storage=path, offsets=offs, lengths=4096,
+                       memory=_MappedDmabuf(4 * MiB, mappable=False), mem_offsets=dst)
