@@ -14,7 +14,8 @@ or, for many entries, as columns (numpy arrays or any sequences of ints):
 ``storage`` is a file or block device path, an open file, an fd, or (P2P mode) a p2phub
 NVMe Namespace; in the column form ``storage`` and ``memory`` may be lists indexed by
 ``storage_index`` / ``memory_index`` arrays. ``memory`` is a registration from
-``hub.register`` (GPU memory or, in staged mode, a host buffer). Every entry is checked
+``hub.register`` (GPU memory or, in staged mode, a host buffer) or, in P2P mode, a dma-buf
+or host registration (``register_dmabuf``, ``alloc_host``). Every entry is checked
 before anything is submitted: a bad one (a range outside its file or registration, an
 unaligned write to an O_DIRECT fd, a closed registration, an fd that is not open) refuses
 the whole batch with a UsageError (or P2PHubOSError) naming the entry's index.
@@ -27,9 +28,21 @@ default, ``direct="auto"``, entries of 1 MiB and up are read through the page ca
 smaller ones with O_DIRECT: see ``configure_batch``).
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
-queue, reused staging slots, host copies by memcpy and GPU copies batched per reaped round.
+queue, staging slots registered with the ring (fixed buffers) and reused. A load into GPU
+memory reads on a second thread while the calling thread batches the host-to-GPU copies
+(``cuMemcpyBatchAsync`` per reaped round), so the driver's per-copy cost runs beside the
+reads; into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
+lands in place (``fence.stats["in_place"]``), the others are copied out of a slot.
+
 Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
-declares each request's range to the registration's ordering.
+declares each request's range to the registration's ordering: the SSD DMAs straight into the
+registration (peer-to-peer for GPU memory). A namespace the kernel nvme driver keeps is a
+block device (``/dev/nvme0n1``): its entries go through the block layer like any file
+(O_DIRECT io_uring into the staging slots) and reach a dma-buf registration through the
+registration's CPU mapping (``Registration.mmap``); a registration without one is refused by
+entry. DMA from the kernel's block layer straight into device memory would need the kernel's
+PCI P2PDMA (the user mapping backed by pages of a P2PDMA provider, CONFIG_PCI_P2PDMA), which
+neither the lab's kernels nor the GPU machine's have: p2phub does not attempt it.
 """
 
 from __future__ import annotations
