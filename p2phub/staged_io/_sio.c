@@ -290,6 +290,7 @@ struct sio_engine {
     struct ring ring;
     unsigned options;           /* SIO_OPT_* */
     int fixed;                  /* the staging memory is registered with the ring */
+    int no_in_place;            /* this batch: a read in place faulted, stage the rest */
     unsigned fixed_slots;       /* slots per registered buffer (each at most FIXED_MAX) */
     unsigned depth;
     unsigned long long slot_bytes;
@@ -598,7 +599,8 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     p->mem = mem[c->i] + c->done;
     /* an O_DIRECT read into host memory whose address, offset and length are all aligned
      * lands in place, as a plain O_DIRECT read would */
-    p->to_mem = !write && (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
+    p->to_mem = !write && !e->no_in_place &&
+                (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
                 ((p->mem | start | useful) % SIO_ALIGN) == 0;
     c->done += useful;
     return 1;
@@ -614,8 +616,6 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
         ring_push(&e->ring, op, fd[p->entry], (char *)(uintptr_t)p->mem + p->done,
                   (unsigned)(p->io_len - p->done), p->pos + p->done, s, -1);
         st->pieces++;
-        if (!p->done)
-            st->in_place++;
         return;
     }
     if (e->fixed)
@@ -624,6 +624,16 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
               (unsigned)(p->io_len - p->done), p->pos + p->done, s,
               e->fixed ? (int)(s / e->fixed_slots) : -1);
     st->pieces++;
+}
+
+/* The kernel could not pin the memory of a read in place (a mapping without struct pages,
+ * such as some device or dma-buf mappings): read this piece, and the rest of the batch,
+ * through the staging slots. */
+static void restage(struct sio_engine *e, struct slot *p)
+{
+    p->to_mem = 0;
+    p->done = 0;
+    e->no_in_place = 1;
 }
 
 static void fail_entry(long long *result, unsigned long long i, int res, int *failed)
@@ -733,6 +743,12 @@ static void *io_main(void *arg)
             struct slot *p = &e->slots[s];
 
             inflight--;
+            if (res == -EFAULT && p->to_mem) {
+                restage(e, p);
+                submit_io(e, 0, x->fd, s, st);
+                inflight++;
+                continue;
+            }
             if (res < 0 || (res == 0 && p->done < p->need)) {
                 fail_entry(x->result, p->entry, res < 0 ? res : -EIO, &x->failed);
                 lfree[nlf++] = s;
@@ -746,6 +762,7 @@ static void *io_main(void *arg)
             }
             x->result[p->entry] += (long long)p->useful;
             st->bytes += p->useful;
+            st->in_place += p->to_mem;
             if (x->flags[p->entry] & SIO_CUDA) {
                 done[nd++] = s;
             } else {
@@ -937,6 +954,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         return -1;
     }
     st->fixed = e->fixed;
+    e->no_in_place = 0;
     if (!write && need_cuda && !(e->options & SIO_OPT_NO_IO_THREAD)) {
         int rc = run_load_threaded(e, n, fd, off, len, mem, flags, result, st, err, errlen);
 
@@ -1022,6 +1040,12 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             struct slot *p = &e->slots[s];
 
             inflight--;
+            if (res == -EFAULT && p->to_mem) {
+                restage(e, p);
+                submit_io(e, write, fd, s, st);
+                inflight++;
+                continue;
+            }
             if (res < 0 || (res == 0 && p->done < p->need)) {
                 fail_entry(result, p->entry, res < 0 ? res : -EIO, &failed);
                 e->free_list[e->nfree++] = s;
@@ -1035,6 +1059,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             }
             result[p->entry] += (long long)p->useful;
             st->bytes += p->useful;
+            st->in_place += p->to_mem;
             if (write || !(flags[p->entry] & SIO_CUDA)) {
                 if (!write && !p->to_mem)
                     memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
