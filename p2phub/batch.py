@@ -650,7 +650,7 @@ def _release(held: list[Any], p: _Plan) -> None:
 
 def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> list[Any]:
     """One Namespace.submit per namespace: (rows, futures) pairs."""
-    from .nvme.controller import Op
+    from .nvme.namespace import Op
     import numpy as np
     kind = "write" if write else "read"
     out = []
