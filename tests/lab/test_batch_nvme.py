@@ -143,8 +143,8 @@ def test_batch_through_the_engine_checked_by_the_kernel(bdf: str, lab: dict[str,
                 hub.save_batch(**{**wcols, "offsets": wbad})
             assert qp.stats()["submitted"] == st2["submitted"]
             hub.save_batch(**wcols).wait(300)
-            ns.flush()
             assert qp.stats()["submitted"] - st2["submitted"] == N_WRITES
+            ns.flush()
             expect = old.copy()
             expect[_pages(woffs - WRITE_BASE)] = mem[_pages(wsrc)]
             for reg in regs:
