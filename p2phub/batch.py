@@ -42,7 +42,7 @@ block device (``/dev/nvme0n1``): its entries go through the block layer like any
 registration's CPU mapping (``Registration.mmap``); a registration without one is refused by
 entry. DMA from the kernel's block layer straight into device memory would need the kernel's
 PCI P2PDMA (the user mapping backed by pages of a P2PDMA provider, CONFIG_PCI_P2PDMA), which
-Debian's kernels and many GPU hosts build without: p2phub does not attempt it.
+Debian's 6.1 and 6.12 kernels are built without: p2phub does not attempt it.
 """
 
 from __future__ import annotations
