@@ -655,7 +655,8 @@ static void fail_entry(long long *result, unsigned long long i, int res, int *fa
  * the I/O thread may reuse), `io_done`, `stop` and the waiting flags. A slot belongs to one
  * side at a time: the I/O thread from the free list until it queues it in `ready`, the
  * calling thread until it puts it back on the free list. Only the I/O thread touches the
- * ring, `result` and the I/O statistics; only the calling thread calls CUDA. */
+ * ring, `result` and the I/O statistics; only the calling thread calls CUDA. Where no thread
+ * can be started, the batch runs on the calling thread alone (sio_run's loop). */
 
 struct load_ctx {
     struct sio_engine *e;
@@ -857,8 +858,7 @@ static int run_load_threaded(struct sio_engine *e, unsigned long long n, const i
     pthread_cond_init(&x.to_io, NULL);
     rc = pthread_create(&t, NULL, io_main, &x);
     if (rc) {
-        say(err, errlen, "pthread_create: %s", strerror(rc));
-        ret = -1;
+        ret = -2;   /* nothing started: the caller runs the batch on one thread */
         goto out;
     }
     st->io_thread = 1;
@@ -914,7 +914,7 @@ out:
     pthread_cond_destroy(&x.to_copy);
     pthread_mutex_destroy(&x.m);
     free(x.ready);
-    return ret < 0 ? -1 : x.failed;
+    return ret == -2 ? -2 : ret < 0 ? -1 : x.failed;
 }
 
 /* After an engine failure: nothing is in flight; every slot is free again. */
@@ -958,9 +958,10 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     if (!write && need_cuda && !(e->options & SIO_OPT_NO_IO_THREAD)) {
         int rc = run_load_threaded(e, n, fd, off, len, mem, flags, result, st, err, errlen);
 
-        if (rc < 0)
+        if (rc == -1)
             reset_slots(e);
-        return rc;
+        if (rc != -2)
+            return rc;
     }
     if (write) {
         rd.slot = calloc(e->nslots, sizeof(unsigned));
