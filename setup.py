@@ -43,7 +43,7 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[Extension(hp.module, sources=["(written by BuildExt)"],
                            include_dirs=[os.path.relpath(hp.dir, HERE)],
-                           extra_compile_args=CFFI.COMPILE_ARGS)
+                           extra_compile_args=CFFI.COMPILE_ARGS, extra_link_args=["-pthread"])
                  for hp in CFFI.HOT_PATHS],
     cmdclass={"build_ext": BuildExt},
 )

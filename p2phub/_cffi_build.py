@@ -85,6 +85,7 @@ class HotPath:
             f'const char *{self.tag_fn}(void) {{ return "{self.sources_tag()}"; }}\n',
             include_dirs=[str(self.dir)],
             extra_compile_args=COMPILE_ARGS,
+            extra_link_args=["-pthread"],
         )
         return ffi
 

@@ -14,7 +14,8 @@ or, for many entries, as columns (numpy arrays or any sequences of ints):
 ``storage`` is a file or block device path, an open file, an fd, or (P2P mode) a p2phub
 NVMe Namespace; in the column form ``storage`` and ``memory`` may be lists indexed by
 ``storage_index`` / ``memory_index`` arrays. ``memory`` is a registration from
-``hub.register`` (GPU memory or, in staged mode, a host buffer). Every entry is checked
+``hub.register`` (GPU memory or, in staged mode, a host buffer) or, in P2P mode, a dma-buf
+or host registration (``register_dmabuf``, ``alloc_host``). Every entry is checked
 before anything is submitted: a bad one (a range outside its file or registration, an
 unaligned write to an O_DIRECT fd, a closed registration, an fd that is not open) refuses
 the whole batch with a UsageError (or P2PHubOSError) naming the entry's index.
@@ -27,9 +28,21 @@ default, ``direct="auto"``, entries of 1 MiB and up are read through the page ca
 smaller ones with O_DIRECT: see ``configure_batch``).
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
-queue, reused staging slots, host copies by memcpy and GPU copies batched per reaped round.
+queue, staging slots registered with the ring (fixed buffers) and reused. A load into GPU
+memory reads on a second thread while the calling thread batches the host-to-GPU copies
+(``cuMemcpyBatchAsync`` per reaped round), so the driver's per-copy cost runs beside the
+reads; into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
+lands in place (``fence.stats["in_place"]``), the others are copied out of a slot.
+
 Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
-declares each request's range to the registration's ordering.
+declares each request's range to the registration's ordering: the SSD DMAs straight into the
+registration (peer-to-peer for GPU memory). A namespace the kernel nvme driver keeps is a
+block device (``/dev/nvme0n1``): its entries go through the block layer like any file
+(O_DIRECT io_uring into the staging slots) and reach a dma-buf registration through the
+registration's CPU mapping (``Registration.mmap``); a registration without one is refused by
+entry. DMA from the kernel's block layer straight into device memory would need the kernel's
+PCI P2PDMA (the user mapping backed by pages of a P2PDMA provider, CONFIG_PCI_P2PDMA), which
+Debian's 6.1 and 6.12 kernels are built without: p2phub does not attempt it.
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .errors import P2PHubOSError, UsageError
 from .backend import get_backend
 from .memory import Memory
-from .staged import ALIGN, Fence, StagedRegistration, _is_namespace
+from .staged import ALIGN, Fence, HostOps, StagedRegistration, _is_namespace
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -62,6 +75,7 @@ DEFAULT_SLOTS = 256
 # measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
 # reads 1.1x to 1.4x slower buffered
 DEFAULT_BUFFERED_FROM = 1 << 20
+_OPT_NO_FIXED, _OPT_NO_IO_THREAD = 1, 2   # SIO_OPT_* of staged_io/_sio.h
 
 
 class BatchFence(Fence):
@@ -99,6 +113,8 @@ class _Mem:
     cuda: bool
     ops: Any
     device: int
+    cpu_map: Any = None    # file entries into a dma-buf registration: its CPU mapping
+    cpu_view: Any = None
 
 
 @dataclass
@@ -278,6 +294,36 @@ def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
     return f
 
 
+def _map_for_files(m: _Mem, i: int) -> None:
+    """File entries into memory that no GPU engine copies to (a dma-buf or host registration
+    of a P2P hub: vgem, udmabuf, p2phub's own host memory) go through its CPU mapping: read
+    into the staging slots, then memcpy. Entry i is the first such entry."""
+    import ctypes
+    try:
+        mm = m.reg.mmap()
+    except (UsageError, P2PHubOSError) as exc:
+        raise UsageError(f"entry {i}: {m.reg} has no CPU mapping, which file entries need "
+                         f"({exc})") from None
+    if len(mm) < m.length:
+        mm.close()
+        raise UsageError(f"entry {i}: the CPU mapping of {m.reg} is shorter than it")
+    m.cpu_map, m.cpu_view = mm, (ctypes.c_char * m.length).from_buffer(mm)
+    m.ptr, m.cuda, m.ops, m.device = ctypes.addressof(m.cpu_view), False, HostOps(), 0
+
+
+def _unmap(mems: list[_Mem]) -> None:
+    for m in mems:
+        if m is not None and m.cpu_map is not None:
+            m.cpu_view = None
+            m.cpu_map.close()
+            m.cpu_map = None
+
+
+def _close_plan(p: "_Plan") -> None:
+    _close_files(p.files)
+    _unmap(p.mems)
+
+
 def _close_files(files: list[_File]) -> None:
     for f in files:
         if f.owned and f.fd >= 0:
@@ -326,13 +372,11 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
     for k, target in enumerate(storages):
         if _is_namespace(target):
             nvme_rows |= si == k
-    for k, m in enumerate(p.mems):
-        if m is not None and m.ops is None:
-            if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
-                raise UsageError(f"entry {i}: {m.reg} is not GPU memory of hub.register(); "
-                                 "files reach it only through its own mapping (it serves NVMe "
-                                 "entries)")
     try:
+        for k, m in enumerate(p.mems):
+            if m is not None and m.ops is None:
+                if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
+                    _map_for_files(m, i)
         for k, target in enumerate(storages):
             used = si == k
             if not used.any():
@@ -362,7 +406,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
                 raise UsageError(f"entry {i}: range {int(off[i])}+{int(ln[i])} is past the end "
                                  f"of {f.name} ({f.size} bytes)")
     except BaseException:
-        _close_files(p.files)
+        _close_plan(p)
         raise
     return p
 
@@ -389,11 +433,13 @@ class _Engine:
     """One staged I/O engine (p2phub.staged_io) and its staging memory, for one copy engine
     and device of a hub; batches on it run one at a time on its worker thread."""
 
-    def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int) -> None:
+    def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
+                 options: int = 0) -> None:
         from .staged_io import load as load_sio
         self.mod = load_sio()
         self.ops, self.device = ops, device
         self.depth, self.slot, self.slots = depth, slot, slots
+        self.options = options
         self.lock = threading.Lock()
         self.cuda = getattr(ops, "name", "") != "host"
         self._eng = None
@@ -410,7 +456,7 @@ class _Engine:
                 self._stream = self.ops.stream_create()
             err = ffi.new("char[]", 256)
             eng = lib.sio_open(self.depth, self.slot, self.slots, ffi.cast("void *", self._stage.ptr),
-                               self._stream, err, 256)
+                               self._stream, self.options, err, 256)
             if eng == ffi.NULL:
                 self._free()
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
@@ -443,8 +489,11 @@ class _Engine:
                              ffi.from_buffer("long long[]", result, require_writable=True),
                              st, err, 256)
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
-                                                       "merged", "slot_waits", "max_inflight")}
+                                                       "merged", "slot_waits", "max_inflight",
+                                                       "in_place")}
             stats["batch_copy_api"] = bool(st.batch_api)
+            stats["fixed_buffers"] = bool(st.fixed)
+            stats["io_thread"] = bool(st.io_thread)
             if rc < 0:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
@@ -461,11 +510,14 @@ class _Engine:
 
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
                     slots: int = DEFAULT_SLOTS,
-                    buffered_from: int = DEFAULT_BUFFERED_FROM) -> None:
+                    buffered_from: int = DEFAULT_BUFFERED_FROM, *,
+                    fixed_buffers: bool = True, io_thread: bool = True) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
-    bytes and up go through the page cache."""
+    bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
+    engine registering its staging memory with io_uring, `io_thread=False` has one thread
+    both read and issue the GPU copies of a load (``fence.stats`` says which ran)."""
     if not 1 <= depth <= 4096:
         raise UsageError(f"depth={depth}: want 1..4096")
     if slot <= 0 or slot % ALIGN:
@@ -477,7 +529,9 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     for key in [k for k in hub.__dict__.get("_stagers", {}) if k[0] == "batch"]:
         hub.__dict__["_stagers"].pop(key).close()
     hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
-                                   "buffered_from": buffered_from}
+                                   "buffered_from": buffered_from,
+                                   "options": (0 if fixed_buffers else _OPT_NO_FIXED)
+                                   | (0 if io_thread else _OPT_NO_IO_THREAD)}
 
 
 def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
@@ -487,7 +541,8 @@ def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
     if key not in stagers:
         opts = hub.__dict__.get("_batch_opts", {})
         stagers[key] = _Engine(ops, device, opts.get("depth", DEFAULT_DEPTH),
-                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS))
+                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS),
+                               opts.get("options", 0))
     return stagers[key]
 
 
@@ -536,7 +591,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         for reg in held:
             reg._hold(1)
     except BaseException:
-        _close_files(p.files)
+        _close_plan(p)
         raise
     is_ns = np.isin(p.sidx, np.fromiter(p.namespaces, np.int64, len(p.namespaces)))
     parts: list[Any] = []
@@ -590,7 +645,7 @@ def _release(held: list[Any], p: _Plan) -> None:
     for reg in held:
         with reg._lock:
             reg._busy -= 1
-    _close_files(p.files)
+    _close_plan(p)
 
 
 def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> list[Any]:

@@ -13,6 +13,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <linux/io_uring.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -20,10 +21,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define NEVENTS 64
 #define MAX_COPY_BATCH 512
+/* the kernel takes registered buffers of at most 1 GiB each */
+#define FIXED_MAX (1ULL << 30)
 
 /* ------------------------------------------------------------------ CUDA driver */
 
@@ -218,7 +222,7 @@ static void ring_close(struct ring *r)
 }
 
 static void ring_push(struct ring *r, int op, int fd, void *addr, unsigned len,
-                      unsigned long long off, unsigned long long data)
+                      unsigned long long off, unsigned long long data, int buf_index)
 {
     unsigned tail = *r->sq_tail;
     unsigned idx = tail & *r->sq_mask;
@@ -231,6 +235,8 @@ static void ring_push(struct ring *r, int op, int fd, void *addr, unsigned len,
     sqe->len = len;
     sqe->off = off;
     sqe->user_data = data;
+    if (buf_index >= 0)
+        sqe->buf_index = (unsigned short)buf_index;
     r->sq_array[idx] = idx;
     __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
     r->pending++;
@@ -277,10 +283,15 @@ struct slot {
     unsigned long long useful;  /* useful bytes */
     unsigned long long mem;     /* memory address of the useful bytes */
     unsigned long long seq;     /* the copy round whose event frees the slot */
+    int to_mem;                 /* a read straight into host memory: no staging, no copy */
 };
 
 struct sio_engine {
     struct ring ring;
+    unsigned options;           /* SIO_OPT_* */
+    int fixed;                  /* the staging memory is registered with the ring */
+    int no_in_place;            /* this batch: a read in place faulted, stage the rest */
+    unsigned fixed_slots;       /* slots per registered buffer (each at most FIXED_MAX) */
     unsigned depth;
     unsigned long long slot_bytes;
     unsigned nslots;
@@ -301,8 +312,36 @@ struct sio_engine {
     unsigned c_n, c_nslots;
 };
 
+/* Register the staging memory with the ring as fixed buffers (no page pinning per I/O):
+ * one buffer per FIXED_MAX bytes of whole slots. Where the kernel refuses (memlock limit,
+ * memory it cannot pin for long), the engine reads into the slots as plain memory. */
+static void register_stage(struct sio_engine *e)
+{
+    unsigned per = (unsigned)(FIXED_MAX / e->slot_bytes), n, i;
+    struct iovec *iov;
+
+    if (per == 0 || (e->options & SIO_OPT_NO_FIXED))
+        return;
+    n = (e->nslots + per - 1) / per;
+    iov = calloc(n, sizeof(*iov));
+    if (!iov)
+        return;
+    for (i = 0; i < n; i++) {
+        unsigned first = i * per;
+        unsigned cnt = e->nslots - first < per ? e->nslots - first : per;
+        iov[i].iov_base = e->stage + (unsigned long long)first * e->slot_bytes;
+        iov[i].iov_len = (size_t)(cnt * e->slot_bytes);
+    }
+    if (syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS, iov, n) == 0) {
+        e->fixed = 1;
+        e->fixed_slots = per;
+    }
+    free(iov);
+}
+
 struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
-                            void *stage, unsigned long long stream, char *err, int errlen)
+                            void *stage, unsigned long long stream, unsigned options,
+                            char *err, int errlen)
 {
     struct sio_engine *e;
     unsigned i;
@@ -318,6 +357,7 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
         say(err, errlen, "out of memory");
         return NULL;
     }
+    e->options = options;
     e->depth = depth;
     e->slot_bytes = slot_bytes;
     e->nslots = nslots;
@@ -352,6 +392,7 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
     }
     if (ring_setup(&e->ring, depth, err, errlen))
         goto fail;
+    register_stage(e);
     return e;
 fail:
     for (i = 0; i < (unsigned)e->nevents; i++)
@@ -528,7 +569,7 @@ struct cursor {
 };
 
 /* Next piece into slot s; 0 when the entries are exhausted. */
-static int next_piece(struct sio_engine *e, struct cursor *c, unsigned long long n,
+static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigned long long n,
                       const unsigned long long *off, const unsigned long long *len,
                       const unsigned long long *mem, const unsigned char *flags,
                       const long long *result, struct slot *p)
@@ -556,6 +597,11 @@ static int next_piece(struct sio_engine *e, struct cursor *c, unsigned long long
         p->io_len = (p->need + SIO_ALIGN - 1) / SIO_ALIGN * SIO_ALIGN;
     p->done = 0;
     p->mem = mem[c->i] + c->done;
+    /* an O_DIRECT read into host memory whose address, offset and length are all aligned
+     * lands in place, as a plain O_DIRECT read would */
+    p->to_mem = !write && !e->no_in_place &&
+                (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
+                ((p->mem | start | useful) % SIO_ALIGN) == 0;
     c->done += useful;
     return 1;
 }
@@ -564,10 +610,30 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
                       struct sio_stats *st)
 {
     struct slot *p = &e->slots[s];
+    int op = write ? IORING_OP_WRITE : IORING_OP_READ;
 
-    ring_push(&e->ring, write ? IORING_OP_WRITE : IORING_OP_READ, fd[p->entry],
-              slot_buf(e, s) + p->done, (unsigned)(p->io_len - p->done), p->pos + p->done, s);
+    if (p->to_mem) {
+        ring_push(&e->ring, op, fd[p->entry], (char *)(uintptr_t)p->mem + p->done,
+                  (unsigned)(p->io_len - p->done), p->pos + p->done, s, -1);
+        st->pieces++;
+        return;
+    }
+    if (e->fixed)
+        op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+    ring_push(&e->ring, op, fd[p->entry], slot_buf(e, s) + p->done,
+              (unsigned)(p->io_len - p->done), p->pos + p->done, s,
+              e->fixed ? (int)(s / e->fixed_slots) : -1);
     st->pieces++;
+}
+
+/* The kernel could not pin the memory of a read in place (a mapping without struct pages,
+ * such as some device or dma-buf mappings): read this piece, and the rest of the batch,
+ * through the staging slots. */
+static void restage(struct sio_engine *e, struct slot *p)
+{
+    p->to_mem = 0;
+    p->done = 0;
+    e->no_in_place = 1;
 }
 
 static void fail_entry(long long *result, unsigned long long i, int res, int *failed)
@@ -576,6 +642,294 @@ static void fail_entry(long long *result, unsigned long long i, int res, int *fa
         result[i] = res;
         (*failed)++;
     }
+}
+
+/* ------------------------------------------------------------------ CUDA loads, two threads
+ *
+ * A load into CUDA memory splits the work: a second thread (io_main) keeps the ring full and
+ * reaps it, handing each piece that arrived to the calling thread, which batches the
+ * host-to-device copies, records a round's event and, once it completed, gives the slots
+ * back. The driver's per-copy cost then runs beside the reads instead of between them.
+ *
+ * Shared through `m`: the FIFO `ready` (slots read, to copy), the engine's free list (slots
+ * the I/O thread may reuse), `io_done`, `stop` and the waiting flags. A slot belongs to one
+ * side at a time: the I/O thread from the free list until it queues it in `ready`, the
+ * calling thread until it puts it back on the free list. Only the I/O thread touches the
+ * ring, `result` and the I/O statistics; only the calling thread calls CUDA. Where no thread
+ * can be started, the batch runs on the calling thread alone (sio_run's loop). */
+
+struct load_ctx {
+    struct sio_engine *e;
+    unsigned long long n;
+    const int *fd;
+    const unsigned long long *off, *len, *mem;
+    const unsigned char *flags;
+    long long *result;
+    struct sio_stats *st;
+    pthread_mutex_t m;
+    pthread_cond_t to_copy, to_io;
+    unsigned *ready;            /* FIFO of nslots */
+    unsigned r_head, r_count;
+    int io_done, stop, copy_waits, io_waits;
+    int failed;                 /* entries that failed (I/O thread) */
+    int io_ret;                 /* -1: the ring failed (message in io_err) */
+    char io_err[160];
+};
+
+static void *io_main(void *arg)
+{
+    struct load_ctx *x = arg;
+    struct sio_engine *e = x->e;
+    struct sio_stats *st = x->st;
+    struct cursor cur = { 0, 0 };
+    unsigned *lfree, *done;
+    unsigned nlf = 0, nd = 0, inflight = 0, i;
+    int more = 1, stop = 0;
+
+    lfree = calloc(e->nslots, sizeof(unsigned));
+    done = calloc(e->nslots, sizeof(unsigned));
+    if (!lfree || !done) {
+        snprintf(x->io_err, sizeof(x->io_err), "out of memory");
+        x->io_ret = -1;
+        goto out;
+    }
+    for (;;) {
+        unsigned long long data;
+        int res;
+
+        /* 1. take the slots given back, waiting for one only when nothing is in flight */
+        pthread_mutex_lock(&x->m);
+        while (more && !inflight && !nlf && !e->nfree && !x->stop) {
+            st->slot_waits++;
+            x->io_waits = 1;
+            pthread_cond_wait(&x->to_io, &x->m);
+            x->io_waits = 0;
+        }
+        for (i = 0; i < e->nfree; i++)
+            lfree[nlf++] = e->free_list[i];
+        e->nfree = 0;
+        stop = x->stop;
+        pthread_mutex_unlock(&x->m);
+        if (stop)
+            break;
+        /* 2. fill the queue */
+        while (more && nlf && inflight < e->depth) {
+            unsigned s = lfree[nlf - 1];
+
+            if (!next_piece(e, &cur, 0, x->n, x->off, x->len, x->mem, x->flags, x->result,
+                            &e->slots[s])) {
+                more = 0;
+                break;
+            }
+            nlf--;
+            submit_io(e, 0, x->fd, s, st);
+            inflight++;
+        }
+        if (inflight > st->max_inflight)
+            st->max_inflight = inflight;
+        if (!inflight && !more)
+            break;
+        if (!inflight)
+            continue;   /* every slot is with the copies: wait for one (step 1) */
+        /* 3. hand the reads over and wait for at least one */
+        res = ring_enter(&e->ring, 1);
+        if (res) {
+            snprintf(x->io_err, sizeof(x->io_err), "io_uring_enter: %s", strerror(-res));
+            x->io_ret = -1;
+            break;
+        }
+        /* 4. reap: host pieces are copied here, CUDA pieces go to the copy side */
+        while (ring_peek(&e->ring, &data, &res)) {
+            unsigned s = (unsigned)data;
+            struct slot *p = &e->slots[s];
+
+            inflight--;
+            if (res == -EFAULT && p->to_mem) {
+                restage(e, p);
+                submit_io(e, 0, x->fd, s, st);
+                inflight++;
+                continue;
+            }
+            if (res < 0 || (res == 0 && p->done < p->need)) {
+                fail_entry(x->result, p->entry, res < 0 ? res : -EIO, &x->failed);
+                lfree[nlf++] = s;
+                continue;
+            }
+            p->done += (unsigned long long)res;
+            if (p->done < p->need) {
+                submit_io(e, 0, x->fd, s, st);   /* short: the rest */
+                inflight++;
+                continue;
+            }
+            x->result[p->entry] += (long long)p->useful;
+            st->bytes += p->useful;
+            st->in_place += p->to_mem;
+            if (x->flags[p->entry] & SIO_CUDA) {
+                done[nd++] = s;
+            } else {
+                if (!p->to_mem)
+                    memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
+                lfree[nlf++] = s;
+            }
+        }
+        if (nd) {
+            pthread_mutex_lock(&x->m);
+            for (i = 0; i < nd; i++)
+                x->ready[(x->r_head + x->r_count++) % e->nslots] = done[i];
+            if (x->copy_waits)
+                pthread_cond_signal(&x->to_copy);
+            pthread_mutex_unlock(&x->m);
+            nd = 0;
+        }
+    }
+    /* stopped or failed: no read may land in a slot after the batch returns */
+    while (inflight) {
+        unsigned long long data;
+        int res;
+
+        if (ring_enter(&e->ring, 1))
+            break;
+        while (ring_peek(&e->ring, &data, &res)) {
+            inflight--;
+            lfree[nlf++] = (unsigned)data;
+        }
+    }
+out:
+    pthread_mutex_lock(&x->m);
+    for (i = 0; i < nlf; i++)
+        e->free_list[e->nfree++] = lfree[i];
+    x->io_done = 1;
+    pthread_cond_signal(&x->to_copy);
+    pthread_mutex_unlock(&x->m);
+    free(lfree);
+    free(done);
+    return NULL;
+}
+
+/* Completed copy rounds give their slots back to the I/O thread. block: wait for the oldest
+ * round. Returns -1 on a CUDA failure. */
+static int give_back(struct sio_engine *e, struct load_ctx *x, int block, char *err,
+                     int errlen)
+{
+    unsigned long long seq = e->done_seq;
+
+    while (seq < e->next_seq) {
+        CUevent ev = e->events[seq % e->nevents];
+        CUresult r = block && seq == e->done_seq ? cu.ev_sync(ev) : cu.ev_query(ev);
+
+        if (r == CUDA_ERROR_NOT_READY)
+            break;
+        if (r) {
+            say(err, errlen, "waiting for copies: %s", cu_name(r));
+            return -1;
+        }
+        seq++;
+    }
+    e->done_seq = seq;   /* flush_copies may have moved it too */
+    if (!e->held_count || e->slots[e->held[e->held_head]].seq >= e->done_seq)
+        return 0;
+    pthread_mutex_lock(&x->m);
+    drop_held(e, NULL);
+    if (x->io_waits)
+        pthread_cond_signal(&x->to_io);
+    pthread_mutex_unlock(&x->m);
+    return 0;
+}
+
+static int run_load_threaded(struct sio_engine *e, unsigned long long n, const int *fd,
+                             const unsigned long long *off, const unsigned long long *len,
+                             const unsigned long long *mem, const unsigned char *flags,
+                             long long *result, struct sio_stats *st, char *err, int errlen)
+{
+    struct load_ctx x;
+    pthread_t t;
+    int ret = 0, rc;
+
+    memset(&x, 0, sizeof(x));
+    x.e = e, x.n = n, x.fd = fd, x.off = off, x.len = len, x.mem = mem, x.flags = flags;
+    x.result = result, x.st = st;
+    x.ready = calloc(e->nslots, sizeof(unsigned));
+    if (!x.ready) {
+        say(err, errlen, "out of memory");
+        return -1;
+    }
+    pthread_mutex_init(&x.m, NULL);
+    pthread_cond_init(&x.to_copy, NULL);
+    pthread_cond_init(&x.to_io, NULL);
+    rc = pthread_create(&t, NULL, io_main, &x);
+    if (rc) {
+        ret = -2;   /* nothing started: the caller runs the batch on one thread */
+        goto out;
+    }
+    st->io_thread = 1;
+    for (;;) {
+        int fin, took = 0;
+
+        pthread_mutex_lock(&x.m);
+        while (!x.r_count && !x.io_done && e->next_seq == e->done_seq) {
+            x.copy_waits = 1;
+            pthread_cond_wait(&x.to_copy, &x.m);
+            x.copy_waits = 0;
+        }
+        while (x.r_count) {
+            unsigned s = x.ready[x.r_head];
+            struct slot *p = &e->slots[s];
+
+            x.r_head = (x.r_head + 1) % e->nslots;
+            x.r_count--;
+            took = 1;
+            add_copy(e, s, p->mem, (CUdeviceptr)(uintptr_t)(slot_buf(e, s) + p->skip),
+                     p->useful, st);
+        }
+        fin = x.io_done;
+        pthread_mutex_unlock(&x.m);
+        if (flush_copies(e, 0, st, err, errlen) ||
+            give_back(e, &x, !took, err, errlen)) {
+            ret = -1;
+            break;
+        }
+        if (fin && e->next_seq == e->done_seq) {
+            pthread_mutex_lock(&x.m);
+            fin = !x.r_count;
+            pthread_mutex_unlock(&x.m);
+            if (fin)
+                break;
+        }
+    }
+    if (ret < 0) {
+        pthread_mutex_lock(&x.m);
+        x.stop = 1;
+        pthread_cond_signal(&x.to_io);
+        pthread_mutex_unlock(&x.m);
+    }
+    pthread_join(t, NULL);
+    drop_held(e, NULL);
+    if (x.io_ret < 0) {
+        if (ret == 0)
+            say(err, errlen, "%s", x.io_err);
+        ret = -1;
+    }
+out:
+    pthread_cond_destroy(&x.to_io);
+    pthread_cond_destroy(&x.to_copy);
+    pthread_mutex_destroy(&x.m);
+    free(x.ready);
+    return ret == -2 ? -2 : ret < 0 ? -1 : x.failed;
+}
+
+/* After an engine failure: nothing is in flight; every slot is free again. */
+static void reset_slots(struct sio_engine *e)
+{
+    unsigned long long i;
+
+    if (e->stream)
+        cu.stream_sync(e->stream);
+    e->done_seq = e->next_seq;
+    e->held_count = 0;
+    e->c_n = e->c_nslots = 0;
+    e->nfree = e->nslots;
+    for (i = 0; i < e->nslots; i++)
+        e->free_list[i] = (unsigned)(e->nslots - 1 - i);
 }
 
 int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
@@ -599,6 +953,16 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         say(err, errlen, "CUDA memory in a batch on an engine without a CUDA stream");
         return -1;
     }
+    st->fixed = e->fixed;
+    e->no_in_place = 0;
+    if (!write && need_cuda && !(e->options & SIO_OPT_NO_IO_THREAD)) {
+        int rc = run_load_threaded(e, n, fd, off, len, mem, flags, result, st, err, errlen);
+
+        if (rc == -1)
+            reset_slots(e);
+        if (rc != -2)
+            return rc;
+    }
     if (write) {
         rd.slot = calloc(e->nslots, sizeof(unsigned));
         if (!rd.slot) {
@@ -615,7 +979,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             unsigned s = e->free_list[e->nfree - 1];
             struct slot *p = &e->slots[s];
 
-            if (!next_piece(e, &cur, n, off, len, mem, flags, result, p)) {
+            if (!next_piece(e, &cur, write, n, off, len, mem, flags, result, p)) {
                 more = 0;
                 break;
             }
@@ -677,6 +1041,12 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             struct slot *p = &e->slots[s];
 
             inflight--;
+            if (res == -EFAULT && p->to_mem) {
+                restage(e, p);
+                submit_io(e, write, fd, s, st);
+                inflight++;
+                continue;
+            }
             if (res < 0 || (res == 0 && p->done < p->need)) {
                 fail_entry(result, p->entry, res < 0 ? res : -EIO, &failed);
                 e->free_list[e->nfree++] = s;
@@ -690,8 +1060,9 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             }
             result[p->entry] += (long long)p->useful;
             st->bytes += p->useful;
+            st->in_place += p->to_mem;
             if (write || !(flags[p->entry] & SIO_CUDA)) {
-                if (!write)
+                if (!write && !p->to_mem)
                     memcpy((void *)(uintptr_t)p->mem, slot_buf(e, s) + p->skip, p->useful);
                 e->free_list[e->nfree++] = s;
             } else {
@@ -721,19 +1092,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             while (ring_peek(&e->ring, &data, &res))
                 inflight--;
         }
-        if (e->stream)
-            cu.stream_sync(e->stream);
-        e->done_seq = e->next_seq;
-        while (e->held_count) {
-            e->free_list[e->nfree++] = e->held[e->held_head];
-            e->held_head = (e->held_head + 1) % e->nslots;
-            e->held_count--;
-        }
-        e->c_n = e->c_nslots = 0;
-        /* reset the free list: every slot is free again */
-        e->nfree = e->nslots;
-        for (i = 0; i < e->nslots; i++)
-            e->free_list[i] = (unsigned)(e->nslots - 1 - i);
+        reset_slots(e);
     }
     free(rd.slot);
     return ret < 0 ? -1 : failed;
@@ -768,7 +1127,7 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
             unsigned s = free_slots[--nfree];
             unsigned long long l = len[next] < slot_bytes ? len[next] : slot_bytes;
             ring_push(&r, IORING_OP_READ, fd, (char *)buf + s * slot_bytes, (unsigned)l,
-                      off[next], s);
+                      off[next], s, -1);
             next++;
             inflight++;
         }

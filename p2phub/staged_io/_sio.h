@@ -14,7 +14,12 @@ struct sio_stats {
     unsigned long long merged;       /* pieces merged into the copy before them */
     unsigned long long slot_waits;   /* times no staging slot was free */
     unsigned long long max_inflight; /* deepest the queue went */
+    unsigned long long in_place;     /* pieces read straight into host memory (O_DIRECT,
+                                        aligned): no staging slot copy */
     int batch_api;                   /* 1: cuMemcpyBatchAsync was used for CUDA copies */
+    int fixed;                       /* 1: reads (writes) went to registered staging buffers */
+    int io_thread;                   /* 1: a second thread drove io_uring while this one
+                                        issued the CUDA copies */
 };
 
 /* Flags of one entry. */
@@ -22,19 +27,27 @@ struct sio_stats {
 #define SIO_CUDA 2     /* mem is CUDA device memory (else host memory) */
 #define SIO_ALIGN 4096
 
+/* Options of an engine (sio_open), for measurement: the defaults are the fast ones. */
+#define SIO_OPT_NO_FIXED 1      /* do not register the staging memory with io_uring */
+#define SIO_OPT_NO_IO_THREAD 2  /* CUDA loads: one thread does the I/O and the copies */
+
 /* A new engine: an io_uring of `depth` entries, `nslots` staging slots of `slot_bytes`
  * (a multiple of SIO_ALIGN) at `stage` (SIO_ALIGN-aligned, slot_bytes * nslots bytes,
- * pinned where CUDA copies use it), copies on CUDA stream `stream` (0: host copies only).
+ * pinned where CUDA copies use it), copies on CUDA stream `stream` (0: host copies only),
+ * `options` a mask of SIO_OPT_* (0: the defaults). The staging memory is registered with
+ * the ring (fixed buffers) where the kernel allows it, else read into as plain memory.
  * NULL on failure, with the reason in err. */
 struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
-                            void *stage, unsigned long long stream, char *err, int errlen);
+                            void *stage, unsigned long long stream, unsigned options,
+                            char *err, int errlen);
 void sio_close(struct sio_engine *e);
 
 /* Run one batch to the end: write 0 reads file -> mem, 1 writes mem -> file. Per entry i:
  * fd[i], file offset off[i], length len[i], memory address mem[i], flags[i]. result[i] gets
  * the bytes moved, or -errno. Returns 0 when every entry succeeded, the number of failed
- * entries (> 0), or -1 on an engine failure (message in err). `max_batch` caps the copies
- * handed to one driver call (0: the engine's default). */
+ * entries (> 0), or -1 on an engine failure (message in err). A load with CUDA entries runs
+ * io_uring on a second thread and issues the copies on the calling thread, whose CUDA
+ * context is current. */
 int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
             const unsigned long long *off, const unsigned long long *len,
             const unsigned long long *mem, const unsigned char *flags, long long *result,

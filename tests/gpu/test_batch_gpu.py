@@ -33,8 +33,9 @@ def _check_on_gpu(torch, t, gpu_file, offs, dsts, size) -> bool:
     return bool(torch.equal(t[d.flatten()], gpu_file[o.flatten()]))
 
 
-@pytest.mark.parametrize("size", [4 * KiB, 64 * KiB, 1 * MiB + 4 * KiB])
-def test_scattered_reads_into_gpu_memory(torch, src, size) -> None:
+@pytest.mark.parametrize("size,io_thread", [(4 * KiB, True), (4 * KiB, False), (64 * KiB, True),
+                                            (1 * MiB + 4 * KiB, True)])
+def test_scattered_reads_into_gpu_memory(torch, src, size, io_thread) -> None:
     path, data = src
     gpu_file = torch.from_numpy(data).cuda()          # the independent side, on the GPU
     n = 4096 if size <= 64 * KiB else 48
@@ -44,6 +45,7 @@ def test_scattered_reads_into_gpu_memory(torch, src, size) -> None:
     dsts = rng.permutation(n).astype(np.int64) * size
     t = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
     with Hub(mode="staged") as hub:
+        batch.configure_batch(hub, io_thread=io_thread)
         with hub.register(t) as reg:
             f = hub.load_batch(storage=path, offsets=offs, lengths=size, memory=reg,
                                mem_offsets=dsts, per_entry=True)
@@ -54,7 +56,7 @@ def test_scattered_reads_into_gpu_memory(torch, src, size) -> None:
             assert all(e.done() and e.exception() is None for e in f.entries)
             torch.cuda.synchronize()
             assert _check_on_gpu(torch, t, gpu_file, offs, dsts, size)
-            assert f.stats["copies"] >= 1
+            assert f.stats["copies"] >= 1 and f.stats["io_thread"] is io_thread
 
 
 def test_mixed_gpu_and_host_registrations_and_save(torch, src, tmp_path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from p2phub import batch
 from p2phub.errors import P2PHubOSError, UsageError
 from p2phub.hub import Hub
+from p2phub.memory import Memory
 
 KiB, MiB = 1 << 10, 1 << 20
 SHM = "/dev/shm"
@@ -61,9 +62,11 @@ def _scatter(rng, n, length_choices, file_size, mem_size, aligned):
     return offs, lens.astype(np.int64), dst
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_scattered_reads_direct(hub, disk_file, aligned) -> None:
+@pytest.mark.parametrize("aligned,fixed", [(True, True), (False, True), (True, False)])
+def test_scattered_reads_direct(hub, disk_file, aligned, fixed) -> None:
     path, data = disk_file
+    if not fixed:
+        batch.configure_batch(hub, depth=16, slot=64 * KiB, slots=24, fixed_buffers=False)
     mem = bytearray(32 * MiB)
     reg = hub.register(mem)
     rng = np.random.default_rng(3)
@@ -73,10 +76,36 @@ def test_scattered_reads_direct(hub, disk_file, aligned) -> None:
     f.wait(60)
     assert f.stats["io"] == {path: "O_DIRECT"}
     assert f.stats["pieces"] >= 150 and f.stats["max_inflight"] <= 16
+    # registered staging where the kernel lets this user pin it (root: always)
+    if not fixed or os.geteuid() == 0:
+        assert f.stats["fixed_buffers"] is fixed
     m = np.frombuffer(mem, np.uint8)
     for o, ln, d in zip(offs, lens, dst):
         assert np.array_equal(m[d:d + ln], data[o:o + ln])
     assert list(f.results) == list(lens)
+    reg.close()
+
+
+def test_aligned_reads_into_host_memory_land_in_place(hub, disk_file) -> None:
+    """O_DIRECT reads whose offset, length and memory address are 4 KiB-aligned go straight
+    into host memory; the others through a staging slot; the bytes are the same."""
+    import mmap
+    path, data = disk_file
+    mem = mmap.mmap(-1, 8 * MiB)     # page-aligned
+    reg = hub.register(mem)
+    rng = np.random.default_rng(8)
+    n = 120
+    offs = rng.integers(0, (data.size - 64 * KiB) // 4096, n) * 4096
+    lens = rng.choice([4 * KiB, 16 * KiB, 60 * KiB], n)
+    dst = rng.permutation(8 * MiB // (64 * KiB))[:n] * (64 * KiB)
+    dst[::3] += 512                   # every third lands off a page boundary: staged
+    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst)
+    f.wait(60)
+    assert f.stats["in_place"] == n - len(dst[::3])
+    m = np.frombuffer(mem, np.uint8)
+    for o, ln, d in zip(offs, lens, dst):
+        assert np.array_equal(m[d:d + ln], data[o:o + ln])
+    del m
     reg.close()
 
 
@@ -304,3 +333,52 @@ def test_configure_batch_refusals(hub) -> None:
         batch.configure_batch(hub, depth=0)
     with pytest.raises(UsageError, match="multiple of 4096"):
         batch.configure_batch(hub, slot=1000)
+
+
+class _MappedDmabuf(Memory):
+    """Stands for a dma-buf registration of a P2P hub (vgem, udmabuf): no GPU engine, a CPU
+    mapping (a memfd here)."""
+
+    mode = "p2p"
+
+    def __init__(self, n: int, mappable: bool = True) -> None:
+        self.length, self.what, self.mappable = n, "a mapped dma-buf", mappable
+        self.fd = os.memfd_create("p2phub-test")
+        os.ftruncate(self.fd, n)
+
+    @property
+    def gpu(self):
+        return None
+
+    @property
+    def source(self):
+        return None
+
+    def mmap(self):
+        import mmap
+        if not self.mappable:
+            raise P2PHubOSError(errno.ENODEV, "mmap the dma-buf export", "no struct pages")
+        return mmap.mmap(self.fd, self.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_file_entries_reach_a_dmabuf_registration_through_its_cpu_mapping(hub, disk_file,
+                                                                          tmp_path) -> None:
+    path, data = disk_file
+    reg = _MappedDmabuf(4 * MiB)
+    offs = np.arange(64) * 8192
+    dst = np.arange(64)[::-1] * 65536 + 512          # unaligned places: through staging
+    f = hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg, mem_offsets=dst)
+    f.wait(60)
+    view = np.frombuffer(reg.mmap(), np.uint8)
+    for o, d in zip(offs, dst):
+        assert np.array_equal(view[d:d + 4096], data[o:o + 4096])
+    out = tmp_path / "out.bin"
+    out.write_bytes(bytes(MiB))
+    hub.save_batch(storage=str(out), offsets=np.arange(16) * 4096, lengths=4096, memory=reg,
+                   mem_offsets=dst[:16]).wait(60)
+    got = np.fromfile(out, np.uint8)
+    for i, d in enumerate(dst[:16]):
+        assert np.array_equal(got[i * 4096:(i + 1) * 4096], view[d:d + 4096])
+    with pytest.raises(UsageError, match="entry 0: .* has no CPU mapping"):
+        hub.load_batch(storage=path, offsets=offs, lengths=4096,
+                       memory=_MappedDmabuf(4 * MiB, mappable=False), mem_offsets=dst)

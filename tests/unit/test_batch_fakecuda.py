@@ -1,7 +1,8 @@
 """The staged I/O engine's CUDA path on the host: a stand-in libcuda.so.1 (fake_libcuda.c)
 queues the copies and carries them out only at a later event, as a GPU would, so reusing a
 staging slot too early shows as wrong bytes. Loads and saves, with cuMemcpyBatchAsync and
-with one copy per run (P2PHUB_NO_BATCH_COPY)."""
+with one copy per run (P2PHUB_NO_BATCH_COPY), loads with the reads on their own thread
+(the default) and on the copying thread."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def fake_gpu(hub, nbytes):
 path, out = sys.argv[1], sys.argv[2]
 data = np.fromfile(path, np.uint8)
 hub = Hub(mode="staged")
-batch.configure_batch(hub, depth=8, slot=64 << 10, slots=12)   # slots reused many times
+batch.configure_batch(hub, depth=8, slot=64 << 10, slots=12,   # slots reused many times
+                      io_thread=os.environ.get("IO_THREAD") == "1")
 mem, reg = fake_gpu(hub, 16 << 20)
 rng = np.random.default_rng(3)
 n = 600
@@ -62,7 +64,7 @@ g.wait(60)
 got = np.fromfile(out, np.uint8)
 for o, m in zip(woffs, wsrc):
     assert np.array_equal(got[o:o + 65536], mem[m:m + 65536])
-print("ok", st["batch_copy_api"], g.stats["batch_copy_api"])
+print("ok", st["batch_copy_api"], g.stats["batch_copy_api"], st["io_thread"], g.stats["io_thread"])
 hub.close()
 """
 
@@ -78,15 +80,19 @@ def fake_libcuda(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_engine_cuda_path_with_a_stand_in_driver(fake_libcuda, tmp_path, batched) -> None:
+@pytest.mark.parametrize("batched,io_thread", [(True, True), (False, True), (True, False)])
+def test_engine_cuda_path_with_a_stand_in_driver(fake_libcuda, tmp_path, batched,
+                                                 io_thread) -> None:
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(6 << 20))
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_libcuda))
     env.pop("P2PHUB_NO_BATCH_COPY", None)
     if not batched:
         env["P2PHUB_NO_BATCH_COPY"] = "1"
+    env["IO_THREAD"] = "1" if io_thread else "0"
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(tmp_path / "out.bin")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["ok", str(batched), str(batched)]
+    # loads read on a second thread while this one issues the copies (unless told not to);
+    # saves run on one thread
+    assert res.stdout.split() == ["ok", str(batched), str(batched), str(io_thread), "False"]

@@ -297,3 +297,40 @@ def test_a_request_that_times_out_fails_through_its_future_after_a_reset() -> No
     finally:
         c.close()
         dev.stop()
+
+
+def test_hub_batch_with_namespace_entries_goes_through_one_submit(rig) -> None:
+    """hub.load_batch / save_batch with a Namespace as the storage: entries over two
+    registrations become one submit of the NVMe engine; a bad entry submits nothing."""
+    from p2phub import batch
+    c, dev, hub = rig
+    hub._check_open = lambda: None          # the fake owner stands in for the Hub
+    ns, qp = c.namespace(1), c.io_qps[0]
+    regs = [_reg(dev, hub, 2 * MiB), _reg(dev, hub, 2 * MiB)]
+    data = dev.ns[1].data
+    data[:] = random.Random(2).randbytes(len(data))
+    rnd = random.Random(4)
+    n, page = 600, 4096
+    offs = [rnd.randrange(0, BLOCKS * LBA // page) * page for _ in range(n)]
+    places = rnd.sample(range(4 * MiB // page), n)
+    midx = [p * page // (2 * MiB) for p in places]
+    moffs = [p * page % (2 * MiB) for p in places]
+    cols = dict(storage=ns, lengths=page, memory=regs, memory_index=midx, mem_offsets=moffs)
+    try:
+        before = qp.stats()["submitted"]
+        bad = list(offs)
+        bad[321] = BLOCKS * LBA
+        with pytest.raises(UsageError, match="entry 321: range .* past the end"):
+            batch.load_batch(hub, offsets=bad, **cols)
+        assert qp.stats()["submitted"] == before
+        f = batch.load_batch(hub, offsets=offs, per_entry=True, **cols)
+        f.wait(30)
+        assert list(f.results) == [page] * n and qp.stats()["submitted"] - before == n
+        for o, r, m in zip(offs, midx, moffs):
+            assert regs[r].mem[m:m + page] == data[o:o + page]
+        woffs = [k * 2 * page for k in range(n)]
+        batch.save_batch(hub, offsets=woffs, sync=False, **cols).wait(30)
+        for o, r, m in zip(woffs, midx, moffs):
+            assert data[o:o + page] == regs[r].mem[m:m + page]
+    finally:
+        batch._worker(hub).close()
