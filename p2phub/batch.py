@@ -29,9 +29,9 @@ smaller ones with O_DIRECT: see ``configure_batch``).
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
 queue, staging slots registered with the ring (fixed buffers) and reused. A load into GPU
-memory reads on a second thread while the calling thread batches the host-to-GPU copies
-(``cuMemcpyBatchAsync`` per reaped round), so the driver's per-copy cost runs beside the
-reads; into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
+memory batches the host-to-GPU copies of each reaped round (``cuMemcpyBatchAsync``) on the
+same thread that keeps the ring full (``configure_batch(io_thread=True)`` reads on a second
+thread instead: slower on the H200 measured); into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
 lands in place (``fence.stats["in_place"]``), the others are copied out of a slot.
 
 Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
@@ -511,13 +511,14 @@ class _Engine:
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
                     slots: int = DEFAULT_SLOTS,
                     buffered_from: int = DEFAULT_BUFFERED_FROM, *,
-                    fixed_buffers: bool = True, io_thread: bool = True) -> None:
+                    fixed_buffers: bool = True, io_thread: bool = False) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
     bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
-    engine registering its staging memory with io_uring, `io_thread=False` has one thread
-    both read and issue the GPU copies of a load (``fence.stats`` says which ran)."""
+    engine registering its staging memory with io_uring; `io_thread=True` reads on a second
+    thread while the calling one issues the GPU copies of a load (slower than one thread on the
+    H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran)."""
     if not 1 <= depth <= 4096:
         raise UsageError(f"depth={depth}: want 1..4096")
     if slot <= 0 or slot % ALIGN:
@@ -542,7 +543,7 @@ def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
         opts = hub.__dict__.get("_batch_opts", {})
         stagers[key] = _Engine(ops, device, opts.get("depth", DEFAULT_DEPTH),
                                opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS),
-                               opts.get("options", 0))
+                               opts.get("options", _OPT_NO_IO_THREAD))
     return stagers[key]
 
 

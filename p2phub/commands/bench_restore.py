@@ -8,7 +8,8 @@ method):
   p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
                reads go in slot-sized pieces), buf through the page cache, dio all O_DIRECT,
                nofixed staging not registered with io_uring, onethread one thread reads and
-               copies (p2phub:d256:s256K); plain p2phub uses the API's defaults
+               copies (the default), iothread a second thread reads (p2phub:d256:s256K);
+               plain p2phub uses the API's defaults
   ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
                128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's
                ceiling. Its timed span opens the file, as every other method's does
@@ -164,24 +165,24 @@ class Ceiling:
 def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, dict[str, bool]]:
     """p2phub's batch with other settings: "p2phub:d256:s256K:buf" (queue depth 256, 256 KiB
     staging slots, reads through the page cache; "dio": every read O_DIRECT; "nofixed": the
-    staging memory not registered with io_uring; "onethread": one thread reads and issues
-    the GPU copies)."""
+    staging memory not registered with io_uring; "onethread" (the default): one thread reads
+    and issues the GPU copies; "iothread": a second thread reads while the first copies)."""
     direct: bool | str = "auto"
-    engine = {"fixed_buffers": True, "io_thread": True}
+    engine = {"fixed_buffers": True, "io_thread": False}
     for tok in name.split(":")[1:]:
         if tok in ("buf", "dio"):
             direct = tok == "dio"
         elif tok == "nofixed":
             engine["fixed_buffers"] = False
-        elif tok == "onethread":
-            engine["io_thread"] = False
+        elif tok in ("onethread", "iothread"):
+            engine["io_thread"] = tok == "iothread"
         elif tok[:1] == "d" and tok[1:].isdigit():
             depth = int(tok[1:])
         elif tok[:1] == "s":
             slot = _parse_size(tok[1:])
         else:
             raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf, dio, "
-                             "nofixed or onethread)")
+                             "nofixed, onethread or iothread)")
     return depth, slot, direct, engine
 
 
