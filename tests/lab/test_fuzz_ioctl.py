@@ -586,13 +586,16 @@ class Machine(RuleBasedStateMachine):
             req, cls, allowed, _ = IOCTLS[name]
             s, _ = _fill(cls, "valid", fields)
             base = bytes(s)
-            prepared.append((name, fd, req, base, allowed | EXPORTER | {errno.E2BIG, errno.EFAULT}))
+            # A user pointer the kernel writes through stays ours (or unmapped): random bytes
+            # there could aim the kernel's writes at this process's own heap.
+            ptr = cls.addrs.offset if hasattr(cls, "addrs") else -1
+            prepared.append((name, fd, req, base, ptr, allowed | EXPORTER | {errno.E2BIG, errno.EFAULT}))
         buf, zero = bytearray(page), bytes(page)
         counts: collections.Counter[str] = collections.Counter()
         shapes = set()
         odd = []
         for _ in range(BURST):
-            name, fd, req, base, allowed = prepared[rng.randrange(len(prepared))]
+            name, fd, req, base, ptr, allowed = prepared[rng.randrange(len(prepared))]
             buf[:] = zero
             how = rng.randrange(4)
             if how == 3:                      # every byte random (argsz too)
@@ -605,6 +608,8 @@ class Machine(RuleBasedStateMachine):
                 buf[at:at + n] = rng.randbytes(n)
                 if how == 0:                  # keep the header: reach the per-ioctl checks
                     buf[:len(base)] = base[:8] + bytes(buf[8:len(base)])
+            if ptr >= 0:
+                buf[ptr:ptr + 8] = base[ptr:ptr + 8] if rng.randrange(4) else (8).to_bytes(8, "little")
             try:
                 rv = fcntl.ioctl(fd, req, buf, True)
                 err = 0
