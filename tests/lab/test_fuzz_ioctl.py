@@ -589,7 +589,10 @@ class Machine(RuleBasedStateMachine):
             # A user pointer the kernel writes through stays ours (or unmapped): random bytes
             # there could aim the kernel's writes at this process's own heap.
             ptr = cls.addrs.offset if hasattr(cls, "addrs") else -1
-            prepared.append((name, fd, req, base, ptr, allowed | EXPORTER | {errno.E2BIG, errno.EFAULT}))
+            allowed = allowed | EXPORTER | {errno.E2BIG, errno.EFAULT}
+            if fd == reg.hub.fd and reg.hub.closed:
+                allowed = allowed | WRONG_FD  # /dev/null sits where that file was
+            prepared.append((name, fd, req, base, ptr, allowed))
         buf, zero = bytearray(page), bytes(page)
         counts: collections.Counter[str] = collections.Counter()
         shapes = set()
