@@ -503,14 +503,14 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 		*wc = map->db.wc;
 		return 0;
 	}
-	map = kzalloc(sizeof(*map), GFP_KERNEL);
+	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
 	if (!map)
 		return -ENOMEM;
 	atomic_inc(&p2phub_stats.dev_maps);
 	map->reg = reg;
 	INIT_LIST_HEAD(&map->node);	/* never on reg->maps */
 	map->db.pages = kvmalloc_array(reg->npages, sizeof(*map->db.pages),
-				       GFP_KERNEL);
+				       GFP_KERNEL_ACCOUNT);
 	if (!map->db.pages) {
 		ret = -ENOMEM;
 		goto err_free;

@@ -125,7 +125,7 @@ static int p2phub_export_attach(struct dma_buf *dmabuf,
 	if (!attach->peer2peer || !attach->importer_ops ||
 	    !dev_is_pci(attach->dev))
 		return -EOPNOTSUPP;
-	att = kzalloc(sizeof(*att), GFP_KERNEL);
+	att = kzalloc(sizeof(*att), GFP_KERNEL_ACCOUNT);
 	if (!att)
 		return -ENOMEM;
 
@@ -236,10 +236,10 @@ static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
 			len = 0;
 		}
 	}
-	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL_ACCOUNT);
 	if (!sgt)
 		return ERR_PTR(-ENOMEM);
-	ret = sg_alloc_table(sgt, nsegs, GFP_KERNEL);
+	ret = sg_alloc_table(sgt, nsegs, GFP_KERNEL_ACCOUNT);
 	if (ret)
 		goto err_free_sgt;
 
@@ -445,7 +445,7 @@ int p2phub_export_create(struct p2phub_reg *reg, u32 flags)
 
 	if (!p2phub_export_live(reg))
 		return -ESTALE;
-	exp = kzalloc(sizeof(*exp), GFP_KERNEL);
+	exp = kzalloc(sizeof(*exp), GFP_KERNEL_ACCOUNT);
 	if (!exp)
 		return -ENOMEM;
 	p2phub_reg_get_ref(reg);

@@ -10,12 +10,15 @@
 
 #include <linux/build_bug.h>
 #include <linux/dma-mapping.h>
+#include <linux/cred.h>
 #include <linux/fs.h>
 #include <linux/miscdevice.h>
 #include <linux/module.h>
+#include <linux/moduleparam.h>
 #include <linux/slab.h>
 #include <linux/string.h>
 #include <linux/uaccess.h>
+#include <linux/xarray.h>
 
 #include "p2phub_priv.h"
 
@@ -79,13 +82,69 @@ static long p2phub_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 	}
 }
 
+static unsigned int max_files_per_user = 1024;
+module_param(max_files_per_user, uint, 0644);
+MODULE_PARM_DESC(max_files_per_user,
+		 "Opens of /dev/p2phub one user (effective uid) may hold at once; 0: no limit (default 1024)");
+
+/* Open files per effective uid (an xa value), for max_files_per_user. */
+static DEFINE_MUTEX(p2phub_users_lock);
+static DEFINE_XARRAY(p2phub_users);
+
+static int p2phub_user_get(kuid_t uid)
+{
+	unsigned int limit = READ_ONCE(max_files_per_user);
+	unsigned long n;
+	void *entry;
+	int ret;
+
+	mutex_lock(&p2phub_users_lock);
+	entry = xa_load(&p2phub_users, __kuid_val(uid));
+	n = entry ? xa_to_value(entry) : 0;
+	if (limit && n >= limit) {
+		ret = -EMFILE;
+		pr_info_ratelimited("pid %d (%s): open of /dev/%s refused: uid %u has %lu open already, the limit max_files_per_user (module parameter)\n",
+				    task_pid_nr(current), current->comm,
+				    P2PHUB_DEVICE_NAME,
+				    from_kuid_munged(&init_user_ns, uid), n);
+	} else {
+		ret = xa_err(xa_store(&p2phub_users, __kuid_val(uid),
+				      xa_mk_value(n + 1), GFP_KERNEL_ACCOUNT));
+	}
+	mutex_unlock(&p2phub_users_lock);
+	return ret;
+}
+
+static void p2phub_user_put(kuid_t uid)
+{
+	unsigned long n;
+	void *entry;
+
+	mutex_lock(&p2phub_users_lock);
+	entry = xa_load(&p2phub_users, __kuid_val(uid));
+	n = entry ? xa_to_value(entry) : 0;
+	if (WARN_ON_ONCE(!n) || n == 1)
+		xa_erase(&p2phub_users, __kuid_val(uid));
+	else	/* replaces a present entry: allocates nothing, cannot fail */
+		xa_store(&p2phub_users, __kuid_val(uid), xa_mk_value(n - 1),
+			 GFP_KERNEL);
+	mutex_unlock(&p2phub_users_lock);
+}
+
 static int p2phub_open(struct inode *inode, struct file *file)
 {
 	struct p2phub_file *pf;
+	int ret;
 
-	pf = kzalloc(sizeof(*pf), GFP_KERNEL);
+	pf = kzalloc(sizeof(*pf), GFP_KERNEL_ACCOUNT);
 	if (!pf)
 		return -ENOMEM;
+	pf->uid = current_euid();
+	ret = p2phub_user_get(pf->uid);
+	if (ret) {
+		kfree(pf);
+		return ret;
+	}
 	mutex_init(&pf->lock);
 	p2phub_reg_file_init(pf);
 	file->private_data = pf;
@@ -97,6 +156,7 @@ static int p2phub_release(struct inode *inode, struct file *file)
 	struct p2phub_file *pf = file->private_data;
 
 	p2phub_reg_file_release(pf);
+	p2phub_user_put(pf->uid);
 	mutex_destroy(&pf->lock);
 	kfree(pf);
 	return 0;
@@ -169,6 +229,8 @@ static void __exit p2phub_exit(void)
 	p2phub_device = NULL;
 	misc_deregister(&p2phub_misc);
 	p2phub_reg_exit();
+	WARN_ON(!xa_empty(&p2phub_users));
+	xa_destroy(&p2phub_users);
 }
 
 module_init(p2phub_init);

@@ -428,7 +428,7 @@ static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
 	    arg.size > P2PHUB_NVME_DMA_MAX_BUF)
 		return -EINVAL;
 
-	b = kzalloc(sizeof(*b), GFP_KERNEL);
+	b = kzalloc(sizeof(*b), GFP_KERNEL_ACCOUNT);
 	if (!b)
 		return -ENOMEM;
 	b->size = arg.size;
@@ -446,7 +446,7 @@ static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
 		goto err_unlock;
 	}
 	ret = xa_alloc(&h->bufs, &id, b,
-		       XA_LIMIT(0, P2PHUB_NVME_DMA_MAX_BUFS - 1), GFP_KERNEL);
+		       XA_LIMIT(0, P2PHUB_NVME_DMA_MAX_BUFS - 1), GFP_KERNEL_ACCOUNT);
 	if (ret)
 		goto err_free_dma;
 	b->id = id;

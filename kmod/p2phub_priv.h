@@ -6,6 +6,12 @@
  *   struct p2phub_file  one per open of /dev/p2phub: the ledger of everything
  *                       that open holds; release of the file releases it all.
  *
+ * Accounting: every object a user can make is allocated GFP_KERNEL_ACCOUNT
+ * (its memory cgroup); a registration's bytes are charged to the
+ * registering mm's pinned_vm against RLIMIT_MEMLOCK (p2phub_reg.c); the
+ * opens per effective uid are capped by max_files_per_user (p2phub_main.c,
+ * under p2phub_users_lock, which nests in nothing and takes nothing).
+ *
  * Lock order (outer first):
  *   p2phub_file.lock
  */
@@ -14,6 +20,7 @@
 
 #include <linux/mutex.h>
 #include <linux/types.h>
+#include <linux/uidgid.h>
 #include <linux/xarray.h>
 
 #include "p2phub_uargs.h"
@@ -23,6 +30,7 @@
 #define P2PHUB_MAX_REGS_PER_FILE	4096
 
 struct p2phub_file {
+	kuid_t uid;		/* charged one open (max_files_per_user) */
 	struct mutex lock;	/* protects everything below */
 	struct xarray regs;	/* handle -> struct p2phub_reg (one ref each) */
 	u64 reg_bytes;		/* sum of the lengths in regs */

@@ -10,11 +10,14 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/build_bug.h>
+#include <linux/capability.h>
 #include <linux/debugfs.h>
 #include <linux/log2.h>
 #include <linux/moduleparam.h>
 #include <linux/overflow.h>
 #include <linux/pci.h>
+#include <linux/sched/mm.h>
+#include <linux/sched/signal.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 
@@ -91,6 +94,47 @@ static struct p2phub_reg *p2phub_reg_alloc(void)
 	return reg;
 }
 
+/*
+ * Charge @reg's pages to the caller's pinned_vm (VmPin in /proc/PID/status)
+ * against RLIMIT_MEMLOCK, as RDMA memory registrations are; CAP_IPC_LOCK
+ * lifts the limit, not the charge. The mm is kept (mmgrab) so that the same
+ * mm is uncharged at teardown, whichever task or work item does it.
+ * -ENOMEM over the limit.
+ */
+static int p2phub_reg_charge(struct p2phub_reg *reg)
+{
+	struct mm_struct *mm = current->mm;
+	unsigned long pages, limit;
+	s64 pinned;
+
+	if (!mm)			/* a kernel thread: nobody to charge */
+		return 0;
+	pages = DIV_ROUND_UP(reg->length, PAGE_SIZE);
+	limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	pinned = atomic64_add_return(pages, &mm->pinned_vm);
+	if ((u64)pinned > limit && !capable(CAP_IPC_LOCK)) {
+		atomic64_sub(pages, &mm->pinned_vm);
+		pr_info_ratelimited("pid %d (%s): REGISTER of %llu bytes refused: over RLIMIT_MEMLOCK (%lu KiB, %lld KiB pinned already); raise ulimit -l or grant CAP_IPC_LOCK\n",
+				    task_pid_nr(current), current->comm,
+				    reg->length, rlimit(RLIMIT_MEMLOCK) >> 10,
+				    (s64)(pinned - pages) << (PAGE_SHIFT - 10));
+		return -ENOMEM;
+	}
+	mmgrab(mm);
+	reg->acct_mm = mm;
+	reg->acct_pages = pages;
+	return 0;
+}
+
+static void p2phub_reg_uncharge(struct p2phub_reg *reg)
+{
+	if (!reg->acct_mm)
+		return;
+	atomic64_sub(reg->acct_pages, &reg->acct_mm->pinned_vm);
+	mmdrop(reg->acct_mm);
+	reg->acct_mm = NULL;
+}
+
 /* Release the pin and every device mapping, once. Sleeps. */
 static void p2phub_reg_teardown(struct p2phub_reg *reg)
 {
@@ -109,6 +153,7 @@ static void p2phub_reg_teardown(struct p2phub_reg *reg)
 	/* Set up only partially when REGISTER failed before choosing one. */
 	if (reg->provider)
 		reg->provider->release(reg, &maps);
+	p2phub_reg_uncharge(reg);	/* the pin is gone */
 }
 
 static void p2phub_reg_release(struct kref *kref)
@@ -606,6 +651,9 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 		goto err_put_pdev;
 	}
 	reg->length = a.length;
+	ret = p2phub_reg_charge(reg);
+	if (ret)
+		goto err_put_reg;
 	if (a.flags & P2PHUB_REGISTER_F_DMABUF) {
 		ret = p2phub_dmabuf_setup(reg, a.fd, a.offset, a.length);
 	} else {

@@ -18,6 +18,7 @@
 
 struct dma_buf;
 struct dma_buf_attachment;
+struct mm_struct;
 struct p2phub_db_revoke;
 struct page;
 struct sg_table;
@@ -137,6 +138,14 @@ struct p2phub_reg {
 	bool torn_down;
 
 	struct work_struct notify_work;	/* tells export importers */
+
+	/*
+	 * RLIMIT_MEMLOCK: reg->length in pages, added to acct_mm->pinned_vm
+	 * at REGISTER (acct_mm mmgrab()ed) and taken off at teardown. NULL
+	 * when nothing was charged.
+	 */
+	struct mm_struct *acct_mm;
+	unsigned long acct_pages;
 
 	/* Set up by the provider's setup, constant afterwards. */
 	bool read_only;			/* the source fd was not writable */

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import resource
 import stat
 from dataclasses import dataclass, field
 
@@ -20,11 +21,68 @@ _MAP_REFUSED = ("the device cannot use this memory directly: its DMA would need 
                 "cannot map it peer-to-peer; the kernel log names the reason")
 
 
-def ioctl_error(exc: OSError, request: int, what: str) -> P2PHubOSError:
+PARAMS = "/sys/module/p2phub/parameters"
+CAP_IPC_LOCK = 14
+
+
+def _status_field(name: str) -> str:
+    """A field of /proc/self/status ("" when absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def memlock_detail(length: int) -> str:
+    """Why REGISTER's ENOMEM is RLIMIT_MEMLOCK, with the figures; "" when the limit was not it.
+
+    p2phub.ko charges every registration's bytes to the registering process's pinned memory
+    (VmPin) against RLIMIT_MEMLOCK, as RDMA memory registrations are; CAP_IPC_LOCK lifts the limit.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    caps = _status_field("CapEff")
+    if soft == resource.RLIM_INFINITY or (caps and int(caps, 16) >> CAP_IPC_LOCK & 1):
+        return ""
+    pinned_kib = int((_status_field("VmPin") or "0 kB").split()[0])
+    page = os.sysconf("SC_PAGE_SIZE")
+    want = pinned_kib * 1024 + -(-length // page) * page
+    if want <= soft:
+        return ""
+    return (f"over RLIMIT_MEMLOCK: registering {length} bytes would pin {want >> 10} KiB for this "
+            f"process (VmPin {pinned_kib} KiB now), its limit is {soft >> 10} KiB. Raise it with "
+            f"`ulimit -l` (the hard limit as root, or memlock for group p2phub in "
+            f"/etc/security/limits.d, docs/install.md), or run with CAP_IPC_LOCK")
+
+
+def files_limit_detail() -> str:
+    """Why open(/dev/p2phub)'s EMFILE may be p2phub.ko's per-user limit ("" when not)."""
+    try:
+        with open(f"{PARAMS}/max_files_per_user") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return ""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and len(os.listdir("/proc/self/fd")) >= soft:
+        return ""  # this process's own descriptor limit
+    return (f"this user has max_files_per_user ({limit}) opens of /dev/p2phub already: close some, "
+            f"or raise the p2phub module parameter max_files_per_user "
+            f"({PARAMS}/max_files_per_user, docs/settings.md)")
+
+
+def ioctl_error(exc: OSError, request: int, what: str, length: int = 0) -> P2PHubOSError:
     """The error for a failed /dev/p2phub ioctl, with what its errno means where that is not
-    obvious."""
+    obvious. `length`: the bytes a REGISTER asked for."""
     err = exc.errno or errno.EIO
-    detail = _MAP_REFUSED if err == errno.EOPNOTSUPP and request in _MAPS else ""
+    detail = ""
+    if err == errno.EOPNOTSUPP and request in _MAPS:
+        detail = _MAP_REFUSED
+    elif err == errno.ENOMEM and request == uapi.REGISTER and length:
+        detail = memlock_detail(length)
     return P2PHubOSError(err, what, detail)
 
 
@@ -81,7 +139,9 @@ class Device(Resource):
                 f"{path} does not exist: p2phub.ko is not loaded (run `p2phub doctor`)"
             ) from None
         except OSError as exc:
-            raise P2PHubOSError(exc.errno or errno.EIO, f"open {path}") from None
+            err = exc.errno or errno.EIO
+            detail = files_limit_detail() if err == errno.EMFILE else ""
+            raise P2PHubOSError(err, f"open {path}", detail) from None
         try:
             _check_is_p2phub(self.fd, path)
         except BaseException:

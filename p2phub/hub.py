@@ -507,7 +507,8 @@ class Hub(Resource):
             if src.owned and hasattr(src.keep, "close"):
                 src.keep.close()
             if isinstance(exc, OSError):
-                raise ioctl_error(exc, uapi.REGISTER, f"P2PHUB_REGISTER {src.what}") from None
+                raise ioctl_error(exc, uapi.REGISTER, f"P2PHUB_REGISTER {src.what}",
+                                  src.length) from None
             raise
         src.finish()
         pin = _Pin(self, a, src)

@@ -90,7 +90,10 @@ struct p2phub_info {
  * dma-buf; -ENOSPC the file holds P2PHUB_INFO.max_regs_per_file already;
  * -EOPNOTSUPP F_NVIDIA without NVIDIA P2P support built in; -ENXIO the
  * nvidia_p2p_* symbols are not loaded; -ENODEV F_DEVICE names no PCI device;
- * -ENOMEM; -EFAULT; or the exporter's / NVIDIA driver's error.
+ * -ENOMEM, also when length would take the caller's pinned memory (VmPin,
+ * which every registration is charged to until it is released) past its
+ * RLIMIT_MEMLOCK and the caller lacks CAP_IPC_LOCK; -EFAULT; or the
+ * exporter's / NVIDIA driver's error.
  */
 struct p2phub_register {
 	__u32	argsz;

@@ -17,9 +17,17 @@ counters are back to zero. The kernel log is checked by the lab (this test's
 share by tests/lab/conftest.py, the whole run by tools/lab): on the debug lab
 kernel that is where KASAN, lockdep and DMA-API reports show up.
 
+Most calls come in bursts: one rule issues P2PHUB_FUZZ_BURST (default 2000)
+calls in a tight loop, each a valid argument of the current state (live
+handles, the controller fd) with random bytes written over a random part of
+it, or wholly random bytes, on a page of zeros (so any argsz up to a page
+reads defined memory). Their errnos are checked like the others' (collected,
+asserted after the budget so a finding does not cut the count short).
+
 Budget: P2PHUB_FUZZ_SECONDS (default 90) of wall time, P2PHUB_FUZZ_EXAMPLES
-(default 200) sequences at most. Figures (calls, distinct ioctl/argument
-shapes, errnos, threads, duration) go to build/fuzz/ioctl.json.
+(default 200) sequences at most. Figures (calls, burst calls, calls per
+second, distinct ioctl/argument shapes, errnos, threads, duration) go to
+build/fuzz/ioctl.json.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import fcntl
 import json
 import mmap
 import os
+import random
 import signal
 import threading
 import time
@@ -55,6 +64,7 @@ OUT = TOP / "build" / "fuzz" / "ioctl.json"
 BUDGET_S = float(os.environ.get("P2PHUB_FUZZ_SECONDS", "90"))
 MAX_EXAMPLES = int(os.environ.get("P2PHUB_FUZZ_EXAMPLES", "200"))
 ROUND_EXAMPLES = 20
+BURST = int(os.environ.get("P2PHUB_FUZZ_BURST", "2000"))
 KiB = 1 << 10
 U64 = (1 << 64) - 1
 
@@ -129,6 +139,9 @@ class Figures:
         self.mmaps = 0
         self.touches: collections.Counter[str] = collections.Counter()
         self.findings: list[str] = []
+        self.burst_calls = 0
+        self.bursts = 0
+        self.odd: list[str] = []          # burst calls that ended in an undocumented errno
         self.lock = threading.RLock()
         self.last = ""
         self.dumped = 0.0
@@ -151,15 +164,22 @@ class Figures:
         return time.monotonic() - self.t0 > BUDGET_S
 
     def dump(self) -> dict:
+        calls = sum(self.calls.values())
+        duration = time.monotonic() - (self.t0 or self.created)
         d = {
-            "schema": "p2phub.fuzz.ioctl/1",
+            "schema": "p2phub.fuzz.ioctl/2",
             "kernel": os.uname().release,
             "budget_s": BUDGET_S,
             "duration_s": round(time.monotonic() - (self.t0 or self.created), 1),
             "setup_s": round((self.t0 or time.monotonic()) - self.created, 1),
             "examples": self.examples,
             "rounds": self.rounds,
-            "calls": sum(self.calls.values()),
+            "calls": calls,
+            "calls_per_s": round(calls / duration, 1) if duration > 0 else 0,
+            "burst_size": BURST,
+            "bursts": self.bursts,
+            "burst_calls": self.burst_calls,
+            "burst_undocumented": self.odd[:50],
             "calls_per_ioctl": dict(sorted(self.calls.items())),
             "distinct_shapes": len(self.shapes),
             "ioctls_covered": sorted(self.calls),
@@ -533,6 +553,85 @@ class Machine(RuleBasedStateMachine):
         if e == errno.EBUSY:
             _ioctl(hub, "UNREGISTER", uapi.Unregister.new(handle=handle), "race", ())
 
+    # ------------------------------------------------------------ bursts
+    @rule(hub=hubs, reg=regs, seed=st.integers(0, (1 << 32) - 1))
+    def burst(self, hub: HubFd, reg: Reg, seed: int) -> None:
+        """BURST cheap calls with no per-call bookkeeping beyond a counter: the argument of a
+        valid call on the current objects with random bytes over part of it, or all random."""
+        if hub.closed:
+            return
+        rng = random.Random(seed)
+        dom, bus, devfn = self._bdf("target")
+        addrs = ctypes.addressof(self.addrs)
+        # (name, fd, valid fields) for every ioctl the current state can reach.
+        calls = [("GET_INFO", hub.fd, {}),
+                 ("REG_INFO", reg.hub.fd, dict(handle=reg.handle)),
+                 ("UNREGISTER", hub.fd, dict(handle=0x7777_7777)),
+                 ("DMA_PAGES", reg.hub.fd, dict(handle=reg.handle, domain=dom, bus=bus, devfn=devfn,
+                                                count=16, addrs=addrs)),
+                 ("EXPORT", reg.hub.fd, dict(handle=reg.handle, flags=uapi.EXPORT_F_CLOEXEC)),
+                 ("REGISTER", hub.fd, dict(flags=uapi.REGISTER_F_DMABUF, fd=self.null, length=4096)),
+                 ("NVME_OPEN", hub.fd, dict(domain=0, bus=0xFE, devfn=0xFF))]
+        if self.ctrl >= 0:
+            calls += [("NVME_DMA_ALLOC", self.ctrl, dict(size=1 << 40)),
+                      ("NVME_DMA_FREE", self.ctrl, dict(id=0xFFFF_FFF0)),
+                      ("NVME_IRQ_SET", self.ctrl, dict(vector=31, eventfd=self.efd)),
+                      ("NVME_MAP_REG", self.ctrl, dict(handle=reg.handle, addrs=addrs, count=16)),
+                      ("NVME_UNMAP_REG", self.ctrl, dict(handle=0x7777_7777)),
+                      ("NVME_RESUME", self.ctrl, {}),
+                      ("NVME_REQ_SET", self.ctrl, dict(eventfd=-1))]
+        page = 4096
+        prepared = []
+        for name, fd, fields in calls:
+            req, cls, allowed, _ = IOCTLS[name]
+            s, _ = _fill(cls, "valid", fields)
+            base = bytes(s)
+            # A user pointer the kernel writes through stays ours (or unmapped): random bytes
+            # there could aim the kernel's writes at this process's own heap.
+            ptr = cls.addrs.offset if hasattr(cls, "addrs") else -1
+            allowed = allowed | EXPORTER | {errno.E2BIG, errno.EFAULT}
+            if fd == reg.hub.fd and reg.hub.closed:
+                allowed = allowed | WRONG_FD  # /dev/null sits where that file was
+            prepared.append((name, fd, req, base, ptr, allowed))
+        buf, zero = bytearray(page), bytes(page)
+        counts: collections.Counter[str] = collections.Counter()
+        shapes = set()
+        odd = []
+        for _ in range(BURST):
+            name, fd, req, base, ptr, allowed = prepared[rng.randrange(len(prepared))]
+            buf[:] = zero
+            how = rng.randrange(4)
+            if how == 3:                      # every byte random (argsz too)
+                n = len(base)
+                buf[:n] = rng.randbytes(n)
+            else:
+                buf[:len(base)] = base
+                n = rng.randrange(1, 9) if how < 2 else rng.randrange(1, len(base))
+                at = rng.randrange(len(base) - min(n, len(base) - 1))
+                buf[at:at + n] = rng.randbytes(n)
+                if how == 0:                  # keep the header: reach the per-ioctl checks
+                    buf[:len(base)] = base[:8] + bytes(buf[8:len(base)])
+            if ptr >= 0:
+                buf[ptr:ptr + 8] = base[ptr:ptr + 8] if rng.randrange(4) else (8).to_bytes(8, "little")
+            try:
+                rv = fcntl.ioctl(fd, req, buf, True)
+                err = 0
+            except OSError as exc:
+                rv, err = -1, exc.errno or errno.EIO
+            counts[name] += 1
+            shapes.add((name, "burst", how, err))
+            if err == 0 and rv > 0 and name in ("EXPORT", "NVME_OPEN"):
+                os.close(rv)                  # a new fd: not ours to keep
+            elif err and err not in allowed:
+                odd.append(f"{name} {bytes(buf[:len(base)]).hex()} -> {errno.errorcode.get(err, err)}")
+        with FIG.lock:
+            FIG.calls.update(counts)
+            FIG.shapes |= shapes
+            FIG.burst_calls += BURST
+            FIG.bursts += 1
+            FIG.odd += odd
+            FIG.last = f"burst of {BURST} (seed {seed})"
+
     # ------------------------------------------------------------ closing things
     @rule(hub=consumes(hubs))
     def close_hub(self, hub: HubFd) -> None:
@@ -723,6 +822,7 @@ def test_fuzz_ioctls(lab: dict[str, str], bound_target: str) -> None:
         raise
     finally:
         d = FIG.dump()
-        print(json.dumps({k: d[k] for k in ("duration_s", "examples", "calls", "distinct_shapes",
-                                            "threads_started")}))
+        print(json.dumps({k: d[k] for k in ("duration_s", "examples", "calls", "calls_per_s",
+                                            "burst_calls", "distinct_shapes", "threads_started")}))
     assert d["calls"] > 0
+    assert not FIG.odd, f"{len(FIG.odd)} burst calls ended in an undocumented errno: {FIG.odd[:10]}"

@@ -76,3 +76,32 @@ def test_p2phub_log_debug_configures_the_logger_for_a_library_user() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={k: v for k, v in os.environ.items() if k != "P2PHUB_LOG"})
     assert r.stderr == ""
+
+
+def test_register_over_rlimit_memlock_names_the_limit(monkeypatch) -> None:
+    """REGISTER's ENOMEM over RLIMIT_MEMLOCK says so, with the figures and how to raise it; an
+    ENOMEM the limit cannot explain gets no such claim."""
+    import errno
+    import resource
+
+    from p2phub import device, uapi
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (64 << 10, 64 << 10))
+    fields = {"CapEff": "0000000000000000", "VmPin": "60 kB"}
+    monkeypatch.setattr(device, "_status_field", lambda name: fields.get(name, ""))
+    exc = device.ioctl_error(OSError(errno.ENOMEM, "x"), uapi.REGISTER, "P2PHUB_REGISTER m", 8192)
+    assert exc.errno == errno.ENOMEM
+    assert "over RLIMIT_MEMLOCK" in str(exc) and "ulimit -l" in str(exc) and "68 KiB" in str(exc)
+    assert "RLIMIT_MEMLOCK" not in str(device.ioctl_error(OSError(errno.ENOMEM, "x"), uapi.REGISTER,
+                                                          "r", 4096))   # 64 KiB fits
+    fields["CapEff"] = f"{1 << device.CAP_IPC_LOCK:016x}"                 # exempt
+    assert "RLIMIT_MEMLOCK" not in str(device.ioctl_error(OSError(errno.ENOMEM, "x"), uapi.REGISTER,
+                                                          "r", 8192))
+
+
+def test_open_over_max_files_per_user_names_the_parameter(monkeypatch, tmp_path) -> None:
+    from p2phub import device
+    (tmp_path / "max_files_per_user").write_text("3\n")
+    monkeypatch.setattr(device, "PARAMS", str(tmp_path))
+    assert "max_files_per_user (3)" in device.files_limit_detail()
+    monkeypatch.setattr(device, "PARAMS", str(tmp_path / "absent"))
+    assert device.files_limit_detail() == ""

@@ -1,0 +1,184 @@
+"""What p2phub.ko charges a user for: pinned bytes against RLIMIT_MEMLOCK, opens per user.
+
+Each case runs a child process under setpriv (a non-root uid with /dev/p2phub's group, or root
+without CAP_IPC_LOCK) that registers through p2phub's Python API and reads its own VmPin from
+/proc/self/status, which the kernel keeps and p2phub does not format. The parent checks the
+kernel log for the line that names the limit.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import regutil
+from p2phub.hostmem import Udmabuf, VgemBuffer
+
+pytestmark = pytest.mark.lab
+
+KiB = 1 << 10
+PARAMS = Path("/sys/module/p2phub/parameters")
+NOBODY = 65534
+
+# Registers the dma-buf fds given as "fd:length" in order through one Hub, then closes the
+# Hub. Prints, as JSON: VmPin before, then per registration its errno (0: registered), the
+# error message and VmPin after it, and VmPin after closing the Hub.
+REGISTER_CHILD = r"""
+import json, resource, sys
+from p2phub.errors import P2PHubOSError
+from p2phub.hub import Hub
+
+def vmpin():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmPin:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmPin in /proc/self/status")
+
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+out = {"before": vmpin(), "steps": []}
+hub = Hub(mode="p2p")
+regs = []
+for spec in sys.argv[2:]:
+    fd, length = (int(x) for x in spec.split(":"))
+    try:
+        regs.append(hub.register_dmabuf(fd, 0, length))
+        err, msg = 0, ""
+    except P2PHubOSError as exc:
+        err, msg = exc.errno, str(exc)
+    out["steps"].append({"errno": err, "msg": msg, "vmpin": vmpin()})
+if regs:
+    regs[0].close()
+    out["after_first_close"] = vmpin()
+hub.close()
+out["after"] = vmpin()
+print(json.dumps(out))
+"""
+
+# Opens /dev/p2phub N times, then once more; closes one and opens again.
+OPEN_CHILD = r"""
+import errno, json, os, sys
+from p2phub.device import Device
+from p2phub.errors import P2PHubOSError
+
+n = int(sys.argv[1])
+fds = [os.open("/dev/p2phub", os.O_RDWR) for _ in range(n)]
+out = {}
+try:
+    fds.append(os.open("/dev/p2phub", os.O_RDWR))
+    out["extra"] = 0
+except OSError as exc:
+    out["extra"] = exc.errno
+try:
+    Device().close()
+    out["msg"] = ""
+except P2PHubOSError as exc:
+    out["msg"] = str(exc)
+os.close(fds.pop())
+fds.append(os.open("/dev/p2phub", os.O_RDWR))
+out["after_close"] = 0
+print(json.dumps(out))
+"""
+
+
+def _host_buf(size: int) -> Udmabuf | VgemBuffer:
+    return Udmabuf(size) if Path("/dev/udmabuf").exists() else VgemBuffer(size)
+
+
+def _as_user(uid: int) -> list[str]:
+    """setpriv for `uid` with /dev/p2phub's group only: a member of the p2phub group, no caps."""
+    gid = os.stat("/dev/p2phub").st_gid
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
+NO_IPC_LOCK = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
+
+
+def _run(prefix: list[str], code: str, args: list[str], fds: tuple[int, ...] = ()) -> dict:
+    out = subprocess.run([*prefix, sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         timeout=120, pass_fds=fds)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _klog_since(mark: str) -> str:
+    log = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+    return log[log.rfind(mark):]
+
+
+def _mark() -> str:
+    mark = f"p2phub-lab: accounting mark {time.monotonic_ns()}"
+    Path("/dev/kmsg").write_text(mark + "\n")
+    return mark
+
+
+@pytest.fixture
+def bufs() -> Iterator[list[Udmabuf | VgemBuffer]]:
+    """Two 128 KiB buffers and a 4 KiB one, as dma-bufs."""
+    bs = [_host_buf(128 * KiB), _host_buf(128 * KiB), _host_buf(4 * KiB)]
+    try:
+        yield bs
+    finally:
+        for b in bs:
+            b.close()
+
+
+def _specs(bs: list[Udmabuf | VgemBuffer]) -> list[str]:
+    return [f"{b.fd}:{b.size}" for b in bs]
+
+
+def test_registrations_are_charged_against_memlock(bufs: list) -> None:
+    """Non-root, no CAP_IPC_LOCK, RLIMIT_MEMLOCK 256 KiB: 128 + 128 KiB register, 4 KiB more is
+    refused naming RLIMIT_MEMLOCK; VmPin follows every registration and its release."""
+    mark = _mark()
+    r = _run(_as_user(NOBODY), REGISTER_CHILD, [str(256 * KiB), *_specs(bufs)],
+             tuple(b.fd for b in bufs))
+    s = r["steps"]
+    assert [x["errno"] for x in s] == [0, 0, errno.ENOMEM], r
+    assert [x["vmpin"] - r["before"] for x in s] == [128 * KiB, 256 * KiB, 256 * KiB], r
+    assert "RLIMIT_MEMLOCK" in s[2]["msg"] and "ulimit -l" in s[2]["msg"], s[2]["msg"]
+    assert r["after_first_close"] - r["before"] == 128 * KiB, r
+    assert r["after"] == r["before"], r
+    log = _klog_since(mark)
+    assert "RLIMIT_MEMLOCK" in log and "REGISTER of 4096 bytes refused" in log, log
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+def test_cap_ipc_lock_lifts_the_limit_not_the_charge(bufs: list) -> None:
+    """Root with CAP_IPC_LOCK registers 260 KiB under a 64 KiB limit (VmPin still counts it);
+    root without CAP_IPC_LOCK is refused at the first registration."""
+    r = _run([], REGISTER_CHILD, [str(64 * KiB), *_specs(bufs)], tuple(b.fd for b in bufs))
+    assert [x["errno"] for x in r["steps"]] == [0, 0, 0], r
+    assert r["steps"][-1]["vmpin"] - r["before"] == 260 * KiB, r
+    assert r["after"] == r["before"], r
+
+    r = _run(NO_IPC_LOCK, REGISTER_CHILD, [str(64 * KiB), *_specs(bufs)], tuple(b.fd for b in bufs))
+    assert [x["errno"] for x in r["steps"]] == [errno.ENOMEM, errno.ENOMEM, 0], r  # 4 KiB fits
+    assert r["steps"][-1]["vmpin"] - r["before"] == 4 * KiB, r
+    assert r["after"] == r["before"], r
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+def test_opens_per_user_are_capped() -> None:
+    """max_files_per_user=3: a user's 4th open of /dev/p2phub fails with EMFILE naming the
+    parameter; closing one lets the next open through."""
+    param = PARAMS / "max_files_per_user"
+    old = param.read_text().strip()
+    mark = _mark()
+    try:
+        param.write_text("3")
+        r = _run(_as_user(NOBODY), OPEN_CHILD, ["3"])
+    finally:
+        param.write_text(old)
+    assert r["extra"] == errno.EMFILE, r
+    assert "max_files_per_user" in r["msg"], r["msg"]
+    assert r["after_close"] == 0
+    assert "max_files_per_user" in _klog_since(mark)
