@@ -5,7 +5,7 @@ module's grace period (`remove_grace_ms`) stops the controller's DMA, unmaps the
 registrations, frees its DMA memory and zaps its BAR0 and buffer mappings itself, then completes;
 the owner's later ioctls fail with ENODEV and its mapped BAR0 raises SIGBUS. An owner that unbinds
 its own controller gets its write back. A kernel driver bound to another device of an owned
-controller's IOMMU group (lab topology `bridge`: two controllers behind one PCI bridge) takes the
+controller's IOMMU group (lab topology `bridge`: two more controllers behind one PCI bridge) takes the
 controller back the same way (EXDEV) before that driver probes. A reset zaps the owner's BAR0
 mapping, which faults back in after it.
 
@@ -258,63 +258,60 @@ def test_reset_zaps_the_owners_bar0_mapping(lab: dict[str, str]) -> None:
 # -------------------------------------------------------------- one IOMMU group, two controllers (N2)
 
 @pytest.fixture
-def sibling(lab: dict[str, str]) -> Iterator[str]:
-    sib = lab.get("nvme_sibling")
-    if not sib:
+def pair(lab: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """Two controllers of one IOMMU group: the one to own, and its sibling (on nvme)."""
+    a, sib = lab.get("nvme_pair_a"), lab.get("nvme_pair_b")
+    if not a or not sib:
         pytest.skip("needs the lab topology `bridge` (two controllers in one IOMMU group)")
     if lab.get("iommu_groups") != "1":
         pytest.skip("needs the emulated IOMMU (--iommu)")
-    assert _group(sib) == _group(lab["nvme_target"]), "the bridge topology's controllers share a group"
-    yield sib
-    # Leave it as the lab made it: on the kernel's nvme driver.
-    if _driver(sib) is None:
-        bind.unbind(sib)
-
-
-def test_open_is_refused_while_a_group_sibling_has_a_driver(lab: dict[str, str], sibling: str) -> None:
-    b = lab["nvme_target"]
-    bind.bind(b)
+    assert _group(a) == _group(sib), "the bridge topology's two controllers share a group"
     try:
-        assert _driver(sibling) == "nvme"
-        with Device() as dev:
-            assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
-            # Driverless, the sibling no longer shares the domain with a kernel driver.
-            (PCI / sibling / "driver" / "unbind").write_text(sibling)
-            os.close(fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(b), True))
+        yield a, sib
     finally:
-        bind.unbind(b)
+        # Leave both as the lab made them: on the kernel's nvme driver.
+        bind.unbind(a)
+        if _driver(sib) is None:
+            bind.unbind(sib)
 
 
-def test_binding_a_group_sibling_takes_the_controller_back(lab: dict[str, str], sibling: str) -> None:
-    """nvme bound to the sibling while the target is owned: the owner loses the controller (its DMA
-    stopped, its mappings gone) before nvme's probe, so nvme's mappings never share a domain with an
-    owned controller; then nvme works on the sibling and OPEN is refused again."""
-    b = lab["nvme_target"]
+def test_open_is_refused_while_a_group_sibling_has_a_driver(pair: tuple[str, str]) -> None:
+    b, sibling = pair
+    bind.bind(b)
+    assert _driver(sibling) == "nvme"
+    with Device() as dev:
+        assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
+        # Driverless, the sibling no longer shares the domain with a kernel driver.
+        (PCI / sibling / "driver" / "unbind").write_text(sibling)
+        os.close(fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(b), True))
+
+
+def test_binding_a_group_sibling_takes_the_controller_back(lab: dict[str, str], pair: tuple[str, str]) -> None:
+    """nvme bound to the sibling while the controller is owned: the owner loses it (its DMA stopped,
+    its mappings gone) before nvme's probe, so nvme's mappings never share a domain with an owned
+    controller; then nvme works on the sibling and OPEN is refused again."""
+    b, sibling = pair
     bind.bind(b)
     if _driver(sibling) is not None:
         (PCI / sibling / "driver" / "unbind").write_text(sibling)
     taken = _nvme_counter("taken_back") if (NVME_DEBUGFS / "taken_back").exists() else 0
-    try:
-        with _params(lab):
-            o = _Owner(b)
-            try:
-                assert regutil.counters()["dev_maps"] == 1 and _bus_master(b)
-                Path("/sys/bus/pci/drivers/nvme/bind").write_text(sibling)
-                assert _driver(sibling) == "nvme"
-                _assert_taken_back(o, b, errno.EXDEV)
-                assert _nvme_counter("taken_back") == taken + 1
-                assert _driver(b) == "p2phub-nvme"      # still bound: only the owner lost it
-                with Device() as dev:
-                    assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
-            finally:
-                o.close()
-        bind._wait_namespaces(sibling, 30)
-        assert bind.block_devices(sibling), "nvme did not bring up the sibling's namespace"
-        assert _nvme_counter("live_handles") == 0
-        assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
-    finally:
-        bind.unbind(b)
-    assert _driver(b) == "nvme" and _driver(sibling) == "nvme"
+    with _params(lab):
+        o = _Owner(b)
+        try:
+            assert regutil.counters()["dev_maps"] == 1 and _bus_master(b)
+            Path("/sys/bus/pci/drivers/nvme/bind").write_text(sibling)
+            assert _driver(sibling) == "nvme"
+            _assert_taken_back(o, b, errno.EXDEV)
+            assert _nvme_counter("taken_back") == taken + 1
+            assert _driver(b) == "p2phub-nvme"      # still bound: only the owner lost it
+            with Device() as dev:
+                assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
+        finally:
+            o.close()
+    bind._wait_namespaces(sibling, 30)
+    assert bind.block_devices(sibling), "nvme did not bring up the sibling's namespace"
+    assert _nvme_counter("live_handles") == 0
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
 
 
 # Last: on a module that waits for ever, the owner stays in D state and keeps the controller.

@@ -235,10 +235,9 @@ def qemu_devices(run: Path, topology: str, backing: str, iommu: bool) -> list[st
         opts += ["-device", "pcie-root-port,id=rp-baseline,chassis=2,slot=2"]
         buses = {"target": "sw-target", "gpu": "sw-gpu", "baseline": "rp-baseline"}
     elif topology == "bridge":
-        # target and a sibling NVMe behind one conventional PCI bridge (no SHPC, so no hotplug
-        # driver binds it): they share a requester ID alias, hence one IOMMU group.
+        # flat, plus two more NVMe controllers behind one conventional PCI bridge (below).
         opts += ["-device", "pci-bridge,id=br-shared,bus=pcie.0,chassis_nr=7,shpc=off"]
-        buses = {"target": "br-shared", "gpu": "pcie.0", "baseline": "pcie.0"}
+        buses = {"target": "pcie.0", "gpu": "pcie.0", "baseline": "pcie.0"}
     else:
         raise SystemExit(f"unknown topology {topology!r}")
 
@@ -262,10 +261,12 @@ def qemu_devices(run: Path, topology: str, backing: str, iommu: bool) -> list[st
              "-device", "nvme-ns,drive=base-ns1,bus=nvme-baseline,nsid=1"]
 
     if topology == "bridge":
-        # The target's sibling in its IOMMU group, left on the kernel nvme driver.
-        opts += ["-drive", "if=none,id=sib-ns1,driver=null-co,size=64M,read-zeroes=on",
-                 "-device", "nvme,id=nvme-sibling,serial=p2phub-sibling,bus=br-shared",
-                 "-device", "nvme-ns,drive=sib-ns1,bus=nvme-sibling,nsid=1"]
+        # Two controllers behind the bridge (no SHPC, so no hotplug driver binds it) share one
+        # requester ID alias, hence one IOMMU group; both start on the kernel nvme driver.
+        for pair in ("a", "b"):
+            opts += ["-drive", f"if=none,id=pair-{pair}-ns1,driver=null-co,size=64M,read-zeroes=on",
+                     "-device", f"nvme,id=nvme-pair-{pair},serial=p2phub-pair-{pair},bus=br-shared",
+                     "-device", f"nvme-ns,drive=pair-{pair}-ns1,bus=nvme-pair-{pair},nsid=1"]
 
     gpu_file = run / "gpu.mem"
     with open(gpu_file, "wb") as f:
@@ -439,7 +440,7 @@ def main() -> int:
     r.add_argument("--kernel", help="6.1, 6.12, debug or a full version (default: newest Debian kernel)")
     r.add_argument("--iommu", action="store_true", help="add an emulated intel-iommu")
     r.add_argument("--topology", default="flat", choices=("flat", "rootports", "switch", "bridge"),
-                   help="bridge: the target and a sibling NVMe behind one PCI bridge (one IOMMU group)")
+                   help="bridge: flat plus two NVMe controllers behind one PCI bridge (one IOMMU group)")
     r.add_argument("--nvme-backing", default="file", choices=("file", "null"))
     r.add_argument("--cpus", type=int, default=2)
     r.add_argument("--memory", default="2G")
