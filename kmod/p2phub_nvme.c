@@ -19,6 +19,20 @@
  * disabled (CC.EN = 0, then bus mastering off) before a byte of its DMA
  * memory is freed, so a controller left running by a crashed process cannot
  * write into pages the kernel has reused.
+ *
+ * The kernel can also take a controller back from a live owner: when unbind
+ * or hot removal has waited remove_grace_ms for the owner to close its fd,
+ * and when a device of the controller's IOMMU group gets a kernel driver
+ * (that driver's DMA mappings would share the controller's IOMMU domain).
+ * Then the controller's DMA is stopped, its registrations unmapped, its
+ * interrupts and DMA memory freed and every user mapping of BAR0 and of the
+ * DMA buffers zapped; the fd stays open, and its ioctls fail (-ENODEV after
+ * removal, -EXDEV when the group lost its confinement).
+ *
+ * User mappings of BAR0 and of DMA buffers are filled at fault time, under
+ * p2phub_nvme_handle.mmio_lock, so that zapping them (a reset, a PCI error,
+ * the kernel taking the controller back) cannot miss a mapping still being
+ * set up; each controller fd has an inode of its own for that.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -37,6 +51,8 @@
 #include <linux/iommu.h>
 #include <linux/io-64-nonatomic-lo-hi.h>
 #include <linux/jiffies.h>
+#include <linux/kref.h>
+#include <linux/list.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/overflow.h>
@@ -45,6 +61,7 @@
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 #include <linux/version.h>
+#include <linux/wait.h>
 #include <linux/xarray.h>
 
 #include "compat.h"
@@ -70,6 +87,11 @@ static bool allow_unsafe_noiommu;
 module_param(allow_unsafe_noiommu, bool, 0644);
 MODULE_PARM_DESC(allow_unsafe_noiommu,
 		 "Let user space own NVMe controllers that no IOMMU confines (their owner can then DMA to any memory); taints the kernel when used");
+
+static unsigned int remove_grace_ms = 10000;
+module_param(remove_grace_ms, uint, 0644);
+MODULE_PARM_DESC(remove_grace_ms,
+		 "How long unbind or removal of an owned NVMe controller waits for its owner to close the controller fd before the kernel takes the controller back (ms, default 10000)");
 
 /*
  * eventfd_signal() lost its count argument in v6.8 (commit 3652117f8548,
@@ -102,9 +124,17 @@ struct p2phub_nvme_irq {
 	char name[32];
 };
 
-/* A controller bound to p2phub-nvme; drvdata of its pci_dev. */
+/*
+ * A controller bound to p2phub-nvme; drvdata of its pci_dev. Counted: the
+ * binding holds one reference and each controller fd one, so a fd the
+ * kernel took the controller back from can still look at it; what remove()
+ * tears down (regs, vectors, regions) is used only by the owner.
+ */
 struct p2phub_nvme_ctrl {
+	struct kref ref;
 	struct pci_dev *pdev;
+	struct iommu_group *group;	/* NULL without an IOMMU; held */
+	struct list_head node;		/* p2phub_nvme_ctrls */
 	void __iomem *regs;		/* kernel view of BAR0, for disable */
 	resource_size_t bar0_len;
 	resource_size_t bar0_mmap_len;	/* up to the MSI-X table / PBA page */
@@ -113,11 +143,9 @@ struct p2phub_nvme_ctrl {
 	struct mutex lock;		/* owner, dying */
 	struct p2phub_nvme_handle *owner;
 	bool dying;
-	/*
-	 * Done while nobody owns the controller. The owner's release signals
-	 * it as its very last access to this struct, so remove() may free the
-	 * struct as soon as it returns.
-	 */
+	/* AER recovery under way: RESUME waits for its resume() (device lock). */
+	bool in_recovery;
+	/* Done while nobody owns the controller (remove() waits for it). */
 	struct completion released;
 };
 
@@ -125,8 +153,9 @@ struct p2phub_nvme_ctrl {
 struct p2phub_nvme_buf {
 	u32 id;
 	size_t size;
-	void *cpu;
+	void *cpu;			/* NULL once freed under the owner */
 	dma_addr_t dma;
+	struct page **pages;		/* size / PAGE_SIZE, for user faults */
 	atomic_t maps;			/* live user VMAs */
 };
 
@@ -142,9 +171,29 @@ struct p2phub_nvme_regmap {
 
 /* The controller fd: the ledger of everything one owner holds. */
 struct p2phub_nvme_handle {
-	struct p2phub_nvme_ctrl *ctrl;
+	struct p2phub_nvme_ctrl *ctrl;	/* reference held */
+	struct pci_dev *pdev;		/* reference held */
 	struct file *pfile;		/* /dev/p2phub of NVME_OPEN, held */
-	struct mutex lock;		/* bufs, dma_bytes, irqs, regmaps, slots */
+	unsigned long bar0_pfn;
+	resource_size_t bar0_mmap_len;
+	/*
+	 * bufs, dma_bytes, irqs, regmaps, slots, detached, gone. Once
+	 * detached, nothing of ctrl but its lock and owner is touched: the
+	 * controller was handed back, or taken back by the kernel (gone is
+	 * then the errno the fd's ioctls return).
+	 */
+	struct mutex lock;
+	bool detached;
+	int gone;
+	/*
+	 * User mappings: fault handlers fill them under mmio_lock; zapping
+	 * sets mmio_blocked (a reset: faults wait) or mmio_gone (SIGBUS) first.
+	 */
+	struct mutex mmio_lock;
+	struct address_space *mapping;	/* this fd's own inode's, once mmapped */
+	bool mmio_blocked;
+	bool mmio_gone;
+	wait_queue_head_t mmio_wq;
 	struct xarray bufs;		/* id -> struct p2phub_nvme_buf */
 	u64 dma_bytes;
 	struct xarray regmaps;		/* reg handle -> struct p2phub_nvme_regmap */
@@ -160,10 +209,31 @@ struct p2phub_nvme_handle {
 };
 
 static struct pci_driver p2phub_nvme_driver;
+/* Every bound controller: IOMMU group siblings of owned ones are watched. */
+static DEFINE_MUTEX(p2phub_nvme_ctrls_lock);
+static LIST_HEAD(p2phub_nvme_ctrls);
 static struct dentry *p2phub_nvme_debugfs;
 static atomic_t p2phub_nvme_live_bufs = ATOMIC_INIT(0);
 static atomic_t p2phub_nvme_live_handles = ATOMIC_INIT(0);
 static atomic_t p2phub_nvme_function_resets = ATOMIC_INIT(0);
+static atomic_t p2phub_nvme_taken_back = ATOMIC_INIT(0);
+
+static void p2phub_nvme_ctrl_free(struct kref *ref)
+{
+	struct p2phub_nvme_ctrl *ctrl =
+		container_of(ref, struct p2phub_nvme_ctrl, ref);
+
+	if (ctrl->group)
+		iommu_group_put(ctrl->group);
+	kfree(ctrl->irqs);
+	mutex_destroy(&ctrl->lock);
+	kfree(ctrl);
+}
+
+static void p2phub_nvme_ctrl_put(struct p2phub_nvme_ctrl *ctrl)
+{
+	kref_put(&ctrl->ref, p2phub_nvme_ctrl_free);
+}
 
 /* ------------------------------------------------------------ controller */
 
@@ -215,7 +285,7 @@ static void p2phub_nvme_signal(struct p2phub_nvme_handle *h, u32 bits,
 
 	spin_lock_irqsave(&h->status_lock, flags);
 	if (stop)
-		pci_clear_master(h->ctrl->pdev);
+		pci_clear_master(h->pdev);
 	WRITE_ONCE(h->status->state, h->status->state | bits);
 	WRITE_ONCE(h->status->events, h->status->events + 1);
 	if (h->req_trigger)
@@ -232,6 +302,54 @@ static void p2phub_nvme_request(struct p2phub_nvme_ctrl *ctrl, u32 bits,
 		p2phub_nvme_signal(ctrl->owner, bits, stop);
 	else if (stop)
 		pci_clear_master(ctrl->pdev);
+	mutex_unlock(&ctrl->lock);
+}
+
+/*
+ * Zap the owner's user mappings of BAR0 (and, once @gone, of its DMA
+ * buffers). @block: until p2phub_nvme_mmio_unblock(), BAR0 faults wait (a
+ * reset or PCI error recovery is under way); @gone: every later fault is
+ * SIGBUS. Faults fill mappings under mmio_lock, so none set up before this
+ * survives it and none after it sees the old state.
+ */
+static void p2phub_nvme_zap(struct p2phub_nvme_handle *h, bool block,
+			    bool gone)
+{
+	mutex_lock(&h->mmio_lock);
+	if (block)
+		h->mmio_blocked = true;
+	if (gone)
+		h->mmio_gone = true;
+	if (h->mapping) {
+		unmap_mapping_range(h->mapping, P2PHUB_NVME_MMAP_BAR0,
+				    h->bar0_mmap_len, 1);
+		if (gone)
+			unmap_mapping_range(h->mapping,
+					    (loff_t)P2PHUB_NVME_MMAP_DMA(0), 0, 1);
+	}
+	mutex_unlock(&h->mmio_lock);
+	if (gone)
+		wake_up_all(&h->mmio_wq);
+}
+
+static void p2phub_nvme_mmio_unblock(struct p2phub_nvme_handle *h)
+{
+	mutex_lock(&h->mmio_lock);
+	h->mmio_blocked = false;
+	mutex_unlock(&h->mmio_lock);
+	wake_up_all(&h->mmio_wq);
+}
+
+/* The owner's BAR0 across a reset or error recovery: zap and hold, or let go. */
+static void p2phub_nvme_owner_mmio(struct p2phub_nvme_ctrl *ctrl, bool block)
+{
+	mutex_lock(&ctrl->lock);
+	if (ctrl->owner) {
+		if (block)
+			p2phub_nvme_zap(ctrl->owner, true, false);
+		else
+			p2phub_nvme_mmio_unblock(ctrl->owner);
+	}
 	mutex_unlock(&ctrl->lock);
 }
 
@@ -265,19 +383,36 @@ static void p2phub_nvme_irq_detach(struct p2phub_nvme_handle *h,
 	lockdep_assert_held(&h->lock);
 	if (!v->trigger)
 		return;
-	free_irq(pci_irq_vector(h->ctrl->pdev, v->vector), v);
+	free_irq(pci_irq_vector(h->pdev, v->vector), v);
 	eventfd_ctx_put(v->trigger);
 	v->trigger = NULL;
 }
 
 /* ------------------------------------------------------------ handle fd */
 
+/*
+ * Give a buffer's DMA memory back. Caller holds h->lock, and no user
+ * mapping of it is left or can fault it in again (b->maps is 0, or
+ * p2phub_nvme_zap() made it gone).
+ */
+static void p2phub_nvme_buf_free_mem(struct p2phub_nvme_handle *h,
+				     struct p2phub_nvme_buf *b)
+{
+	lockdep_assert_held(&h->lock);
+	if (!b->cpu)
+		return;
+	dma_free_coherent(&h->pdev->dev, b->size, b->cpu, b->dma);
+	b->cpu = NULL;
+	kvfree(b->pages);
+	b->pages = NULL;
+	h->dma_bytes -= b->size;
+	atomic_dec(&p2phub_nvme_live_bufs);
+}
+
 static void p2phub_nvme_buf_free(struct p2phub_nvme_handle *h,
 				 struct p2phub_nvme_buf *b)
 {
-	dma_free_coherent(&h->ctrl->pdev->dev, b->size, b->cpu, b->dma);
-	h->dma_bytes -= b->size;
-	atomic_dec(&p2phub_nvme_live_bufs);
+	p2phub_nvme_buf_free_mem(h, b);
 	kfree(b);
 }
 
@@ -310,6 +445,13 @@ static void p2phub_nvme_regmap_drop(struct p2phub_nvme_handle *h,
 
 static void p2phub_nvme_handle_free(struct p2phub_nvme_handle *h)
 {
+	struct p2phub_nvme_buf *b;
+	unsigned long id;
+
+	/* Only structs are left: the memory went when the controller did. */
+	xa_for_each(&h->bufs, id, b)
+		kfree(b);
+	mutex_destroy(&h->mmio_lock);
 	if (h->req_trigger)
 		eventfd_ctx_put(h->req_trigger);
 	free_page((unsigned long)h->status);
@@ -320,18 +462,89 @@ static void p2phub_nvme_handle_free(struct p2phub_nvme_handle *h)
 }
 
 /*
+ * Everything the owner holds goes, the controller first: stop it (no VMA
+ * may reach BAR0 or the DMA buffers any more, so the owner cannot start it
+ * again), then free its interrupts, unmap its registrations, free its DMA
+ * memory and flush the IOTLB. Caller holds h->lock; !h->detached, so ctrl's
+ * registers and vectors are still there.
+ */
+static void p2phub_nvme_drop_all(struct p2phub_nvme_handle *h)
+{
+	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
+	struct p2phub_nvme_regmap *rm;
+	struct p2phub_nvme_buf *b;
+	unsigned long id;
+	int i;
+
+	lockdep_assert_held(&h->lock);
+	p2phub_nvme_zap(h, false, true);
+	p2phub_nvme_quiesce(ctrl);
+	for (i = 0; i < ctrl->nr_irqs; i++)
+		p2phub_nvme_irq_detach(h, &ctrl->irqs[i]);
+	xa_for_each(&h->regmaps, id, rm) {
+		xa_erase(&h->regmaps, id);
+		p2phub_nvme_regmap_drop(h, rm);
+	}
+	xa_for_each(&h->bufs, id, b)
+		p2phub_nvme_buf_free_mem(h, b);
+	/* A lazily flushing domain must forget those addresses now. */
+	p2phub_nvme_flush_iotlb(h->pdev);
+	h->detached = true;
+}
+
+/*
+ * The kernel takes the controller back from its live owner (@err: -ENODEV
+ * the device is going away, -EXDEV its IOMMU group lost its confinement).
+ * The fd stays open: its status page says REVOKED, its other mappings are
+ * gone, its ioctls return @err. Caller holds ctrl->lock and ctrl->owner.
+ */
+static void p2phub_nvme_take_back(struct p2phub_nvme_ctrl *ctrl, int err)
+{
+	struct p2phub_nvme_handle *h = ctrl->owner;
+
+	lockdep_assert_held(&ctrl->lock);
+	/* DMA stops here (a non-posted config write), then the owner hears it. */
+	p2phub_nvme_signal(h, P2PHUB_NVME_ST_REVOKED | P2PHUB_NVME_ST_REMOVING,
+			   true);
+	mutex_lock(&h->lock);
+	if (!h->detached) {
+		h->gone = err;
+		p2phub_nvme_drop_all(h);
+	}
+	mutex_unlock(&h->lock);
+	ctrl->owner = NULL;
+	complete_all(&ctrl->released);
+	atomic_inc(&p2phub_nvme_taken_back);
+}
+
+/*
  * Reset the function before the controller changes hands, as VFIO does: what
  * an owner left in it (features, host memory buffer settings, a security
  * state such as an unlocked Opal range) must not reach the next owner or the
  * kernel's nvme driver. Only a trylock of the device: remove() holds the
  * device lock while it waits for this release, and must not wait for us.
+ * Under that lock the controller is still p2phub's and still @h's, or the
+ * reset is not ours to do.
  */
-static void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl)
+static void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
+				       struct p2phub_nvme_handle *h)
 {
 	struct pci_dev *pdev = ctrl->pdev;
+	bool ours;
 	int ret;
 
-	ret = pci_try_reset_function(pdev);
+	if (!device_trylock(&pdev->dev)) {
+		pci_info_ratelimited(pdev, "no function reset before the next owner (device busy): controller state carries over\n");
+		return;
+	}
+	mutex_lock(&ctrl->lock);
+	ours = pdev->dev.driver == &p2phub_nvme_driver.driver &&
+	       pci_get_drvdata(pdev) == ctrl && ctrl->owner == h;
+	mutex_unlock(&ctrl->lock);
+	ret = ours ? pci_reset_function_locked(pdev) : 0;
+	device_unlock(&pdev->dev);
+	if (!ours)
+		return;
 	if (ret) {
 		pci_info_ratelimited(pdev, "no function reset before the next owner (%d): controller state carries over\n",
 				     ret);
@@ -365,48 +578,77 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 {
 	struct p2phub_nvme_handle *h = file->private_data;
 	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
-	struct pci_dev *pdev = ctrl->pdev;	/* our reference outlives ctrl */
+	struct pci_dev *pdev = h->pdev;
 	struct file *pfile = h->pfile;
-	struct p2phub_nvme_regmap *rm;
-	struct p2phub_nvme_buf *b;
-	unsigned long id;
-	int i;
+	bool was_owner;
 
 	/*
 	 * No VMA is left (each holds the file), so only the device can still
-	 * touch the buffers and the registrations it holds: stop it first.
+	 * touch the buffers and the registrations it holds: stop it first,
+	 * unless the kernel already took it back.
 	 */
-	p2phub_nvme_quiesce(ctrl);
-
 	mutex_lock(&h->lock);
-	for (i = 0; i < ctrl->nr_irqs; i++)
-		p2phub_nvme_irq_detach(h, &ctrl->irqs[i]);
-	xa_for_each(&h->bufs, id, b) {
-		xa_erase(&h->bufs, id);
-		p2phub_nvme_buf_free(h, b);
-	}
-	xa_for_each(&h->regmaps, id, rm) {
-		xa_erase(&h->regmaps, id);
-		p2phub_nvme_regmap_drop(h, rm);
-	}
-	p2phub_nvme_flush_iotlb(pdev);
+	was_owner = !h->detached;
+	if (was_owner)
+		p2phub_nvme_drop_all(h);
 	mutex_unlock(&h->lock);
 
-	/* Stopped and holding no memory: clear what this owner left behind. */
-	p2phub_nvme_reset_function(ctrl);
-
-	/* Hand the controller back; remove() may be waiting for this. */
-	mutex_lock(&ctrl->lock);
-	ctrl->owner = NULL;
-	mutex_unlock(&ctrl->lock);
-	complete_all(&ctrl->released);	/* last access to ctrl */
+	if (was_owner) {
+		/* Stopped and holding no memory: clear what this owner left. */
+		p2phub_nvme_reset_function(ctrl, h);
+		/* Hand the controller back; remove() may be waiting for this. */
+		mutex_lock(&ctrl->lock);
+		if (ctrl->owner == h) {
+			ctrl->owner = NULL;
+			complete_all(&ctrl->released);
+		}
+		mutex_unlock(&ctrl->lock);
+	}
 
 	p2phub_nvme_handle_free(h);
+	p2phub_nvme_ctrl_put(ctrl);
 	pci_dev_put(pdev);
 	atomic_dec(&p2phub_nvme_live_handles);
 	/* Last: the registrations of that file may go now. */
 	fput(pfile);
 	return 0;
+}
+
+/*
+ * The pages behind a DMA buffer, for the owner's faults: user mappings are
+ * filled page by page under mmio_lock, so that they can be zapped for good
+ * before the memory goes.
+ */
+static int p2phub_nvme_buf_pages(struct p2phub_nvme_handle *h,
+				 struct p2phub_nvme_buf *b)
+{
+	size_t n = b->size >> PAGE_SHIFT, i = 0;
+	struct sg_page_iter piter;
+	struct sg_table sgt;
+	int ret;
+
+	b->pages = kvcalloc(n, sizeof(*b->pages), GFP_KERNEL_ACCOUNT);
+	if (!b->pages)
+		return -ENOMEM;
+	ret = dma_get_sgtable(&h->pdev->dev, &sgt, b->cpu, b->dma, b->size);
+	if (ret)
+		goto err_free;
+	for_each_sgtable_page(&sgt, &piter, 0) {
+		if (i == n)
+			break;
+		b->pages[i++] = sg_page_iter_page(&piter);
+	}
+	sg_free_table(&sgt);
+	if (i != n) {
+		ret = -EIO;
+		goto err_free;
+	}
+	return 0;
+
+err_free:
+	kvfree(b->pages);
+	b->pages = NULL;
+	return ret;
 }
 
 static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
@@ -434,17 +676,24 @@ static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
 	b->size = arg.size;
 
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto err_unlock;
+	}
 	if (check_add_overflow(h->dma_bytes, (u64)arg.size, &total) ||
 	    total > P2PHUB_NVME_DMA_MAX_TOTAL) {
 		ret = -ENOSPC;
 		goto err_unlock;
 	}
-	b->cpu = dma_alloc_coherent(&h->ctrl->pdev->dev, b->size, &b->dma,
+	b->cpu = dma_alloc_coherent(&h->pdev->dev, b->size, &b->dma,
 				    GFP_KERNEL);
 	if (!b->cpu) {
 		ret = -ENOMEM;
 		goto err_unlock;
 	}
+	ret = p2phub_nvme_buf_pages(h, b);
+	if (ret)
+		goto err_free_dma;
 	ret = xa_alloc(&h->bufs, &id, b,
 		       XA_LIMIT(0, P2PHUB_NVME_DMA_MAX_BUFS - 1), GFP_KERNEL_ACCOUNT);
 	if (ret)
@@ -463,12 +712,13 @@ static long p2phub_nvme_ioctl_dma_alloc(struct p2phub_nvme_handle *h,
 	return 0;
 
 err_free_dma:
-	dma_free_coherent(&h->ctrl->pdev->dev, b->size, b->cpu, b->dma);
+	kvfree(b->pages);
+	dma_free_coherent(&h->pdev->dev, b->size, b->cpu, b->dma);
 err_unlock:
 	mutex_unlock(&h->lock);
 	kfree(b);
 	if (ret == -ENOMEM || ret == -ENOSPC)
-		dev_info_ratelimited(&h->ctrl->pdev->dev,
+		dev_info_ratelimited(&h->pdev->dev,
 				     "DMA buffer of %llu bytes refused (%d); %llu bytes held\n",
 				     arg.size, ret, h->dma_bytes);
 	return ret;
@@ -489,6 +739,10 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 		return -EINVAL;
 
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto out_unlock;
+	}
 	b = xa_load(&h->bufs, arg.id);
 	if (!b) {
 		ret = -ENOENT;
@@ -536,6 +790,10 @@ static long p2phub_nvme_ioctl_irq_set(struct p2phub_nvme_handle *h,
 
 	v = &ctrl->irqs[arg.vector];
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto out_unlock;
+	}
 	p2phub_nvme_irq_detach(h, v);
 	if (arg.eventfd == -1) {
 		ret = 0;
@@ -547,7 +805,7 @@ static long p2phub_nvme_ioctl_irq_set(struct p2phub_nvme_handle *h,
 		goto out_unlock;
 	}
 	v->trigger = trigger;	/* the handler reads it; published before request_irq */
-	ret = request_irq(pci_irq_vector(ctrl->pdev, v->vector),
+	ret = request_irq(pci_irq_vector(h->pdev, v->vector),
 			  p2phub_nvme_irq_handler, 0, v->name, v);
 	if (ret)
 		goto err_put_trigger;
@@ -588,7 +846,7 @@ p2phub_nvme_regmap_add(struct p2phub_nvme_handle *h, u64 handle)
 	rm->slot = slot;
 	INIT_LIST_HEAD(&rm->user.node);
 	rm->user.stop_dma = p2phub_nvme_stop_dma;
-	ret = p2phub_reg_dma_pages(reg, h->ctrl->pdev, &rm->list);
+	ret = p2phub_reg_dma_pages(reg, h->pdev, &rm->list);
 	if (ret)
 		goto err_free_rm;
 	/*
@@ -638,6 +896,10 @@ static long p2phub_nvme_ioctl_map_reg(struct p2phub_nvme_handle *h,
 		return -ENOENT;
 
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto out_unlock;
+	}
 	if (READ_ONCE(h->status->state) &
 	    (P2PHUB_NVME_ST_FENCED | P2PHUB_NVME_ST_REMOVING)) {
 		ret = -EIO;
@@ -705,13 +967,19 @@ static long p2phub_nvme_ioctl_unmap_reg(struct p2phub_nvme_handle *h,
 		return -ENOENT;
 
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto out_unlock;
+	}
 	rm = xa_erase(&h->regmaps, arg.handle);
 	if (rm) {
 		p2phub_nvme_regmap_drop(h, rm);
-		p2phub_nvme_flush_iotlb(h->ctrl->pdev);
+		p2phub_nvme_flush_iotlb(h->pdev);
 	}
+	ret = rm ? 0 : -ENOENT;
+out_unlock:
 	mutex_unlock(&h->lock);
-	return rm ? 0 : -ENOENT;
+	return ret;
 }
 
 static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
@@ -730,16 +998,35 @@ static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
 	if (!p2phub_all_zero(arg.reserved, sizeof(arg.reserved)))
 		return -EINVAL;
 
+	/*
+	 * Bus mastering goes on only under the device lock, which the reset
+	 * paths (reset_prepare .. reset_done), the PCI error callbacks and
+	 * remove() hold: none of them can be undone by this.
+	 */
+	ret = device_lock_interruptible(&h->pdev->dev);
+	if (ret)
+		return ret;
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone;
+		goto out_unlock_dev;
+	}
+	/* The error state stays until the PCI core's recovery is over. */
+	if (ctrl->in_recovery) {
+		ret = -EBUSY;
+		goto out_unlock_dev;
+	}
 	/*
 	 * A revoked registration whose export importers are not done yet is
 	 * still mapped for this device: its addresses would reach memory the
 	 * exporter may reuse.
 	 */
-	if (p2phub_reg_dev_revoked_mapped(ctrl->pdev)) {
-		mutex_unlock(&h->lock);
-		return -EBUSY;
+	if (p2phub_reg_dev_revoked_mapped(h->pdev)) {
+		ret = -EBUSY;
+		goto out_unlock_dev;
 	}
+	/* Nothing unmapped while fenced stays in a lazily flushed IOTLB. */
+	p2phub_nvme_flush_iotlb(h->pdev);
 	spin_lock_irqsave(&h->status_lock, flags);
 	cc = readl(ctrl->regs + NVME_REG_CC);
 	csts = readl(ctrl->regs + NVME_REG_CSTS);
@@ -759,13 +1046,15 @@ static long p2phub_nvme_ioctl_resume(struct p2phub_nvme_handle *h,
 			goto out_unlock;
 		}
 	}
-	pci_set_master(ctrl->pdev);
+	pci_set_master(h->pdev);
 	WRITE_ONCE(h->status->state, h->status->state &
 		   ~(P2PHUB_NVME_ST_FENCED | P2PHUB_NVME_ST_ERROR));
 	WRITE_ONCE(h->status->events, h->status->events + 1);
 out_unlock:
 	spin_unlock_irqrestore(&h->status_lock, flags);
+out_unlock_dev:
 	mutex_unlock(&h->lock);
+	device_unlock(&h->pdev->dev);
 	return ret;
 }
 
@@ -828,6 +1117,47 @@ static long p2phub_nvme_handle_ioctl(struct file *file, unsigned int cmd,
 	}
 }
 
+/*
+ * Wait while a reset or error recovery holds the owner's BAR0 (a fault
+ * there may sleep). Returns with mmio_lock held, or false (SIGBUS) when the
+ * mappings are gone for good or a fatal signal came.
+ */
+static bool p2phub_nvme_mmio_lock(struct p2phub_nvme_handle *h, bool bar)
+{
+	mutex_lock(&h->mmio_lock);
+	while (bar && h->mmio_blocked && !h->mmio_gone) {
+		mutex_unlock(&h->mmio_lock);
+		if (wait_event_killable(h->mmio_wq,
+					!READ_ONCE(h->mmio_blocked) ||
+					READ_ONCE(h->mmio_gone)))
+			return false;
+		mutex_lock(&h->mmio_lock);
+	}
+	if (h->mmio_gone) {
+		mutex_unlock(&h->mmio_lock);
+		return false;
+	}
+	return true;
+}
+
+static vm_fault_t p2phub_nvme_bar0_fault(struct vm_fault *vmf)
+{
+	struct vm_area_struct *vma = vmf->vma;
+	struct p2phub_nvme_handle *h = vma->vm_file->private_data;
+	unsigned long pgoff = (vmf->address - vma->vm_start) >> PAGE_SHIFT;
+	vm_fault_t ret;
+
+	if (!p2phub_nvme_mmio_lock(h, true))
+		return VM_FAULT_SIGBUS;
+	ret = vmf_insert_pfn(vma, vmf->address, h->bar0_pfn + pgoff);
+	mutex_unlock(&h->mmio_lock);
+	return ret;
+}
+
+static const struct vm_operations_struct p2phub_nvme_bar0_vm_ops = {
+	.fault	= p2phub_nvme_bar0_fault,
+};
+
 static void p2phub_nvme_vma_open(struct vm_area_struct *vma)
 {
 	struct p2phub_nvme_buf *b = vma->vm_private_data;
@@ -842,10 +1172,48 @@ static void p2phub_nvme_vma_close(struct vm_area_struct *vma)
 	atomic_dec(&b->maps);
 }
 
+static vm_fault_t p2phub_nvme_buf_fault(struct vm_fault *vmf)
+{
+	struct vm_area_struct *vma = vmf->vma;
+	struct p2phub_nvme_handle *h = vma->vm_file->private_data;
+	struct p2phub_nvme_buf *b = vma->vm_private_data;
+	unsigned long pgoff = (vmf->address - vma->vm_start) >> PAGE_SHIFT;
+	vm_fault_t ret = VM_FAULT_SIGBUS;
+
+	if (!p2phub_nvme_mmio_lock(h, false))
+		return VM_FAULT_SIGBUS;
+	if (b->pages && pgoff < b->size >> PAGE_SHIFT)
+		ret = vmf_insert_pfn(vma, vmf->address,
+				     page_to_pfn(b->pages[pgoff]));
+	mutex_unlock(&h->mmio_lock);
+	return ret;
+}
+
 static const struct vm_operations_struct p2phub_nvme_buf_vm_ops = {
 	.open	= p2phub_nvme_vma_open,
 	.close	= p2phub_nvme_vma_close,
+	.fault	= p2phub_nvme_buf_fault,
 };
+
+/*
+ * Filled at fault time (see p2phub_nvme_zap()); this fd's inode is its own,
+ * so its mapping holds only this owner's VMAs.
+ */
+static int p2phub_nvme_mmap_faulted(struct p2phub_nvme_handle *h,
+				    struct vm_area_struct *vma,
+				    const struct vm_operations_struct *ops)
+{
+	mutex_lock(&h->mmio_lock);
+	if (h->mmio_gone) {
+		mutex_unlock(&h->mmio_lock);
+		return h->gone ?: -ENODEV;
+	}
+	h->mapping = vma->vm_file->f_mapping;
+	mutex_unlock(&h->mmio_lock);
+	p2phub_vm_flags_set(vma, VM_IO | VM_PFNMAP | VM_DONTEXPAND | VM_DONTDUMP);
+	vma->vm_ops = ops;
+	return 0;
+}
 
 /*
  * Registers and doorbells only: never the MSI-X table or PBA (the vectors
@@ -854,16 +1222,12 @@ static const struct vm_operations_struct p2phub_nvme_buf_vm_ops = {
 static int p2phub_nvme_mmap_bar0(struct p2phub_nvme_handle *h,
 				 struct vm_area_struct *vma, size_t len)
 {
-	struct pci_dev *pdev = h->ctrl->pdev;
-
-	if (len > h->ctrl->bar0_mmap_len)
+	if (len > h->bar0_mmap_len)
 		return -EINVAL;
 	if (READ_ONCE(h->status->state) & P2PHUB_NVME_ST_REMOVING)
 		return -ENODEV;
 	vma->vm_page_prot = pgprot_noncached(vma->vm_page_prot);
-	return io_remap_pfn_range(vma, vma->vm_start,
-				  pci_resource_start(pdev, 0) >> PAGE_SHIFT,
-				  len, vma->vm_page_prot);
+	return p2phub_nvme_mmap_faulted(h, vma, &p2phub_nvme_bar0_vm_ops);
 }
 
 static int p2phub_nvme_mmap(struct file *file, struct vm_area_struct *vma)
@@ -894,18 +1258,19 @@ static int p2phub_nvme_mmap(struct file *file, struct vm_area_struct *vma)
 		return -EINVAL;
 
 	mutex_lock(&h->lock);
+	if (h->detached) {
+		ret = h->gone ?: -ENODEV;
+		goto out_unlock;
+	}
 	b = xa_load(&h->bufs, (off >> P2PHUB_NVME_MMAP_DMA_SHIFT) - 1);
-	if (!b || len > b->size) {
+	if (!b || !b->cpu || len > b->size) {
 		ret = -EINVAL;
 		goto out_unlock;
 	}
-	/* dma_mmap_coherent() reads vm_pgoff as the offset into the buffer. */
-	vma->vm_pgoff = 0;
-	ret = dma_mmap_coherent(&h->ctrl->pdev->dev, vma, b->cpu, b->dma, len);
+	ret = p2phub_nvme_mmap_faulted(h, vma, &p2phub_nvme_buf_vm_ops);
 	if (ret)
 		goto out_unlock;
 	vma->vm_private_data = b;
-	vma->vm_ops = &p2phub_nvme_buf_vm_ops;
 	p2phub_nvme_vma_open(vma);
 out_unlock:
 	mutex_unlock(&h->lock);
@@ -921,19 +1286,51 @@ static const struct file_operations p2phub_nvme_handle_fops = {
 	.llseek		= noop_llseek,
 };
 
-static int p2phub_nvme_group_dev_ok(struct device *dev, void *owned)
+/*
+ * Drivers that may hold a device of an owned controller's IOMMU group: they
+ * make no DMA mappings of their own in the group's domain (vfio-pci cannot
+ * claim the group while p2phub-nvme uses its default domain; a p2phub-nvme
+ * sibling cannot be owned meanwhile, see p2phub_nvme_group_owned()).
+ */
+static bool p2phub_nvme_driver_allowed(const struct device_driver *drv)
 {
 	static const char * const allowed[] = {
-		"p2phub-nvme", "vfio-pci", "pci-stub", "pcieport",
+		P2PHUB_NVME_DRV_NAME, "vfio-pci", "pci-stub", "pcieport",
 	};
 	int i;
 
-	if (dev == owned || !dev->driver)
-		return 0;
+	if (!drv)
+		return true;
 	for (i = 0; i < ARRAY_SIZE(allowed); i++)
-		if (!strcmp(dev->driver->name, allowed[i]))
-			return 0;
-	return -EBUSY;
+		if (!strcmp(drv->name, allowed[i]))
+			return true;
+	return false;
+}
+
+static int p2phub_nvme_group_dev_ok(struct device *dev, void *owned)
+{
+	if (dev == owned)
+		return 0;
+	return p2phub_nvme_driver_allowed(READ_ONCE(dev->driver)) ? 0 : -EBUSY;
+}
+
+/*
+ * Whether another controller of @ctrl's IOMMU group is owned: two owners in
+ * one domain could reach each other's mappings. Caller holds
+ * p2phub_nvme_ctrls_lock.
+ */
+static bool p2phub_nvme_group_owned(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct p2phub_nvme_ctrl *other;
+
+	lockdep_assert_held(&p2phub_nvme_ctrls_lock);
+	if (!ctrl->group)
+		return false;
+	list_for_each_entry(other, &p2phub_nvme_ctrls, node)
+		if (other != ctrl && other->group == ctrl->group &&
+		    READ_ONCE(other->owner))
+			return true;
+	return false;
 }
 
 bool p2phub_dev_translated(struct device *dev)
@@ -948,13 +1345,17 @@ bool p2phub_dev_translated(struct device *dev)
 
 /*
  * Why the IOMMU does not confine @pdev's DMA to what p2phub mapped for it,
- * as VFIO requires: NULL when it does.
+ * as VFIO requires: NULL when it does. Caller holds p2phub_nvme_ctrls_lock,
+ * which the bus notifier takes after a driver is set on a device and before
+ * it probes: a sibling bound after this check sees the owner and takes the
+ * controller back.
  */
 static const char *p2phub_nvme_unconfined(struct pci_dev *pdev)
 {
 	struct iommu_group *group;
 	const char *why = NULL;
 
+	lockdep_assert_held(&p2phub_nvme_ctrls_lock);
 	if (!p2phub_dev_translated(&pdev->dev))
 		return device_iommu_mapped(&pdev->dev) ?
 		       "its IOMMU domain is identity (passthrough)" :
@@ -968,6 +1369,35 @@ static const char *p2phub_nvme_unconfined(struct pci_dev *pdev)
 		why = "its MSIs are not isolated (no interrupt remapping)";
 	iommu_group_put(group);
 	return why;
+}
+
+/*
+ * A controller fd whose inode is its own, so that unmap_mapping_range() on
+ * its mapping reaches only this owner's VMAs (anon_inode_getfd() shares one
+ * inode among all anonymous files).
+ */
+static int p2phub_nvme_getfd(struct p2phub_nvme_handle *h)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 8, 0)
+	struct file *file;
+	int fd;
+
+	fd = get_unused_fd_flags(O_CLOEXEC);
+	if (fd < 0)
+		return fd;
+	file = anon_inode_create_getfile("[p2phub-nvme]", &p2phub_nvme_handle_fops,
+					 h, O_RDWR | O_CLOEXEC, NULL);
+	if (IS_ERR(file)) {
+		put_unused_fd(fd);
+		return PTR_ERR(file);
+	}
+	fd_install(fd, file);
+	return fd;
+#else
+	/* Renamed anon_inode_create_getfd() in v6.8, and no longer exported. */
+	return anon_inode_getfd_secure("[p2phub-nvme]", &p2phub_nvme_handle_fops,
+				       h, O_RDWR | O_CLOEXEC, NULL);
+#endif
 }
 
 /* P2PHUB_NVME_OPEN on /dev/p2phub: become the owner of a bound controller. */
@@ -1004,10 +1434,14 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 		ret = -ENOMEM;
 		goto err_put_pdev;
 	}
+	h->pdev = pdev;
 	mutex_init(&h->lock);
+	mutex_init(&h->mmio_lock);
+	init_waitqueue_head(&h->mmio_wq);
 	spin_lock_init(&h->status_lock);
 	xa_init_flags(&h->bufs, XA_FLAGS_ALLOC);
 	xa_init(&h->regmaps);
+	h->gone = -ENODEV;
 	h->status = (void *)get_zeroed_page(GFP_KERNEL_ACCOUNT);
 	if (!h->status) {
 		ret = -ENOMEM;
@@ -1029,35 +1463,49 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 		ret = -ENXIO;	/* not bound to p2phub-nvme */
 		goto err_free_handle;
 	}
+	ctrl = pci_get_drvdata(pdev);
+	mutex_lock(&p2phub_nvme_ctrls_lock);
 	why = p2phub_nvme_unconfined(pdev);
 	if (why && !allow_unsafe_noiommu) {
+		mutex_unlock(&p2phub_nvme_ctrls_lock);
 		device_unlock(&pdev->dev);
 		pci_info_ratelimited(pdev, "not handed to user space: %s (allow_unsafe_noiommu=1 overrides, tainting the kernel)\n",
 				     why);
 		ret = -EXDEV;
 		goto err_free_handle;
 	}
-	ctrl = pci_get_drvdata(pdev);
 	mutex_lock(&ctrl->lock);
-	if (ctrl->owner || ctrl->dying) {
+	if (ctrl->owner || ctrl->dying || p2phub_nvme_group_owned(ctrl)) {
 		mutex_unlock(&ctrl->lock);
+		mutex_unlock(&p2phub_nvme_ctrls_lock);
 		device_unlock(&pdev->dev);
 		ret = -EBUSY;
 		goto err_free_handle;
 	}
 	ctrl->owner = h;
+	kref_get(&ctrl->ref);
 	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;
+	h->bar0_pfn = pci_resource_start(pdev, 0) >> PAGE_SHIFT;
+	h->bar0_mmap_len = ctrl->bar0_mmap_len;
 	mutex_unlock(&ctrl->lock);
+	mutex_unlock(&p2phub_nvme_ctrls_lock);
 	/*
 	 * A clean controller for the new owner, as VFIO resets at open too:
 	 * whatever happened since the last release (a reset that could not
 	 * be done then) does not carry over. Under the device lock, which
 	 * the reset paths (and so reset_prepare) take: bus mastering goes
-	 * on only after that, under the same lock.
+	 * on only after that, under the same lock, after an IOTLB flush (a
+	 * lazily flushing domain may still translate what the previous
+	 * driver or owner unmapped), and only if the controller was not
+	 * taken back meanwhile (a sibling bound to a driver).
 	 */
 	p2phub_nvme_reset_locked(ctrl);
-	pci_set_master(pdev);
+	p2phub_nvme_flush_iotlb(pdev);
+	mutex_lock(&ctrl->lock);
+	if (ctrl->owner == h)
+		pci_set_master(pdev);
+	mutex_unlock(&ctrl->lock);
 	device_unlock(&pdev->dev);
 
 	if (why) {
@@ -1078,8 +1526,7 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 
 	/* Last: an installed fd cannot be taken back. It owns pdev's reference. */
 	h->pfile = get_file(pfile);
-	fd = anon_inode_getfd("p2phub-nvme", &p2phub_nvme_handle_fops, h,
-			      O_RDWR | O_CLOEXEC);
+	fd = p2phub_nvme_getfd(h);
 	if (fd < 0) {
 		fput(h->pfile);
 		ret = fd;
@@ -1089,18 +1536,63 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	return fd;
 
 err_disown:
-	pci_clear_master(pdev);
 	atomic_dec(&p2phub_nvme_live_handles);
 	mutex_lock(&ctrl->lock);
-	ctrl->owner = NULL;
+	if (ctrl->owner == h) {
+		pci_clear_master(pdev);
+		ctrl->owner = NULL;
+		complete_all(&ctrl->released);
+	}
 	mutex_unlock(&ctrl->lock);
-	complete_all(&ctrl->released);
+	p2phub_nvme_ctrl_put(ctrl);
 err_free_handle:
 	p2phub_nvme_handle_free(h);
 err_put_pdev:
 	pci_dev_put(pdev);
 	return ret;
 }
+
+/*
+ * A driver is about to probe @dev (BUS_NOTIFY_BIND_DRIVER: dev->driver is
+ * set, probe has not run). If @dev shares the IOMMU group of an owned
+ * controller, that driver's DMA mappings would go into the domain the
+ * controller's owner programs DMA in: take the controller back first. The
+ * notifier cannot refuse the bind; VFIO's group ownership claim (which
+ * could) would detach the DMA API domain that p2phub's page lists come from.
+ */
+static int p2phub_nvme_bus_notify(struct notifier_block *nb,
+				  unsigned long action, void *data)
+{
+	struct device *dev = data;
+	struct p2phub_nvme_ctrl *ctrl;
+	struct iommu_group *group;
+
+	if (action != BUS_NOTIFY_BIND_DRIVER ||
+	    p2phub_nvme_driver_allowed(dev->driver))
+		return NOTIFY_DONE;
+	group = iommu_group_get(dev);
+	if (!group)
+		return NOTIFY_DONE;
+	mutex_lock(&p2phub_nvme_ctrls_lock);
+	list_for_each_entry(ctrl, &p2phub_nvme_ctrls, node) {
+		if (ctrl->group != group || &ctrl->pdev->dev == dev)
+			continue;
+		mutex_lock(&ctrl->lock);
+		if (ctrl->owner) {
+			pci_warn(ctrl->pdev, "%s in this controller's IOMMU group is being bound to %s: taking the controller back from its owner\n",
+				 dev_name(dev), dev->driver->name);
+			p2phub_nvme_take_back(ctrl, -EXDEV);
+		}
+		mutex_unlock(&ctrl->lock);
+	}
+	mutex_unlock(&p2phub_nvme_ctrls_lock);
+	iommu_group_put(group);
+	return NOTIFY_OK;
+}
+
+static struct notifier_block p2phub_nvme_bus_nb = {
+	.notifier_call = p2phub_nvme_bus_notify,
+};
 
 /* ------------------------------------------------------------ pci driver */
 
@@ -1141,7 +1633,9 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 	ctrl = kzalloc(sizeof(*ctrl), GFP_KERNEL);
 	if (!ctrl)
 		return -ENOMEM;
+	kref_init(&ctrl->ref);
 	ctrl->pdev = pdev;
+	INIT_LIST_HEAD(&ctrl->node);
 	mutex_init(&ctrl->lock);
 	init_completion(&ctrl->released);
 	complete_all(&ctrl->released);		/* nobody owns it yet */
@@ -1189,6 +1683,10 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 	}
 	pci_save_state(pdev);
 	pci_set_drvdata(pdev, ctrl);
+	ctrl->group = iommu_group_get(&pdev->dev);
+	mutex_lock(&p2phub_nvme_ctrls_lock);
+	list_add(&ctrl->node, &p2phub_nvme_ctrls);
+	mutex_unlock(&p2phub_nvme_ctrls_lock);
 	dev_info(&pdev->dev, "owned by p2phub: BAR0 %pa bytes (%pa mappable), %d MSI-X vectors\n",
 		 &ctrl->bar0_len, &ctrl->bar0_mmap_len, ctrl->nr_irqs);
 	return 0;
@@ -1202,9 +1700,39 @@ err_release_regions:
 err_disable_device:
 	pci_disable_device(pdev);
 err_free_ctrl:
-	mutex_destroy(&ctrl->lock);
-	kfree(ctrl);
+	p2phub_nvme_ctrl_put(ctrl);
 	return ret;
+}
+
+/*
+ * Wait for the owner to close its controller fd, asking again every 10 s,
+ * for at most remove_grace_ms (less if the unbinding task is signalled: it
+ * may be the owner itself, which can never close the fd meanwhile).
+ */
+static void p2phub_nvme_wait_released(struct p2phub_nvme_ctrl *ctrl)
+{
+	unsigned long deadline = jiffies + msecs_to_jiffies(READ_ONCE(remove_grace_ms));
+	struct pci_dev *pdev = ctrl->pdev;
+	long left, ret;
+
+	for (;;) {
+		left = (long)(deadline - jiffies);
+		if (left <= 0)
+			return;
+		ret = wait_for_completion_interruptible_timeout(&ctrl->released,
+								min_t(long, left, 10 * HZ));
+		if (ret > 0)
+			return;
+		if (ret < 0) {
+			dev_info(&pdev->dev, "unbinding task %s (%d) interrupted: not waiting for the owner any longer\n",
+				 current->comm, task_pid_nr(current));
+			return;
+		}
+		if (time_before(jiffies, deadline)) {
+			dev_info(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
+			p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_REMOVING, false);
+		}
+	}
 }
 
 static void p2phub_nvme_remove(struct pci_dev *pdev)
@@ -1219,28 +1747,41 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 	/*
 	 * The owner maps BAR0 and programs the controller: it must let go
 	 * before the device can change hands. Like VFIO, ask it (the request
-	 * eventfd and the status page) and wait for it.
+	 * eventfd and the status page) and wait for it; unlike VFIO, not for
+	 * ever: after the grace period the kernel takes the controller back
+	 * (DMA stopped, registrations unmapped, mappings zapped, memory and
+	 * vectors freed), and the fd's ioctls fail with -ENODEV.
 	 */
-	while (!wait_for_completion_timeout(&ctrl->released, 10 * HZ)) {
-		dev_warn(&pdev->dev, "unbind waits for the process owning this controller to close its fd\n");
-		p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_REMOVING, false);
+	p2phub_nvme_wait_released(ctrl);
+	mutex_lock(&ctrl->lock);
+	if (ctrl->owner) {
+		dev_warn(&pdev->dev, "the owner did not close its controller fd within %u ms: taking the controller back\n",
+			 READ_ONCE(remove_grace_ms));
+		p2phub_nvme_take_back(ctrl, -ENODEV);
 	}
+	mutex_unlock(&ctrl->lock);
 
+	mutex_lock(&p2phub_nvme_ctrls_lock);
+	list_del_init(&ctrl->node);
+	mutex_unlock(&p2phub_nvme_ctrls_lock);
+	/* Bus mastering off under the device lock, whoever left it on. */
+	pci_clear_master(pdev);
 	pci_free_irq_vectors(pdev);
 	iounmap(ctrl->regs);
+	ctrl->regs = NULL;
 	pci_release_mem_regions(pdev);
 	pci_disable_device(pdev);
 	pci_set_drvdata(pdev, NULL);
-	kfree(ctrl->irqs);
-	mutex_destroy(&ctrl->lock);
-	kfree(ctrl);
+	p2phub_nvme_ctrl_put(ctrl);
 	dev_info(&pdev->dev, "released by p2phub\n");
 }
 
 /*
  * PCI errors and resets: the owner's controller state is gone or suspect.
- * Stop its DMA, tell the owner (P2PHUB_NVME_ST_ERROR), and keep bus
- * mastering off until it re-initialises the controller and RESUMEs.
+ * Stop its DMA, tell the owner (P2PHUB_NVME_ST_ERROR), zap its BAR0 mapping
+ * (its faults wait until the device is back), and keep bus mastering off
+ * until it re-initialises the controller and RESUMEs, which it may only
+ * once recovery is over.
  */
 static pci_ers_result_t p2phub_nvme_error_detected(struct pci_dev *pdev,
 						   pci_channel_state_t state)
@@ -1248,8 +1789,10 @@ static pci_ers_result_t p2phub_nvme_error_detected(struct pci_dev *pdev,
 	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
 	bool gone = state == pci_channel_io_perm_failure;
 
+	ctrl->in_recovery = true;
 	p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_ERROR |
 			    (gone ? P2PHUB_NVME_ST_REMOVING : 0), true);
+	p2phub_nvme_owner_mmio(ctrl, true);
 	return gone ? PCI_ERS_RESULT_DISCONNECT : PCI_ERS_RESULT_NEED_RESET;
 }
 
@@ -1261,19 +1804,32 @@ static pci_ers_result_t p2phub_nvme_slot_reset(struct pci_dev *pdev)
 	return PCI_ERS_RESULT_RECOVERED;
 }
 
+static void p2phub_nvme_error_resume(struct pci_dev *pdev)
+{
+	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
+
+	ctrl->in_recovery = false;
+	p2phub_nvme_owner_mmio(ctrl, false);
+}
+
 static void p2phub_nvme_reset_prepare(struct pci_dev *pdev)
 {
-	p2phub_nvme_request(pci_get_drvdata(pdev), P2PHUB_NVME_ST_ERROR, true);
+	struct p2phub_nvme_ctrl *ctrl = pci_get_drvdata(pdev);
+
+	p2phub_nvme_request(ctrl, P2PHUB_NVME_ST_ERROR, true);
+	p2phub_nvme_owner_mmio(ctrl, true);
 }
 
 static void p2phub_nvme_reset_done(struct pci_dev *pdev)
 {
 	pci_clear_master(pdev);
+	p2phub_nvme_owner_mmio(pci_get_drvdata(pdev), false);
 }
 
 static const struct pci_error_handlers p2phub_nvme_err_handler = {
 	.error_detected	= p2phub_nvme_error_detected,
 	.slot_reset	= p2phub_nvme_slot_reset,
+	.resume		= p2phub_nvme_error_resume,
 	.reset_prepare	= p2phub_nvme_reset_prepare,
 	.reset_done	= p2phub_nvme_reset_done,
 };
@@ -1290,9 +1846,14 @@ int p2phub_nvme_init(void)
 {
 	int ret;
 
-	ret = pci_register_driver(&p2phub_nvme_driver);
+	ret = bus_register_notifier(&pci_bus_type, &p2phub_nvme_bus_nb);
 	if (ret)
 		return ret;
+	ret = pci_register_driver(&p2phub_nvme_driver);
+	if (ret) {
+		bus_unregister_notifier(&pci_bus_type, &p2phub_nvme_bus_nb);
+		return ret;
+	}
 	/* Under the module's one debugfs root: /sys/kernel/debug/p2phub/nvme. */
 	p2phub_nvme_debugfs = debugfs_create_dir("nvme", p2phub_debugfs_dir);
 	debugfs_create_atomic_t("live_dma_buffers", 0444, p2phub_nvme_debugfs,
@@ -1301,6 +1862,8 @@ int p2phub_nvme_init(void)
 				&p2phub_nvme_live_handles);
 	debugfs_create_atomic_t("function_resets", 0444, p2phub_nvme_debugfs,
 				&p2phub_nvme_function_resets);
+	debugfs_create_atomic_t("taken_back", 0444, p2phub_nvme_debugfs,
+				&p2phub_nvme_taken_back);
 	return 0;
 }
 
@@ -1308,4 +1871,5 @@ void p2phub_nvme_exit(void)
 {
 	debugfs_remove_recursive(p2phub_nvme_debugfs);
 	pci_unregister_driver(&p2phub_nvme_driver);
+	bus_unregister_notifier(&pci_bus_type, &p2phub_nvme_bus_nb);
 }

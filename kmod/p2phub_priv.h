@@ -54,9 +54,14 @@ bool p2phub_dev_translated(struct device *dev);
 /*
  * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one
  * struct p2phub_nvme_ctrl. Lock order there (outer first):
- *   device_lock(pci_dev) -> p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   device_lock(any pci_dev) -> p2phub_nvme_ctrls_lock -> p2phub_nvme_ctrl.lock
+ *     -> p2phub_nvme_handle.lock -> p2phub_nvme_handle.mmio_lock -> i_mmap_rwsem
+ *   p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   mmap_lock -> p2phub_nvme_handle.lock, p2phub_nvme_handle.mmio_lock (mmap, faults)
  *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
  *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)
+ * device_lock of the controller is taken (not tried) only by RESUME, before
+ * p2phub_nvme_handle.lock; release only tries it.
  * The controller fd holds a reference on the /dev/p2phub file it was
  * opened from, so that file's registrations outlive the controller's DMA.
  */

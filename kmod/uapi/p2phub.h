@@ -249,7 +249,9 @@ struct p2phub_export {
  * p2phub-nvme. Needs CAP_SYS_RAWIO, a kernel not locked down for PCI
  * access, and an IOMMU that confines the controller (a translated DMA
  * domain, a viable group, isolated MSI) unless the module parameter
- * allow_unsafe_noiommu is set (which taints the kernel).
+ * allow_unsafe_noiommu is set (which taints the kernel). While it is owned,
+ * binding a kernel driver to another device of its IOMMU group takes the
+ * controller back from the owner (P2PHUB_NVME_ST_REVOKED, -EXDEV).
  * In: argsz, flags (0), domain, bus, devfn.
  * Out: out_nr_irqs, out_bar0_size, out_bar0_mmap_size (BAR0 up to the first
  * page holding the MSI-X table or PBA: the doorbells and registers).
@@ -259,8 +261,8 @@ struct p2phub_export {
  * made from it has been closed, and so quiesced.
  *
  * Return: the new controller fd (O_CLOEXEC) on success; -ENODEV no such PCI
- * device; -ENXIO not bound to p2phub-nvme; -EBUSY another fd owns it or it
- * is being unbound; -EPERM without CAP_SYS_RAWIO, or locked down;
+ * device; -ENXIO not bound to p2phub-nvme; -EBUSY another fd owns it or
+ * another controller of its IOMMU group, or it is being unbound; -EPERM without CAP_SYS_RAWIO, or locked down;
  * -EXDEV no IOMMU confinement (see above); -EINVAL bad argsz, flags or
  * nonzero reserved/out fields; -ENOMEM; -EFAULT.
  */
@@ -356,6 +358,14 @@ struct p2phub_nvme_irq_set {
 #define P2PHUB_NVME_ST_FENCED		(1U << 0)	/* bus mastering off: a mapped registration was revoked */
 #define P2PHUB_NVME_ST_REMOVING		(1U << 1)	/* the device is going away: close the fd */
 #define P2PHUB_NVME_ST_ERROR		(1U << 2)	/* a PCI error was reported: bus mastering off */
+/*
+ * The kernel took the controller back (removal after its grace period, or a
+ * kernel driver bound to a device of its IOMMU group): DMA stopped, every
+ * registration unmapped, BAR0 and DMA buffer mappings gone (an access is
+ * SIGBUS), ioctls fail with -ENODEV (removal) or -EXDEV (IOMMU group); only
+ * this page and closing the fd are left.
+ */
+#define P2PHUB_NVME_ST_REVOKED		(1U << 3)
 
 struct p2phub_nvme_status {
 	__u32	abi;			/* P2PHUB_NVME_STATUS_ABI */
@@ -420,8 +430,10 @@ struct p2phub_nvme_unmap_reg {
  *
  * Return: 0; -EBUSY the controller is enabled, a revoked registration is
  * still held (NVME_MAP_REG without NVME_UNMAP_REG), or one is still mapped
- * for this controller because importers of its exports are not done yet;
- * -ENODEV it is being removed or reads all ones; -EINVAL; -EFAULT.
+ * for this controller because importers of its exports are not done yet,
+ * or recovery from a PCI error is not over yet; -ENODEV it is being removed or
+ * reads all ones; -ENODEV/-EXDEV the kernel took it back
+ * (P2PHUB_NVME_ST_REVOKED); -EINTR; -EINVAL; -EFAULT.
  */
 struct p2phub_nvme_resume {
 	__u32	argsz;
@@ -434,8 +446,10 @@ struct p2phub_nvme_resume {
  *
  * On a controller fd: signal `eventfd` when the kernel needs the controller
  * back (unbind, removal, a PCI error); P2PHUB_NVME_ST_* in the status page
- * says which. The owner should close the fd: an unbind waits for that
- * (asking again every 10 s).
+ * says which. The owner should close the fd: an unbind waits for that,
+ * asking again every 10 s, for the p2phub module parameter remove_grace_ms
+ * (default 10 s); then the kernel takes the controller back itself
+ * (P2PHUB_NVME_ST_REVOKED) and the unbind completes.
  * -1 detaches.
  *
  * Return: 0; -EBADF not an eventfd; -EINVAL; -EFAULT.

@@ -35,6 +35,8 @@ for ctrl in /sys/class/nvme/nvme*; do
 	case "$serial" in
 	p2phub-target) echo "nvme_target=$bdf"; echo "nvme_target_ctrl=$(basename "$ctrl")" ;;
 	p2phub-baseline) echo "nvme_baseline=$bdf"; echo "nvme_baseline_ctrl=$(basename "$ctrl")" ;;
+	p2phub-pair-a) echo "nvme_pair_a=$bdf" ;;
+	p2phub-pair-b) echo "nvme_pair_b=$bdf" ;;
 	esac
 done >>"$env_file"
 for dev in /sys/bus/pci/devices/*; do

@@ -1,6 +1,6 @@
 """The p2phub lab: a QEMU VM in which everything below the GPU is real.
 
-    tools/lab run [--kernel 6.1|6.12|debug|VERSION] [--iommu] [--topology flat|rootports|switch]
+    tools/lab run [--kernel 6.1|6.12|debug|VERSION] [--iommu] [--topology flat|rootports|switch|bridge]
                   [--nvme-backing file|null] [--keep] -- COMMAND...
     tools/lab kernels          the lab kernels found on this machine
     tools/lab probe-kvm        whether KVM can boot a guest here (else TCG is used)
@@ -234,6 +234,10 @@ def qemu_devices(run: Path, topology: str, backing: str, iommu: bool) -> list[st
             opts += ["-device", f"xio3130-downstream,id=sw-{name},bus=sw-up,chassis={10 + i},slot={i}"]
         opts += ["-device", "pcie-root-port,id=rp-baseline,chassis=2,slot=2"]
         buses = {"target": "sw-target", "gpu": "sw-gpu", "baseline": "rp-baseline"}
+    elif topology == "bridge":
+        # flat, plus two more NVMe controllers behind one conventional PCI bridge (below).
+        opts += ["-device", "pci-bridge,id=br-shared,bus=pcie.0,chassis_nr=7,shpc=off"]
+        buses = {"target": "pcie.0", "gpu": "pcie.0", "baseline": "pcie.0"}
     else:
         raise SystemExit(f"unknown topology {topology!r}")
 
@@ -255,6 +259,14 @@ def qemu_devices(run: Path, topology: str, backing: str, iommu: bool) -> list[st
     opts += drive("base-ns1", "256M")
     opts += ["-device", f"nvme,id=nvme-baseline,serial=p2phub-baseline,bus={buses['baseline']}",
              "-device", "nvme-ns,drive=base-ns1,bus=nvme-baseline,nsid=1"]
+
+    if topology == "bridge":
+        # Two controllers behind the bridge (no SHPC, so no hotplug driver binds it) share one
+        # requester ID alias, hence one IOMMU group; both start on the kernel nvme driver.
+        for pair in ("a", "b"):
+            opts += ["-drive", f"if=none,id=pair-{pair}-ns1,driver=null-co,size=64M,read-zeroes=on",
+                     "-device", f"nvme,id=nvme-pair-{pair},serial=p2phub-pair-{pair},bus=br-shared",
+                     "-device", f"nvme-ns,drive=pair-{pair}-ns1,bus=nvme-pair-{pair},nsid=1"]
 
     gpu_file = run / "gpu.mem"
     with open(gpu_file, "wb") as f:
@@ -427,7 +439,8 @@ def main() -> int:
     r = sub.add_parser("run", help="boot the lab, run COMMAND in it")
     r.add_argument("--kernel", help="6.1, 6.12, debug or a full version (default: newest Debian kernel)")
     r.add_argument("--iommu", action="store_true", help="add an emulated intel-iommu")
-    r.add_argument("--topology", default="flat", choices=("flat", "rootports", "switch"))
+    r.add_argument("--topology", default="flat", choices=("flat", "rootports", "switch", "bridge"),
+                   help="bridge: flat plus two NVMe controllers behind one PCI bridge (one IOMMU group)")
     r.add_argument("--nvme-backing", default="file", choices=("file", "null"))
     r.add_argument("--cpus", type=int, default=2)
     r.add_argument("--memory", default="2G")
