@@ -97,3 +97,29 @@ def consumer_loaded(modules_dir: str) -> Iterator[Consumer]:
     finally:
         c.command("release")
         subprocess.run(["rmmod", CONSUMER], check=True)
+
+
+# ---------------------------------------------------------------- NVMe ownership tests
+
+def errno_of(fd: int, request: int, arg) -> int:
+    """The errno of one ioctl on fd (0 when it succeeded)."""
+    import fcntl
+    try:
+        fcntl.ioctl(fd, request, arg, True)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
+
+
+def nvme_open_arg(bdf: str, **kw: int):
+    """P2PHUB_NVME_OPEN's argument for the controller at bdf."""
+    from p2phub import uapi
+    from p2phub.nvme import bind
+    dom, bus, devfn = bind.split_bdf(bdf)
+    return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn, **kw)
+
+
+def bus_master(bdf: str) -> bool:
+    """Whether bus mastering is on in the function's PCI command register."""
+    cmd = int.from_bytes(Path(f"/sys/bus/pci/devices/{bdf}/config").read_bytes()[4:6], "little")
+    return bool(cmd & 0x4)

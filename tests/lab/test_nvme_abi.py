@@ -14,24 +14,12 @@ import pytest
 
 from p2phub import uapi
 from p2phub.device import Device
-from p2phub.nvme import bind
+
+from regutil import errno_of as _errno_of, nvme_open_arg as _open_arg
 
 pytestmark = pytest.mark.lab
 
 DEBUGFS = Path("/sys/kernel/debug/p2phub/nvme")
-
-
-def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:
-    try:
-        fcntl.ioctl(fd, request, arg, True)
-    except OSError as exc:
-        return exc.errno or 0
-    return 0
-
-
-def _open_arg(bdf: str, **kw: int) -> uapi.NvmeOpen:
-    dom, bus, devfn = bind.split_bdf(bdf)
-    return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn, **kw)
 
 
 @pytest.fixture(scope="module")

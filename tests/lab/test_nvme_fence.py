@@ -30,34 +30,17 @@ from p2phub.device import Device
 from p2phub.hostmem import Udmabuf, VgemBuffer
 from p2phub.nvme import bind
 
+from regutil import bus_master as _bus_master, errno_of as _errno_of, nvme_open_arg as _open_arg
+
 pytestmark = pytest.mark.lab
 
 MiB = 1 << 20
 PARAMS = Path("/sys/module/p2phub/parameters")
-PCI_COMMAND_MASTER = 0x4
-
-
-def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:
-    try:
-        fcntl.ioctl(fd, request, arg, True)
-    except OSError as exc:
-        return exc.errno or 0
-    return 0
-
-
-def _open_arg(bdf: str) -> uapi.NvmeOpen:
-    dom, bus, devfn = bind.split_bdf(bdf)
-    return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn)
 
 
 def host_buf(size: int) -> Udmabuf | VgemBuffer:
     """Host memory as a dma-buf: udmabuf where the kernel has it (6.12), else vgem (6.1)."""
     return Udmabuf(size) if Path("/dev/udmabuf").exists() else VgemBuffer(size)
-
-
-def _bus_master(bdf: str) -> bool:
-    cmd = int.from_bytes(Path(f"/sys/bus/pci/devices/{bdf}/config").read_bytes()[4:6], "little")
-    return bool(cmd & PCI_COMMAND_MASTER)
 
 
 def _register(dev: Device, dmabuf_fd: int, length: int) -> int:

@@ -39,6 +39,8 @@ from p2phub.device import Device
 from p2phub.hostmem import Udmabuf, VgemBuffer
 from p2phub.nvme import bind
 
+from regutil import bus_master as _bus_master, errno_of as _errno_of, nvme_open_arg as _open_arg
+
 pytestmark = pytest.mark.lab
 
 PARAMS = Path("/sys/module/p2phub/parameters")
@@ -47,24 +49,6 @@ PCI = Path("/sys/bus/pci/devices")
 GRACE_MS = 2000
 # TCG on a shared host: the unbind's own work after the grace period takes seconds, not ms.
 MARGIN_S = 45.0
-
-
-def _errno_of(fd: int, request: int, arg: ctypes.Structure) -> int:
-    try:
-        fcntl.ioctl(fd, request, arg, True)
-    except OSError as exc:
-        return exc.errno or 0
-    return 0
-
-
-def _open_arg(bdf: str) -> uapi.NvmeOpen:
-    dom, bus, devfn = bind.split_bdf(bdf)
-    return uapi.NvmeOpen.new(domain=dom, bus=bus, devfn=devfn)
-
-
-def _bus_master(bdf: str) -> bool:
-    cmd = int.from_bytes((PCI / bdf / "config").read_bytes()[4:6], "little")
-    return bool(cmd & 0x4)
 
 
 def _nvme_counter(name: str) -> int:
