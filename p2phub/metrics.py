@@ -28,8 +28,10 @@ Series (counters end in ``_total`` on the wire):
 
 from __future__ import annotations
 
+import bisect
 import logging
 import struct
+import threading
 import time
 import weakref
 from typing import Any, Iterable
@@ -38,7 +40,8 @@ log = logging.getLogger(__name__)
 
 try:
     import prometheus_client as _pc
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
 except ImportError:  # the hooks below become no-ops
     _pc = None
 
@@ -66,8 +69,52 @@ if ENABLED:
                              ["controller", "op"])
     NVME_COMMANDS = _pc.Counter("p2phub_nvme_commands", "NVMe requests completed", ["controller", "op"])
     NVME_ERRORS = _pc.Counter("p2phub_nvme_errors", "NVMe requests that failed", ["controller", "op"])
-    NVME_SECONDS = _pc.Histogram("p2phub_nvme_command_seconds", "NVMe request latency",
-                                 ["controller", "op"], buckets=_LAT_BUCKETS)
+    class _LatencyHistogram:
+        """A histogram fed a whole batch of latencies at once. A read_batch of 4,096
+        requests costs one sort and one bisect per bucket here, where Histogram.observe would
+        take its lock 4,096 times on the thread that reaps the queue."""
+
+        def __init__(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> None:
+            self.name, self.doc, self.labels = name, doc, labels
+            self.buckets = buckets
+            self._bounds_ns = [int(round(b * 1e9)) for b in buckets]
+            self._les = [floatToGoString(b) for b in buckets]
+            self._series: dict[tuple[str, ...], list] = {}  # labels -> [cumulative counts, count, sum ns]
+            self._lock = threading.Lock()
+
+        def observe_ns(self, labels: tuple[str, ...], lat_ns: Iterable[int]) -> None:
+            lat = sorted(lat_ns)
+            if not lat:
+                return
+            below = [bisect.bisect_right(lat, b) for b in self._bounds_ns]
+            total = sum(lat)
+            with self._lock:
+                s = self._series.get(labels)
+                if s is None:
+                    s = self._series[labels] = [[0] * len(below), 0, 0]
+                counts = s[0]
+                for i, c in enumerate(below):
+                    counts[i] += c
+                s[1] += len(lat)
+                s[2] += total
+
+        def observe(self, labels: tuple[str, ...], seconds: float) -> None:
+            self.observe_ns(labels, (int(seconds * 1e9),))
+
+        def collect(self) -> Iterable[Any]:
+            fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+            with self._lock:
+                series = [(k, list(v[0]), v[1], v[2]) for k, v in self._series.items()]
+            for labels, counts, n, total_ns in series:
+                fam.add_metric(list(labels), [*zip(self._les, counts), ("+Inf", n)], total_ns / 1e9)
+            return [fam]
+
+        def describe(self) -> Iterable[Any]:
+            return [HistogramMetricFamily(self.name, self.doc, labels=self.labels)]
+
+    NVME_SECONDS = _LatencyHistogram("p2phub_nvme_command_seconds", "NVMe request latency",
+                                     ["controller", "op"], _LAT_BUCKETS)
+    _pc.REGISTRY.register(NVME_SECONDS)
     NVME_BATCH_SECONDS = _pc.Histogram("p2phub_nvme_batch_seconds",
                                        "NVMe batch: submission to its last completion",
                                        ["controller", "op"], buckets=_XFER_BUCKETS)
@@ -171,7 +218,7 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
     for op, of in zip(ops, op_futures or ()):
         def one(f: Any, kind: str = getattr(op, "kind", "other")) -> None:
             if getattr(f, "_exc", None) is None:
-                NVME_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
+                NVME_SECONDS.observe((bdf, kind), time.monotonic() - t0)
         of.add_done_callback(one)
 
 
@@ -188,8 +235,8 @@ def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
         if f._exc is not None:
             NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
         NVME_BATCH_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
-        for lat in f.latencies_ns()[:ok]:
-            NVME_SECONDS.labels(bdf, kind).observe(lat / 1e9)
+        if ok > 0:
+            NVME_SECONDS.observe_ns((bdf, kind), f.latencies_ns()[:ok])
     fut.add_done_callback(done)
 
 

@@ -169,3 +169,20 @@ def test_top_names_an_endpoint_that_does_not_answer(capsys) -> None:
     assert cli.main(["top", f"127.0.0.1:{port}", "--once"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "refused" in err[0].lower()
+
+
+def test_nvme_latency_histogram_takes_a_batch_at_once() -> None:
+    labels = ("0000:99:00.0", "read")
+    # 3 us, 5 us (on a bound: counted there), 7 us, 150 us, 2 s
+    metrics.NVME_SECONDS.observe_ns(labels, [7_000, 3_000, 150_000, 5_000, 2_000_000_000])
+    metrics.NVME_SECONDS.observe(labels, 40e-6)
+    text = metrics.generate_latest().decode()
+    kw = {"controller": labels[0], "op": "read"}
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="5e-06", **kw) == 2
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="1e-05", **kw) == 3
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="5e-05", **kw) == 4
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="0.0002", **kw) == 5
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="1.0", **kw) == 5
+    assert _value(text, "p2phub_nvme_command_seconds_bucket", le="+Inf", **kw) == 6
+    assert _value(text, "p2phub_nvme_command_seconds_count", **kw) == 6
+    assert _value(text, "p2phub_nvme_command_seconds_sum", **kw) == pytest.approx(2.000205)
