@@ -1649,6 +1649,12 @@ static int p2phub_nvme_probe(struct pci_dev *pdev, const struct pci_device_id *i
 	ret = dma_set_mask_and_coherent(&pdev->dev, DMA_BIT_MASK(64));
 	if (ret)
 		goto err_release_regions;
+	/*
+	 * The engine builds PRPs page by page from flattened address lists;
+	 * it never hands the controller a segment, so any length will do
+	 * (an exporter's table of long segments is then within the claim).
+	 */
+	dma_set_max_seg_size(&pdev->dev, UINT_MAX);
 	ctrl->bar0_len = pci_resource_len(pdev, 0);
 	if (ctrl->bar0_len < 0x2000) {
 		ret = -ENODEV;

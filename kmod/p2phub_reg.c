@@ -424,6 +424,18 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 		ret = -ENODEV;
 		goto err_unlock;
 	}
+	/*
+	 * A function no driver drives cannot use the addresses, and its DMA
+	 * parameters are only the PCI core's defaults (64 KiB segments),
+	 * which exporters do not honour when they build their tables.
+	 */
+	if (!READ_ONCE(pdev->dev.driver)) {
+		dev_info_ratelimited(&pdev->dev,
+				     "p2phub: registration %u: refusing a map for a device no driver is bound to\n",
+				     reg->handle);
+		ret = -ENODEV;
+		goto err_unlock;
+	}
 
 	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
 	if (!map) {

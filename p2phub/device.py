@@ -81,6 +81,9 @@ def ioctl_error(exc: OSError, request: int, what: str, length: int = 0) -> P2PHu
     detail = ""
     if err == errno.EOPNOTSUPP and request in _MAPS:
         detail = _MAP_REFUSED
+    elif err == errno.ENODEV and request in (uapi.REGISTER, uapi.DMA_PAGES):
+        detail = ("the PCI device is gone, or no driver is bound to it (nothing could use the "
+                  "addresses; bind its driver first)")
     elif err == errno.ENOMEM and request == uapi.REGISTER and length:
         detail = memlock_detail(length)
     return P2PHubOSError(err, what, detail)

@@ -89,7 +89,8 @@ struct p2phub_info {
  * -EOVERFLOW offset + length wraps; -ERANGE the window ends past the
  * dma-buf; -ENOSPC the file holds P2PHUB_INFO.max_regs_per_file already;
  * -EOPNOTSUPP F_NVIDIA without NVIDIA P2P support built in; -ENXIO the
- * nvidia_p2p_* symbols are not loaded; -ENODEV F_DEVICE names no PCI device;
+ * nvidia_p2p_* symbols are not loaded; -ENODEV F_DEVICE names no PCI device,
+ * or one no driver is bound to;
  * -ENOMEM, also when length would take the caller's pinned memory (VmPin,
  * which every registration is charged to until it is released) past its
  * RLIMIT_MEMLOCK and the caller lacks CAP_IPC_LOCK; -EFAULT; or the
@@ -173,8 +174,9 @@ struct p2phub_reg_info {
  * room at addrs; at most count are written, and count returns how many.
  * count = 0 only reports out_total.
  *
- * Return: 0; -ENOENT no such handle; -ENODEV no such PCI device; -EINVAL bad
- * argsz, flags, reserved field or page_size, or addrs = 0 with count > 0;
+ * Return: 0; -ENOENT no such handle; -ENODEV no such PCI device, or one no
+ * driver is bound to; -EINVAL bad argsz, flags, reserved field or page_size,
+ * or addrs = 0 with count > 0;
  * -E2BIG count > P2PHUB_DMA_PAGES_MAX; -ERANGE first >= out_total;
  * -ESTALE revoked (also when it was revoked while the addresses were being
  * copied: they must not be used); -ENOMEM; -EFAULT; or the exporter's error.

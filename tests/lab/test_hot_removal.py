@@ -1,7 +1,8 @@
 """A PCI device leaves while registrations are mapped for it (M7).
 
-Each registration is mapped for the lab's spare device (a pci-testdev no
-driver claims) and for the NVMe target. Removing the spare through sysfs
+Each registration is mapped for the lab's spare device (a pci-testdev that
+the stand-in GPU module's do-nothing driver claims: p2phub maps only for
+devices a driver drives) and for the NVMe target. Removing the spare through sysfs
 must undo its maps at once, while its IOMMU state still exists, and leave
 the target's maps alone; after a rescan the device maps afresh. The proof
 comes from outside p2phub's own bookkeeping too: the source exporter's
@@ -26,15 +27,30 @@ MiB = 1 << 20
 PCI = Path("/sys/bus/pci")
 
 
+SPARE_DRIVER = "p2phub_lab_spare"
+
+
+def _driver(bdf: str) -> str | None:
+    link = PCI / "devices" / bdf / "driver"
+    return link.resolve().name if link.exists() else None
+
+
 @pytest.fixture
 def spare(lab: dict[str, str]):
     bdf = lab.get("spare")
     assert bdf, "the lab has no spare PCI device (pci-testdev): tools/lab is out of date"
     assert (PCI / "devices" / bdf).exists()
+    if not fg.loaded():
+        fg.insmod(lab["modules_dir"])
+    if _driver(bdf) is None:
+        (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
+    assert _driver(bdf) == SPARE_DRIVER
     yield bdf
     if not (PCI / "devices" / bdf).exists():
         (PCI / "rescan").write_text("1")
         assert ru.wait_until(lambda: (PCI / "devices" / bdf).exists())
+    if _driver(bdf) is None:
+        (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
 
 
 @pytest.fixture
@@ -110,3 +126,21 @@ def test_a_map_made_after_the_removal_is_refused(spare: str) -> None:
             reg.dma_pages(spare)
         assert e.value.errno == errno.ENODEV
         assert reg.info().nr_devices == 0
+
+
+def test_a_map_for_a_device_no_driver_drives_is_refused(spare: str) -> None:
+    """Nothing could use the addresses, and the function's DMA limits are only the PCI
+    defaults (which exporters building long segments do not honour): ENODEV, saying so."""
+    with Hub() as hub, VgemBuffer(1 * MiB) as buf, hub.register_dmabuf(buf.fd) as reg:
+        before = ru.counters()["dmabuf_attachments"]
+        (PCI / "devices" / spare / "driver" / "unbind").write_text(spare)
+        try:
+            with pytest.raises(P2PHubOSError) as e:
+                reg.dma_pages(spare)
+            assert e.value.errno == errno.ENODEV
+            assert "no driver is bound" in str(e.value)
+            assert ru.counters()["dmabuf_attachments"] == before
+            assert reg.info().nr_devices == 0
+        finally:
+            (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(spare)
+        assert len(reg.dma_pages(spare)) == 256      # driven again: mapped

@@ -1296,7 +1296,56 @@ static struct pci_driver fakegpu_driver = {
 		.suppress_bind_attrs = true,
 	},
 };
-module_pci_driver(fakegpu_driver);
+
+/*
+ * The lab's spare function (QEMU pci-testdev) gets a driver that does
+ * nothing but claim it, as a NIC or NVMe driver would claim theirs: p2phub
+ * maps only for devices some driver drives. Like those drivers it accepts
+ * segments of any length (the PCI default of 64 KiB is not a claim a real
+ * device of this kind makes).
+ */
+static int lab_spare_probe(struct pci_dev *pdev, const struct pci_device_id *id)
+{
+	dma_set_max_seg_size(&pdev->dev, UINT_MAX);
+	return dma_set_mask_and_coherent(&pdev->dev, DMA_BIT_MASK(64));
+}
+
+static void lab_spare_remove(struct pci_dev *pdev)
+{
+}
+
+static const struct pci_device_id lab_spare_ids[] = {
+	{ PCI_DEVICE(0x1b36, 0x0005) },	/* QEMU pci-testdev */
+	{ }
+};
+
+static struct pci_driver lab_spare_driver = {
+	.name		= "p2phub_lab_spare",
+	.id_table	= lab_spare_ids,
+	.probe		= lab_spare_probe,
+	.remove		= lab_spare_remove,
+};
+
+static int __init fakegpu_init(void)
+{
+	int ret;
+
+	ret = pci_register_driver(&fakegpu_driver);
+	if (ret)
+		return ret;
+	ret = pci_register_driver(&lab_spare_driver);
+	if (ret)
+		pci_unregister_driver(&fakegpu_driver);
+	return ret;
+}
+module_init(fakegpu_init);
+
+static void __exit fakegpu_exit(void)
+{
+	pci_unregister_driver(&lab_spare_driver);
+	pci_unregister_driver(&fakegpu_driver);
+}
+module_exit(fakegpu_exit);
 
 MODULE_DESCRIPTION("p2phub lab stand-in GPU: dma-buf exporter and NVIDIA P2P API over ivshmem BAR2");
 MODULE_LICENSE("GPL");
