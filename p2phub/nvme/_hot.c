@@ -593,9 +593,11 @@ int p2h_pump(struct p2h_qp *q, struct p2h_cpl *out, int max, uint64_t idle_ns)
 int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
 		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
-		uint32_t slot, uint64_t gen, uint64_t blocks, int *bad, int *why)
+		uint32_t slot, uint64_t gen, uint64_t blocks, uint64_t *span,
+		int *bad, int *why)
 {
 	uint64_t nlb = (uint64_t)nbytes >> lba_shift, limit = npages * P2H_PAGE;
+	uint64_t lo = UINT64_MAX, hi = 0;
 	int i;
 
 	*bad = -1;
@@ -626,7 +628,13 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		io->npages = npages;
 		io->slot = slot;
 		io->gen = gen;
+		if (offs[i] < lo)
+			lo = offs[i];
+		if (offs[i] + nbytes > hi)
+			hi = offs[i] + nbytes;
 	}
+	span[0] = lo;		/* the bytes of the buffer the batch touches */
+	span[1] = hi;
 	return 0;
 bad:
 	*bad = i;

@@ -211,13 +211,15 @@ uint64_t p2h_now_ns(void);
  * request i reads/writes nbytes at LBA lbas[i], buffer offset offs[i] of the
  * page list (pages, npages; status page slot and gen). Each is checked: LBA
  * range inside blocks, buffer range inside npages * 4096, offset dword
- * aligned. Return: 0, or -22 (EINVAL) with *bad the first bad request and
- * *why 1 (LBA range) or 2 (buffer range) or 3 (alignment).
+ * aligned. Return: 0, with span[0] the lowest offset and span[1] the end of
+ * the highest request (the bytes of the buffer the batch touches); or -22
+ * (EINVAL) with *bad the first bad request and *why 1 (LBA range) or 2
+ * (buffer range) or 3 (alignment).
  */
 int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
 		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
-		uint32_t slot, uint64_t gen, uint64_t blocks, int *bad, int *why);
+		uint32_t slot, uint64_t gen, uint64_t blocks, uint64_t *span, int *bad, int *why);
 
 /*
  * Encode n requests of any kind (read, write, flush, write zeroes) and size

@@ -369,11 +369,11 @@ class Namespace:
         c_lbas = _u64(ffi, lbas)
         c_offs = _u64(ffi, offsets)
         ios = ffi.new("struct p2h_io[]", n)
-        bad, why = ffi.new("int *"), ffi.new("int *")
+        bad, why, span = ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t[2]")
         slot = mapping.slot if mapping is not None else NO_SLOT
         gen = mapping.generation if mapping is not None else 0
         if lib.p2h_fill_rw(ios, n, KINDS[kind], self.nsid, self._lba_shift, nbytes, c_lbas, c_offs,
-                           pl.addrs, pl.npages, slot, gen, self.blocks, bad, why):
+                           pl.addrs, pl.npages, slot, gen, self.blocks, span, bad, why):
             k = bad[0]
             reason = {1: f"LBA range lba={lbas[k]} nblocks={nbytes // self.lba_size} is outside namespace "
                          f"{self.nsid} of {self.blocks} blocks",
@@ -381,8 +381,7 @@ class Namespace:
                          f"{pl.nbytes} bytes",
                       3: f"offset={offsets[k]} must be a multiple of 4 (PRP dword alignment)"}[why[0]]
             raise UsageError(f"{kind} batch request {k}: {reason}")
-        lo = min(offsets)
-        hi = max(offsets) + nbytes
+        lo, hi = int(span[0]), int(span[1])
         fut = BatchFuture(qp, ios, n, qd=qd or qp.ntrk, keep=(pl, mapping, c_lbas, c_offs, buf),
                           what=f"{kind} batch of {n} x {nbytes} B nsid={self.nsid}", latencies=latencies)
         fut.mapping = mapping

@@ -202,6 +202,7 @@ class BatchFuture(_FutureBase):
         else:
             self._status = ffi.new("uint16_t[]", max(n, 1))
         self._lat = ffi.new("uint32_t[]", max(n, 1)) if latencies else ffi.NULL
+        self._lat_list: list[int] | None = None
         b = self._b = ffi.new("struct p2h_batch *")
         b.ios = ios
         b.status = self._status
@@ -245,7 +246,16 @@ class BatchFuture(_FutureBase):
         return out
 
     def latencies_ns(self) -> list[int]:
-        return list(self._lat[0:self.n]) if self._lat != self.qp.hot.ffi.NULL else []
+        """Per request, submission to completion in ns ([] unless asked for at submission).
+        The list is made once, when the batch is done, and shared by every caller."""
+        if self._lat_list is None:
+            if self._lat == self.qp.hot.ffi.NULL:
+                return []
+            lat = list(self._lat[0:self.n])
+            if not self.done():
+                return lat
+            self._lat_list = lat
+        return self._lat_list
 
     def op_futures(self) -> list["OpFuture"]:
         """One future per request of a batch of requests (made once; done with the batch)."""
