@@ -627,13 +627,20 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
 }
 
 /* The kernel could not pin the memory of a read in place (a mapping without struct pages,
- * such as some device or dma-buf mappings): read this piece, and the rest of the batch,
- * through the staging slots. */
-static void restage(struct sio_engine *e, struct slot *p)
+ * such as some device or dma-buf mappings): send the piece again through its staging slot,
+ * and the rest of the batch that way too. 1 when completion `res` of slot s was that. */
+static int restage_faulted(struct sio_engine *e, int write, const int *fd, unsigned s, int res,
+                           struct sio_stats *st)
 {
+    struct slot *p = &e->slots[s];
+
+    if (res != -EFAULT || !p->to_mem)
+        return 0;
     p->to_mem = 0;
     p->done = 0;
     e->no_in_place = 1;
+    submit_io(e, write, fd, s, st);
+    return 1;
 }
 
 static void fail_entry(long long *result, unsigned long long i, int res, int *failed)
@@ -744,9 +751,7 @@ static void *io_main(void *arg)
             struct slot *p = &e->slots[s];
 
             inflight--;
-            if (res == -EFAULT && p->to_mem) {
-                restage(e, p);
-                submit_io(e, 0, x->fd, s, st);
+            if (restage_faulted(e, 0, x->fd, s, res, st)) {
                 inflight++;
                 continue;
             }
@@ -1041,9 +1046,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             struct slot *p = &e->slots[s];
 
             inflight--;
-            if (res == -EFAULT && p->to_mem) {
-                restage(e, p);
-                submit_io(e, write, fd, s, st);
+            if (restage_faulted(e, write, fd, s, res, st)) {
                 inflight++;
                 continue;
             }
