@@ -103,3 +103,13 @@ def gpu(lab: dict[str, str]):
     import p2phub_fakegpu as fg
     with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as g:
         yield g
+
+
+@pytest.fixture(scope="module")
+def resident_gpu(lab: dict[str, str]):
+    """The stand-in GPU, its module loaded if it was not and left loaded after (for tests
+    whose objects may outlive the module's own handle on it, such as a revocation fence)."""
+    import p2phub_fakegpu as fg
+    fg.ensure_loaded(lab["modules_dir"])
+    with fg.FakeGpu() as g:
+        yield g

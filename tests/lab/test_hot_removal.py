@@ -40,8 +40,7 @@ def spare(lab: dict[str, str]):
     bdf = lab.get("spare")
     assert bdf, "the lab has no spare PCI device (pci-testdev): tools/lab is out of date"
     assert (PCI / "devices" / bdf).exists()
-    if not fg.loaded():
-        fg.insmod(lab["modules_dir"])
+    fg.ensure_loaded(lab["modules_dir"])
     if _driver(bdf) is None:
         (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
     assert _driver(bdf) == SPARE_DRIVER
@@ -51,14 +50,6 @@ def spare(lab: dict[str, str]):
         assert ru.wait_until(lambda: (PCI / "devices" / bdf).exists())
     if _driver(bdf) is None:
         (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
-
-
-@pytest.fixture
-def gpu(lab: dict[str, str]):
-    if not fg.loaded():
-        fg.insmod(lab["modules_dir"])
-    with fg.FakeGpu() as g:
-        yield g
 
 
 @pytest.fixture(autouse=True)
@@ -100,21 +91,21 @@ def test_removal_unmaps_a_dmabuf_registration_for_that_device_only(spare: str, l
         assert reg.info().nr_devices == 2
 
 
-def test_removal_unmaps_an_nvidia_registration_in_the_driver(spare: str, gpu: fg.FakeGpu,
+def test_removal_unmaps_an_nvidia_registration_in_the_driver(spare: str, resident_gpu: fg.FakeGpu,
                                                              lab: dict[str, str]) -> None:
     target = lab["nvme_target"]
-    c0 = gpu.query()   # per module load: what earlier tests did is theirs
+    c0 = resident_gpu.query()   # per module load: what earlier tests did is theirs
     with Hub() as hub:
-        reg = hub.register_nvidia(gpu.va(20 * MiB), 1 * MiB)
+        reg = hub.register_nvidia(resident_gpu.va(20 * MiB), 1 * MiB)
         reg.dma_pages(target)
         reg.dma_pages(spare)
-        assert gpu.query().dma_mappings == 2
+        assert resident_gpu.query().dma_mappings == 2
         _remove(spare)
         # The driver's own count: nvidia_p2p_dma_unmap_pages ran for the spare.
-        assert gpu.query().dma_mappings == 1
+        assert resident_gpu.query().dma_mappings == 1
         assert reg.info().nr_devices == 1 and not reg.info().revoked
         reg.close()
-    c = gpu.query()
+    c = resident_gpu.query()
     assert (c.page_tables, c.dma_mappings, c.misuse) == (0, 0, c0.misuse)
 
 

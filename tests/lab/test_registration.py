@@ -35,14 +35,6 @@ KiB = 1 << 10
 TOP = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def gpu(lab: dict[str, str]):
-    if not fg.loaded():
-        fg.insmod(lab["modules_dir"])
-    with fg.FakeGpu() as g:
-        yield g
-
-
 @pytest.fixture
 def target(lab: dict[str, str]) -> str:
     return lab["nvme_target"]
@@ -115,7 +107,7 @@ def test_udmabuf_page_list_is_iova_under_iommu(lab: dict[str, str], target: str,
         m.close()
 
 
-def test_memory_that_would_bounce_is_refused(lab: dict[str, str], gpu: fg.FakeGpu,
+def test_memory_that_would_bounce_is_refused(lab: dict[str, str], resident_gpu: fg.FakeGpu,
                                             target: str, iommu: bool) -> None:
     """No dma_sync runs around user-space DMA, so a swiotlb-bounced map must be refused.
 
@@ -135,8 +127,8 @@ def test_memory_that_would_bounce_is_refused(lab: dict[str, str], gpu: fg.FakeGp
                 ["dmesg"], capture_output=True, text=True).stdout
         else:
             assert len(reg.dma_pages(target)) == 256
-    q = gpu.query()
-    fd = gpu.export_dmabuf(0, 1 * MiB)
+    q = resident_gpu.query()
+    fd = resident_gpu.export_dmabuf(0, 1 * MiB)
     try:
         with Hub() as hub, hub.register_dmabuf(fd, device=target) as reg:
             pages = reg.dma_pages(target)
@@ -147,10 +139,10 @@ def test_memory_that_would_bounce_is_refused(lab: dict[str, str], gpu: fg.FakeGp
     assert ru.wait_no_leaks() == dict.fromkeys(ru.LEAK_COUNTERS, 0)
 
 
-def test_fakegpu_dmabuf_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
-    q = gpu.query()
+def test_fakegpu_dmabuf_page_list(resident_gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
+    q = resident_gpu.query()
     off, length = 1 * MiB, 1 * MiB
-    fd = gpu.export_dmabuf(off, length)
+    fd = resident_gpu.export_dmabuf(off, length)
     try:
         with Hub() as hub, hub.register_dmabuf(fd, device=target) as reg:
             pages = reg.dma_pages(target)
@@ -159,16 +151,16 @@ def test_fakegpu_dmabuf_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> 
             bus = [q.bar_addr + off + i * 4096 for i in range(256)]
             assert (pages != bus) if iommu else (pages == bus)
             # One pin from p2phub; without CONFIG_DMABUF_MOVE_NOTIFY the core pins again per map.
-            assert gpu.query().pins >= q.pins + 1
+            assert resident_gpu.query().pins >= q.pins + 1
     finally:
         os.close(fd)
-    assert gpu.query().attachments == 0 and gpu.query().pins == 0
+    assert resident_gpu.query().attachments == 0 and resident_gpu.query().pins == 0
 
 
-def test_nvidia_p2p_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
-    q = gpu.query()
+def test_nvidia_p2p_page_list(resident_gpu: fg.FakeGpu, target: str, iommu: bool) -> None:
+    q = resident_gpu.query()
     off, length = 4 * MiB, 1 * MiB
-    with Hub() as hub, hub.register_nvidia(gpu.va(off), length, device=target) as reg:
+    with Hub() as hub, hub.register_nvidia(resident_gpu.va(off), length, device=target) as reg:
         assert (reg.provider, reg.page_size) == (Provider.NVIDIA, 64 * KiB)
         pages = reg.dma_pages(target)
         assert len(pages) == 16
@@ -178,8 +170,8 @@ def test_nvidia_p2p_page_list(gpu: fg.FakeGpu, target: str, iommu: bool) -> None
         small = reg.dma_pages(target, page_size=4096)
         assert len(small) == 256
         assert small[::16] == pages and small[1] == pages[0] + 4096
-        assert gpu.query().page_tables == q.page_tables + 1
-    c = gpu.query()
+        assert resident_gpu.query().page_tables == q.page_tables + 1
+    c = resident_gpu.query()
     assert (c.page_tables, c.dma_mappings) == (0, 0)
 
 
@@ -239,8 +231,8 @@ def test_export_of_unregistered_registration_is_refused(target: str) -> None:
             os.close(fd)
 
 
-def test_export_nvidia_reimport(gpu: fg.FakeGpu, target: str) -> None:
-    with Hub() as hub, hub.register_nvidia(gpu.va(8 * MiB), 512 * KiB) as reg:
+def test_export_nvidia_reimport(resident_gpu: fg.FakeGpu, target: str) -> None:
+    with Hub() as hub, hub.register_nvidia(resident_gpu.va(8 * MiB), 512 * KiB) as reg:
         pages4k = reg.dma_pages(target, page_size=4096)
         with hub.register_dmabuf(reg.dmabuf_fd, device=target) as again:
             assert again.provider == Provider.DMABUF
@@ -257,20 +249,20 @@ def test_export_fd_close_drops_the_export(target: str) -> None:
 # -------------------------------------------------------------- revocation
 
 
-def test_dmabuf_revoke(gpu: fg.FakeGpu, target: str) -> None:
-    fd = gpu.export_dmabuf(2 * MiB, 256 * KiB)
+def test_dmabuf_revoke(resident_gpu: fg.FakeGpu, target: str) -> None:
+    fd = resident_gpu.export_dmabuf(2 * MiB, 256 * KiB)
     try:
         with Hub() as hub:
             reg = hub.register_dmabuf(fd, device=target)
             gen = reg.info().generation
             exported = reg.dmabuf_fd
             again = hub.register_dmabuf(exported, device=target)
-            before = gpu.query().mappings
-            gpu.revoke(fd)      # returns once p2phub's revocation fence signalled
+            before = resident_gpu.query().mappings
+            resident_gpu.revoke(fd)      # returns once p2phub's revocation fence signalled
             # The export's importer was told before the exporter could move the memory.
             assert again.info().revoked
             # p2phub unmaps after its fence signalled (its mapping stays valid until then).
-            assert ru.wait_until(lambda: gpu.query().mappings == before - 1)
+            assert ru.wait_until(lambda: resident_gpu.query().mappings == before - 1)
             info = reg.info()
             assert info.revoked and info.generation == gen + 1
             with pytest.raises(RevokedError):
@@ -283,28 +275,28 @@ def test_dmabuf_revoke(gpu: fg.FakeGpu, target: str) -> None:
             reg.close()
     finally:
         os.close(fd)
-    c = gpu.query()
+    c = resident_gpu.query()
     assert (c.attachments, c.pins, c.mappings) == (0, 0, 0)
 
 
-def test_nvidia_free_callback_revokes(gpu: fg.FakeGpu, target: str) -> None:
-    c0 = gpu.query()   # per module load: what earlier tests did is theirs
-    va = gpu.va(12 * MiB)
+def test_nvidia_free_callback_revokes(resident_gpu: fg.FakeGpu, target: str) -> None:
+    c0 = resident_gpu.query()   # per module load: what earlier tests did is theirs
+    va = resident_gpu.va(12 * MiB)
     with Hub() as hub:
         reg = hub.register_nvidia(va, 1 * MiB, device=target)
-        unmapped = hub.register_nvidia(gpu.va(16 * MiB), 1 * MiB)   # no device yet
+        unmapped = hub.register_nvidia(resident_gpu.va(16 * MiB), 1 * MiB)   # no device yet
         gen = reg.info().generation
-        assert gpu.free_va(va, 1 * MiB) == 1
+        assert resident_gpu.free_va(va, 1 * MiB) == 1
         info = reg.info()
         assert info.revoked and info.generation == gen + 1
         with pytest.raises(RevokedError):
             reg.dma_pages(target)
-        assert gpu.free_va(gpu.va(16 * MiB), 1 * MiB) == 1
+        assert resident_gpu.free_va(resident_gpu.va(16 * MiB), 1 * MiB) == 1
         with pytest.raises(RevokedError):
             unmapped.dma_pages(target)
         reg.close()
         unmapped.close()
-    c = gpu.query()
+    c = resident_gpu.query()
     assert (c.page_tables, c.dma_mappings, c.callbacks_unacked, c.misuse) == \
         (0, 0, c0.callbacks_unacked, c0.misuse)
 
@@ -312,10 +304,10 @@ def test_nvidia_free_callback_revokes(gpu: fg.FakeGpu, target: str) -> None:
 # -------------------------------------------------------------------- leaks
 
 
-def test_1000_cycles_leave_nothing(gpu: fg.FakeGpu, target: str) -> None:
+def test_1000_cycles_leave_nothing(resident_gpu: fg.FakeGpu, target: str) -> None:
     fds0 = ru.fd_count()
     rev0 = ru.counters()["revocations"]
-    gfd = gpu.export_dmabuf(20 * MiB, 64 * KiB)
+    gfd = resident_gpu.export_dmabuf(20 * MiB, 64 * KiB)
     try:
         with Hub() as hub, VgemBuffer(64 * KiB) as buf:
             for i in range(1000):
@@ -323,11 +315,11 @@ def test_1000_cycles_leave_nothing(gpu: fg.FakeGpu, target: str) -> None:
                     assert len(reg.dma_pages(target)) == 16
                 with hub.register_dmabuf(gfd, device=target):
                     pass
-                with hub.register_nvidia(gpu.va(24 * MiB), 64 * KiB, device=target):
+                with hub.register_nvidia(resident_gpu.va(24 * MiB), 64 * KiB, device=target):
                     pass
             assert int(fg.dmabuf_info(buf.fd)["count"]) == 1, "a file reference on the vgem buffer leaked"
             assert int(fg.dmabuf_info(gfd)["count"]) == 1
-            c = gpu.query()
+            c = resident_gpu.query()
             assert (c.attachments, c.pins, c.mappings, c.page_tables, c.dma_mappings) == (0,) * 5
     finally:
         os.close(gfd)
@@ -342,26 +334,26 @@ CHILD = textwrap.dedent("""
     from p2phub.hostmem import VgemBuffer
     import p2phub_fakegpu as fg
     target = {target!r}
-    gpu = fg.FakeGpu()
+    resident_gpu = fg.FakeGpu()
     hub = Hub()
     buf = VgemBuffer(1 << 20)
-    gfd = gpu.export_dmabuf(32 << 20, 1 << 20)
+    gfd = resident_gpu.export_dmabuf(32 << 20, 1 << 20)
     keep = [hub.register_dmabuf(buf.fd, device=target),
-            hub.register_nvidia(gpu.va(40 << 20), 1 << 20, device=target)]
+            hub.register_nvidia(resident_gpu.va(40 << 20), 1 << 20, device=target)]
     keep.append(hub.register_dmabuf(keep[1].dmabuf_fd, device=target))
     keep.append(hub.register_dmabuf(gfd, device=target))
     print("ready", flush=True)
     while True:   # killed somewhere in here, between and inside registrations
         r = hub.register_dmabuf(buf.fd, device=target)
         e = hub.register_dmabuf(r.dmabuf_fd, device=target)
-        n = hub.register_nvidia(gpu.va(48 << 20), 256 << 10, device=target)
+        n = hub.register_nvidia(resident_gpu.va(48 << 20), 256 << 10, device=target)
         n.dma_pages(target, 4096)
         e.close(); r.close(); n.close()
 """)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
-def test_killed_process_leaves_nothing(gpu: fg.FakeGpu, target: str, delay: float) -> None:
+def test_killed_process_leaves_nothing(resident_gpu: fg.FakeGpu, target: str, delay: float) -> None:
     code = CHILD.format(top=str(TOP), tests=str(TOP / "tests" / "lab"), target=target)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -373,7 +365,7 @@ def test_killed_process_leaves_nothing(gpu: fg.FakeGpu, target: str, delay: floa
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert ru.wait_no_leaks() == {k: 0 for k in ru.LEAK_COUNTERS}
-    c = gpu.query()
+    c = resident_gpu.query()
     assert (c.attachments, c.pins, c.mappings, c.page_tables, c.dma_mappings) == (0,) * 5
 
 
@@ -491,12 +483,12 @@ def test_registering_the_same_memory_again_returns_the_live_pin(target: str) -> 
             assert half.handle != whole.handle
 
 
-def test_a_revoked_pin_is_never_handed_out_again(gpu: fg.FakeGpu, target: str) -> None:
-    fd = gpu.export_dmabuf(4 * MiB, 256 * KiB)
+def test_a_revoked_pin_is_never_handed_out_again(resident_gpu: fg.FakeGpu, target: str) -> None:
+    fd = resident_gpu.export_dmabuf(4 * MiB, 256 * KiB)
     try:
         with Hub() as hub:
             reg = hub.register_dmabuf(fd, device=target)
-            gpu.revoke(fd)
+            resident_gpu.revoke(fd)
             # the exporter refuses a revoked buffer: a new registration fails, rather than the
             # cache returning the revoked one
             with pytest.raises((P2PHubOSError, RevokedError)):
@@ -507,12 +499,12 @@ def test_a_revoked_pin_is_never_handed_out_again(gpu: fg.FakeGpu, target: str) -
         os.close(fd)
 
 
-def test_stand_in_memory_registers_through_its_backend_plugin(gpu: fg.FakeGpu, target: str,
+def test_stand_in_memory_registers_through_its_backend_plugin(resident_gpu: fg.FakeGpu, target: str,
                                                               iommu: bool) -> None:
     from p2phub import backend
     assert "fakegpu" in backend.backend_names()
-    q = gpu.query()
-    mem = gpu.memory(6 * MiB, 1 * MiB)
+    q = resident_gpu.query()
+    mem = resident_gpu.memory(6 * MiB, 1 * MiB)
     with Hub() as hub:
         reg = hub.register(mem, device=target)
         again = hub.register(mem, device=target)
@@ -524,7 +516,7 @@ def test_stand_in_memory_registers_through_its_backend_plugin(gpu: fg.FakeGpu, t
             assert pages == [q.bar_addr + 6 * MiB + i * 4096 for i in range(256)]
         for r in (part, again, reg):
             r.close()
-    c = gpu.query()
+    c = resident_gpu.query()
     assert (c.bufs, c.attachments, c.pins, c.mappings) == (0, 0, 0, 0)
 
 
@@ -678,9 +670,9 @@ def test_revocation_fence_holds_the_module(lab: dict[str, str]) -> None:
     dropped when the exporter lets the fence go). Otherwise rmmod, then anything that prints the
     fence (debugfs bufinfo) or the buffer's release, jumps into unloaded code."""
     base = _module_refs()
-    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as gpu, \
+    with fg.loaded_module(lab["modules_dir"]), fg.FakeGpu() as resident_gpu, \
             ru.consumer_loaded(lab["modules_dir"]) as consumer:
-        buf = gpu.export_dmabuf(7 * MiB, 1 * MiB)
+        buf = resident_gpu.export_dmabuf(7 * MiB, 1 * MiB)
         try:
             p2p = os.open("/dev/p2phub", os.O_RDWR | os.O_CLOEXEC)
             try:
@@ -689,7 +681,7 @@ def test_revocation_fence_holds_the_module(lab: dict[str, str]) -> None:
                 exp = fcntl.ioctl(p2p, uapi.EXPORT,
                                   uapi.Export.new(handle=arg.out_handle, flags=uapi.EXPORT_F_CLOEXEC), True)
                 consumer.command(f"dmabuf {exp} {lab['nvme_baseline']}")
-                gpu.revoke(buf)                  # p2phub's fence is added and signalled
+                resident_gpu.revoke(buf)                  # p2phub's fence is added and signalled
                 consumer.command("release")
                 os.close(exp)
             finally:

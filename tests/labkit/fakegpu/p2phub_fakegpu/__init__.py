@@ -300,6 +300,12 @@ def insmod(modules_dir: str | os.PathLike[str]) -> None:
         raise P2PHubOSError(errno.ENOEXEC, f"insmod {ko}", res.stderr.strip())
 
 
+def ensure_loaded(modules_dir: str | os.PathLike[str]) -> None:
+    """Load p2phub_fakegpu.ko unless it is loaded (and leave it loaded)."""
+    if not loaded():
+        insmod(modules_dir)
+
+
 def rmmod() -> None:
     res = subprocess.run(["rmmod", MODULE], capture_output=True, text=True)
     if res.returncode != 0:
