@@ -60,6 +60,7 @@ from .errors import P2PHubOSError, UsageError
 from .backend import get_backend
 from .memory import Memory
 from .staged import ALIGN, Fence, HostOps, StagedRegistration, _is_namespace
+from ._resource import Resource
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -429,7 +430,7 @@ def _check_namespace(np: Any, p: _Plan, k: int, ns: Any, used: Any, write: bool)
 # ------------------------------------------------------------------ the engine
 
 
-class _Engine:
+class _Engine(Resource):
     """One staged I/O engine (p2phub.staged_io) and its staging memory, for one copy engine
     and device of a hub; batches on it run one at a time on its worker thread."""
 
@@ -498,7 +499,7 @@ class _Engine:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
 
-    def close(self) -> None:
+    def _close(self) -> None:
         with self.lock:
             if self._eng is not None:
                 self.ops.bind_thread(self.device)
@@ -607,7 +608,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     return fence
 
 
-class _Worker:
+class _Worker(Resource):
     """The hub's batch thread: batches run on it one after another (a thread started per
     batch costs more than a small batch's I/O on a busy host)."""
 
@@ -627,7 +628,7 @@ class _Worker:
     def put(self, job: tuple[Any, ...]) -> None:
         self.q.put(job)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Runs the batches already queued, then ends the thread."""
         self.q.put(None)
         if self.t is not threading.current_thread():

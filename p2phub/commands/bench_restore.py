@@ -36,6 +36,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from .._resource import Resource
 from .argtypes import comma_list, positive, size_bytes, size_text
 from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
                          make_file)
@@ -186,7 +187,7 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
     return depth, slot, direct, engine
 
 
-class P2PHubBatch:
+class P2PHubBatch(Resource):
     def __init__(self, dest: Dest, mode: str, depth: int, slot: int,
                  direct: bool | str = "auto", engine: dict[str, bool] | None = None) -> None:
         from .. import batch
@@ -215,7 +216,7 @@ class P2PHubBatch:
         return {"hub_mode": self.hub.mode, "mode_reason": self.hub.mode_reason,
                 "reg_mode": self.reg.mode, "last_batch": self.stats, **self.settings}
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.hub.close()
 
 

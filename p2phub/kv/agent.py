@@ -51,6 +51,7 @@ from ..ordering import AccessKind
 from .errors import KVError, KVPeerError
 from .layout import KVLayout
 from .pool import KVPool
+from .._resource import Resource
 
 __all__ = ["Agent", "DescList", "RemoteAgent"]
 
@@ -115,7 +116,7 @@ def _int32(values: Iterable[int] | array.array) -> array.array:
         raise UsageError(f"block/descriptor indices must be int32s: {exc}") from None
 
 
-class Agent:
+class Agent(Resource):
     """A KV transfer agent over TCP.
 
     ``stall_timeout``: seconds a send or receive may make no progress, and a transfer's
@@ -480,7 +481,7 @@ class Agent:
         """The open connection to `peer`, made now if there is none."""
         with self._lock:
             conn = self._out.get(peer)
-            if conn is not None and not conn.closed:
+            if conn is not None and not conn.down:
                 return conn
         ra = self.remote(peer)
         try:
@@ -856,10 +857,8 @@ class Agent:
             self._live.discard(x)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        self._closed = True     # at once: the agent's threads stop on it
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -875,12 +874,6 @@ class Agent:
         if self.rails is not None:
             self.rails.close()
             self.rails = None
-
-    def __enter__(self) -> "Agent":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"

@@ -39,6 +39,7 @@ from ..errors import UsageError
 from ..rdma.verbs import Access
 from .errors import KVPeerError
 from .transport import SegmentIndex
+from .._resource import Resource
 
 __all__ = ["Rails", "Link", "POOL_ACCESS", "STRIPE"]
 
@@ -50,7 +51,7 @@ STRIPE = 1 << 20     # bytes: longer runs are cut so every rail carries a share
 MOST = DEPTH // WINDOW - 1   # signaled groups in flight per queue pair
 
 
-class Rail:
+class Rail(Resource):
     """One NIC: a protection domain and an MR of every registered segment."""
 
     def __init__(self, device: str) -> None:
@@ -63,7 +64,7 @@ class Rail:
     def gid(self) -> str:
         return str(self.pd.ctx.query_gid(1, 1))
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for mr in self.mrs:
             if mr is not None:
                 mr.close()
@@ -71,7 +72,7 @@ class Rail:
         self.pd.close()
 
 
-class Rails:
+class Rails(Resource):
     """The agent's NICs, each named; every segment is registered on each."""
 
     def __init__(self, devices: list[str]) -> None:
@@ -128,7 +129,7 @@ class Rails:
     def stats(self) -> dict[str, int]:
         return {r.device: r.bytes for r in self.rails}
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for r in self.rails:
             r.close()
         self.rails = []
@@ -139,7 +140,7 @@ class _Target:
     mrs: list[tuple[int, int]]      # per remote segment: (MR address, rkey)
 
 
-class Link:
+class Link(Resource):
     """One connection's queue pairs: `n` of them, QP i on local rail i mod len(rails)."""
 
     def __init__(self, rails: Rails, n: int, peer: str) -> None:
@@ -267,7 +268,7 @@ class Link:
         if not fence.done():   # pragma: no cover - wait raises on timeout
             raise FenceTimeout(f"{fence} after {time.monotonic() - t0} s")
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for q in self.qps:
             try:
                 q.close()

@@ -44,6 +44,7 @@ from .. import metrics
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
 from .fence import FenceTimeout, HostFence
+from .._resource import Resource
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -311,7 +312,7 @@ class InboundRequest:
         return out
 
 
-class Connection:
+class Connection(Resource):
     """One TCP connection to a peer. Outbound ones send transfers (a sender thread) and read
     ACKs; inbound ones read transfers into the agent's segments and answer them."""
 
@@ -324,7 +325,7 @@ class Connection:
         self.peer = peer
         self.incarnation = incarnation
         self.outbound = outbound
-        self.closed = False
+        self.down = False
         self._lock = threading.Lock()
         self._tx = threading.Lock()        # one sender of bytes at a time (state: _lock)
         self._queue: "queue.Queue[Xfer | None]" = queue.Queue()
@@ -355,12 +356,12 @@ class Connection:
         """Send HB when nothing was sent for `quiet` seconds. Never waits: a connection whose
         lock is held is sending (the peer hears that), and a full socket buffer is the
         peer not reading (its own deadline), so a heartbeat is skipped rather than queued."""
-        if self.closed or time.monotonic() - self._last_tx < quiet:
+        if self.down or time.monotonic() - self._last_tx < quiet:
             return
         if not self._tx.acquire(blocking=False):
             return
         try:
-            if self.closed:
+            if self.down:
                 return
             hdr = HDR.pack(MAGIC, HB, 0, 0, 0, 0, 0, 0)
             try:
@@ -388,7 +389,7 @@ class Connection:
         if type_ not in (DATA, READ):
             hdr += body
         with self._tx:
-            if self.closed:
+            if self.down:
                 raise self._closed_error()
             rc = h.lib.kv_send(self.fd, hdr, len(hdr),
                                wire if wire is not None else h.ffi.NULL, nruns,
@@ -401,7 +402,7 @@ class Connection:
             raise KVPeerError(self.peer, "closed", f"send failed: {_c_err(rc)}")
 
     def submit(self, xfer: Xfer) -> None:
-        if self.closed:
+        if self.down:
             xfer._finish(self._closed_error())
             return
         self._queue.put(xfer)
@@ -409,7 +410,7 @@ class Connection:
     def _send_loop(self) -> None:
         while True:
             xfer = self._queue.get()
-            if xfer is None or self.closed:
+            if xfer is None or self.down:
                 if xfer is not None:
                     xfer._finish(self._closed_error())
                 break
@@ -524,7 +525,7 @@ class Connection:
             st = self._stage("send to", m.dev)
             hdr = HDR.pack(MAGIC, DATA, flags, xfer.id, m.req, m.layer, m.nruns, m.nbytes)
             with self._tx:
-                if self.closed:
+                if self.down:
                     raise self._closed_error()
                 rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), m.wire, m.nruns, m.iov,
                                         m.nruns, st.stage, st.chunk, st.streams, self.timeout_ms,
@@ -574,7 +575,7 @@ class Connection:
         """Wait for the next header; raise KVPeerError when a deadline passes first, or
         when the peer sent nothing, not even a heartbeat, for its peer timeout."""
         tick = time.monotonic()
-        while not self.closed:
+        while not self.down:
             r, _, _ = select.select([self.fd], [], [], 0.1)
             if r:
                 return True
@@ -825,7 +826,7 @@ class Connection:
         st = self._stage("send to", dev)
         hdr = HDR.pack(MAGIC, DATA, F_READ_RESP, xid, req, layer, 0, nbytes)
         with self._tx:
-            if self.closed:
+            if self.down:
                 raise self._closed_error()
             rc = h.lib.kv_cuda_send(st.c, self.fd, hdr, len(hdr), h.ffi.NULL, 0, iov, nruns,
                                     st.stage, st.chunk, st.streams, self.timeout_ms,
@@ -908,9 +909,9 @@ class Connection:
 
     def _fail_connection(self, exc: BaseException) -> None:
         with self._lock:
-            if self.closed:
+            if self.down:
                 return
-            self.closed = True
+            self.down = True
             self.error = exc
             pending = [x for x, _ in self._pending.values()]
             self._pending.clear()
@@ -944,7 +945,7 @@ class Connection:
         Agent.close waits for them, so staging buffers are freed when it returns)."""
         return any(t is not None and t.is_alive() for t in (self._reader, self._sender))
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self._fail_connection(KVPeerError(self.peer, "closed", "closed locally"))
         for t in (self._reader, self._sender):
             if t is not None and t.is_alive() and t is not threading.current_thread():

@@ -31,6 +31,7 @@ from ..kv.agent import DescList
 from ..kv.errors import KVError, KVPeerError, KVRejected
 from . import _bindings as nixlBind
 from ..kv.transport import RangeLookup
+from .._resource import Resource
 from ._kvagent import exchange
 from .logging import get_logger  # noqa: F401 - nixl._api has it
 from .errors import (
@@ -345,7 +346,7 @@ class _Estimator:
 
 
 # ---------------------------------------------------------------------------- the agent
-class nixl_agent:  # noqa: N801
+class nixl_agent(Resource):  # noqa: N801
     """NIXL's nixl_agent over p2phub's KV agent (TCP, or RDMA where told its NICs)."""
 
     def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
@@ -407,7 +408,7 @@ class nixl_agent:  # noqa: N801
         except Exception:  # noqa: BLE001 - a finalizer must not raise
             pass
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close the agent's listener and connections (p2phub; NIXL does it at destruction)."""
         self.agent.close()
 

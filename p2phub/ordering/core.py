@@ -27,6 +27,7 @@ from ..errors import P2PHubOSError, UsageError
 from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
 from .fence import Fence, SourceFence, WordPool, progress
 from .tracker import Access, AccessKind, RangeTracker
+from .._resource import Resource
 
 __all__ = ["Ordering", "AccessFence", "GpuAccess", "as_fence"]
 
@@ -98,7 +99,7 @@ class AccessFence(Fence):
                     self._from_source(src)
 
 
-class Ordering:
+class Ordering(Resource):
     """The live accesses of one registration and the rules between them."""
 
     def __init__(self, owner: str, length: int, *, strict: bool = False,
@@ -254,9 +255,10 @@ class Ordering:
             ops.flush_rdma_writes(device)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self, *, timeout: float | None = 0.0, force: bool = False,
+    def close(self, *, timeout: float | None = 0.0, force: bool = False,  # type: ignore[override]
               reason: str = "the registration was closed") -> None:
         """Refuse new accesses; wait up to `timeout` for the live ones (None: forever).
+        Unlike Resource.close it may be called again (a registration's users quiesce it).
 
         Raises P2PHubOSError(EBUSY) naming them when some are still live, unless `force`:
         then each fails with `reason` and its waiters wake."""
