@@ -273,7 +273,8 @@ def qemu_devices(run: Path, topology: str, backing: str, iommu: bool) -> list[st
         f.truncate(GPU_MEM_BYTES)
     opts += ["-object", f"memory-backend-file,id=gpumem,share=on,mem-path={gpu_file},size={GPU_MEM_BYTES}",
              "-device", f"ivshmem-plain,memdev=gpumem,bus={buses['gpu']}"]
-    # A device no driver claims, for hot-removal tests (remove, then rescan).
+    # A spare function for hot-removal tests (remove, then rescan); the stand-in GPU module
+    # brings a do-nothing driver for it (p2phub maps only for devices a driver drives).
     opts += ["-device", "pci-testdev,bus=pcie.0"]
     return opts
 
