@@ -1226,6 +1226,8 @@ static int fakegpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	ret = pci_enable_device_mem(pdev);
 	if (ret)
 		return ret;
+	/* As a GPU driver does (amdgpu: UINT_MAX): exporters' long segments are in its claim. */
+	dma_set_max_seg_size(&pdev->dev, UINT_MAX);
 	ret = pci_request_region(pdev, FAKEGPU_BAR, KBUILD_MODNAME);
 	if (ret)
 		goto err_disable;
