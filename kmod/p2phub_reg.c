@@ -346,23 +346,35 @@ static bool p2phub_dev_removing_set(struct pci_dev *pdev, bool on)
 	return done;
 }
 
-/* Undo every map for @pdev; returns how many there were. */
+/*
+ * Undo every map for @pdev; returns how many there were. A map nobody holds
+ * is freed; a held one stays on the list, marked removed, until its holder
+ * lets go (its registration's teardown frees it).
+ */
 static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
 {
-	struct p2phub_reg_map *map;
+	struct p2phub_reg_map *map, *tmp;
 	struct p2phub_reg *reg;
 	unsigned int n = 0;
+	bool held;
 
 	mutex_lock(&p2phub_all_regs_lock);
 	list_for_each_entry(reg, &p2phub_all_regs, all_node) {
 		mutex_lock(&reg->lock);
-		list_for_each_entry(map, &reg->maps, node) {
+		list_for_each_entry_safe(map, tmp, &reg->maps, node) {
 			if (map->pdev != pdev || map->removed)
 				continue;
 			reg->provider->unmap(reg, map);
-			map->removed = true;
 			reg->nr_maps--;
 			n++;
+			spin_lock(&reg->state_lock);
+			held = map->holds;
+			map->removed = true;
+			spin_unlock(&reg->state_lock);
+			if (!held) {
+				list_del(&map->node);
+				p2phub_reg_map_free(map);
+			}
 		}
 		mutex_unlock(&reg->lock);
 	}
@@ -377,6 +389,18 @@ static int p2phub_reg_pci_notify(struct notifier_block *nb,
 	unsigned int n;
 
 	switch (action) {
+	case BUS_NOTIFY_UNBOUND_DRIVER:
+		/*
+		 * Its driver has stopped it and let it go: nothing drives it
+		 * now, so nothing may keep addresses mapped for it (the
+		 * DMA-API debug check of this same event counts them as that
+		 * driver's leak). A driver bound later gets fresh maps.
+		 */
+		n = p2phub_reg_unmap_device(pdev);
+		if (n)
+			pci_info(pdev, "p2phub: driver unbound: unmapped %u registration(s) for it\n",
+				 n);
+		break;
 	case BUS_NOTIFY_DEL_DEVICE:
 		if (!p2phub_dev_removing_set(pdev, true))
 			pci_warn(pdev, "p2phub: too many devices leaving at once; a map made during this removal may outlive it\n");
@@ -394,6 +418,7 @@ static int p2phub_reg_pci_notify(struct notifier_block *nb,
 
 static struct notifier_block p2phub_reg_pci_nb = {
 	.notifier_call = p2phub_reg_pci_notify,
+	.priority = 1,	/* before DMA-API debug's UNBOUND_DRIVER check (0) */
 };
 
 /*
@@ -412,13 +437,9 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 		goto err_unlock;
 	}
 	list_for_each_entry(map, &reg->maps, node) {
-		if (map->pdev != pdev)
-			continue;
-		if (map->removed) {
-			ret = -ENODEV;
-			goto err_unlock;
-		}
-		goto out_hold;
+		/* A removed map's device left or was let go of: see below. */
+		if (map->pdev == pdev && !map->removed)
+			goto out_hold;
 	}
 	if (p2phub_dev_removing(pdev)) {
 		ret = -ENODEV;
@@ -454,8 +475,11 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	ret = reg->provider->map(reg, map);
 	if (ret)
 		goto err_free_map;
-	/* A provider may drop reg->lock in map(): the device may be going. */
-	if (p2phub_dev_removing(pdev)) {
+	/*
+	 * A provider may drop reg->lock in map(): the device may be going, or
+	 * its driver (whose UNBOUND_DRIVER unmap may have passed this one).
+	 */
+	if (p2phub_dev_removing(pdev) || !READ_ONCE(pdev->dev.driver)) {
 		reg->provider->unmap(reg, map);
 		ret = -ENODEV;
 		goto err_free_map;

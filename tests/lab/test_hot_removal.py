@@ -119,13 +119,22 @@ def test_a_map_made_after_the_removal_is_refused(spare: str) -> None:
         assert reg.info().nr_devices == 0
 
 
-def test_a_map_for_a_device_no_driver_drives_is_refused(spare: str) -> None:
-    """Nothing could use the addresses, and the function's DMA limits are only the PCI
-    defaults (which exporters building long segments do not honour): ENODEV, saying so."""
+def test_a_map_lives_while_a_driver_drives_the_device(spare: str) -> None:
+    """Unbinding the device's driver undoes its maps (nothing drives it, and the DMA-API
+    counts what is left as that driver's leak); a map for a device no driver drives is
+    refused with ENODEV, saying so (nothing could use the addresses, and its DMA limits are
+    only the PCI defaults, which exporters building long segments do not honour); a driver
+    bound again gets a fresh map."""
     with Hub() as hub, VgemBuffer(1 * MiB) as buf, hub.register_dmabuf(buf.fd) as reg:
         before = ru.counters()["dmabuf_attachments"]
+        first = reg.dma_pages(spare)
+        assert len(first) == 256 and reg.info().nr_devices == 1
+        assert ru.counters()["dmabuf_attachments"] == before + 1
         (PCI / "devices" / spare / "driver" / "unbind").write_text(spare)
         try:
+            # undone at the unbind itself, not at close
+            assert ru.counters()["dmabuf_attachments"] == before
+            assert reg.info().nr_devices == 0
             with pytest.raises(P2PHubOSError) as e:
                 reg.dma_pages(spare)
             assert e.value.errno == errno.ENODEV
@@ -135,3 +144,24 @@ def test_a_map_for_a_device_no_driver_drives_is_refused(spare: str) -> None:
         finally:
             (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(spare)
         assert len(reg.dma_pages(spare)) == 256      # driven again: mapped
+        assert reg.info().nr_devices == 1
+
+
+def test_unbinding_the_driver_unmaps_an_nvidia_registration_in_the_driver(
+        spare: str, resident_gpu: fg.FakeGpu) -> None:
+    with Hub() as hub:
+        reg = hub.register_nvidia(resident_gpu.va(24 * MiB), 1 * MiB)
+        base = resident_gpu.query().dma_mappings
+        reg.dma_pages(spare)
+        assert resident_gpu.query().dma_mappings == base + 1
+        (PCI / "devices" / spare / "driver" / "unbind").write_text(spare)
+        try:
+            # the driver's own count: nvidia_p2p_dma_unmap_pages ran at the unbind
+            assert resident_gpu.query().dma_mappings == base
+            assert reg.info().nr_devices == 0 and not reg.info().revoked
+        finally:
+            (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(spare)
+        assert len(reg.dma_pages(spare)) == 16        # 64 KiB GPU pages
+        assert resident_gpu.query().dma_mappings == base + 1
+        reg.close()
+    assert resident_gpu.query().dma_mappings == base
