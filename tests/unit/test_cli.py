@@ -250,8 +250,11 @@ def _spawn(*args: str, **kw) -> subprocess.Popen:
 def test_ctrl_c_is_one_line_and_exit_130(argv) -> None:
     """Ctrl-C reaches the whole foreground process group, as a terminal sends it."""
     env = dict(_env(), P2PHUB_LOG="debug")   # the dispatcher says when the command runs
+    # A terminal's command starts with SIGINT at its default; a test suite started in the
+    # background of a script (nohup, `&`) hands its children SIGINT ignored, which Python keeps.
     p = subprocess.Popen([sys.executable, "-m", "p2phub", *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []
         for line in p.stderr:  # type: ignore[union-attr]
