@@ -123,11 +123,15 @@ def test_gpu_work_waits_for_a_load_and_strict_ordering_refuses_a_conflict(hub, t
         # a GPU read of what the load filled: ordered behind the load's fence on the stream
         fence = hub.load(src, mem)
         with mem.gpu_access(0, len(data), AccessKind.GPU_READ, stream, "reader", ops=ops) as g:
+            # a load still running now was running when the read was declared (a fast host
+            # may have finished it before: then there is nothing to wait for)
+            loading = not fence.done()
             stream.launch("reader", lambda: seen.append(bytes(view[:8])))
         fence.wait(30)
         stream.sync()
         g.access.fence.wait(5)                                   # the reader's access is over
-        assert g.access.deps and seen[-1] == data[:8]
+        assert seen[-1] == data[:8]
+        assert g.access.deps or not loading
         view.close()
         # strict ordering: a save of bytes a GPU kernel is still writing is refused by name
         mem.ordering.strict = True
