@@ -11,8 +11,10 @@ attachment count and the stand-in NVIDIA driver's DMA-mapping count.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -35,21 +37,35 @@ def _driver(bdf: str) -> str | None:
     return link.resolve().name if link.exists() else None
 
 
+def _drive(bdf: str) -> None:
+    """Bind the spare to its do-nothing driver unless a driver has it."""
+    if _driver(bdf) is None:
+        (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
+
+
+@contextlib.contextmanager
+def _driverless(bdf: str) -> Iterator[None]:
+    """The spare with no driver for the block, driven again after."""
+    (PCI / "devices" / bdf / "driver" / "unbind").write_text(bdf)
+    try:
+        yield
+    finally:
+        _drive(bdf)
+
+
 @pytest.fixture
 def spare(lab: dict[str, str]):
     bdf = lab.get("spare")
     assert bdf, "the lab has no spare PCI device (pci-testdev): tools/lab is out of date"
     assert (PCI / "devices" / bdf).exists()
     fg.ensure_loaded(lab["modules_dir"])
-    if _driver(bdf) is None:
-        (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
+    _drive(bdf)
     assert _driver(bdf) == SPARE_DRIVER
     yield bdf
     if not (PCI / "devices" / bdf).exists():
         (PCI / "rescan").write_text("1")
         assert ru.wait_until(lambda: (PCI / "devices" / bdf).exists())
-    if _driver(bdf) is None:
-        (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(bdf)
+    _drive(bdf)
 
 
 @pytest.fixture(autouse=True)
@@ -130,8 +146,7 @@ def test_a_map_lives_while_a_driver_drives_the_device(spare: str) -> None:
         first = reg.dma_pages(spare)
         assert len(first) == 256 and reg.info().nr_devices == 1
         assert ru.counters()["dmabuf_attachments"] == before + 1
-        (PCI / "devices" / spare / "driver" / "unbind").write_text(spare)
-        try:
+        with _driverless(spare):
             # undone at the unbind itself, not at close
             assert ru.counters()["dmabuf_attachments"] == before
             assert reg.info().nr_devices == 0
@@ -141,8 +156,6 @@ def test_a_map_lives_while_a_driver_drives_the_device(spare: str) -> None:
             assert "no driver is bound" in str(e.value)
             assert ru.counters()["dmabuf_attachments"] == before
             assert reg.info().nr_devices == 0
-        finally:
-            (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(spare)
         assert len(reg.dma_pages(spare)) == 256      # driven again: mapped
         assert reg.info().nr_devices == 1
 
@@ -154,13 +167,10 @@ def test_unbinding_the_driver_unmaps_an_nvidia_registration_in_the_driver(
         base = resident_gpu.query().dma_mappings
         reg.dma_pages(spare)
         assert resident_gpu.query().dma_mappings == base + 1
-        (PCI / "devices" / spare / "driver" / "unbind").write_text(spare)
-        try:
+        with _driverless(spare):
             # the driver's own count: nvidia_p2p_dma_unmap_pages ran at the unbind
             assert resident_gpu.query().dma_mappings == base
             assert reg.info().nr_devices == 0 and not reg.info().revoked
-        finally:
-            (PCI / "drivers" / SPARE_DRIVER / "bind").write_text(spare)
         assert len(reg.dma_pages(spare)) == 16        # 64 KiB GPU pages
         assert resident_gpu.query().dma_mappings == base + 1
         reg.close()
