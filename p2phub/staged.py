@@ -30,28 +30,27 @@ import errno
 import mmap
 import os
 import stat
-import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from . import capabilities
 from ._resource import Resource
 from .backend import GpuRange, check_range, describe, find_backend, get_backend
 from .errors import ModuleNotLoadedError, P2PHubOSError, StagedModeError, UsageError
 from .hostmem import PinnedHost
-from .memory import Memory, MemoryInfo, MemoryShare
+from .memory import CopyTarget, Memory, MemoryInfo, MemoryShare
 from .ordering.tracker import AccessKind
 
 if TYPE_CHECKING:
     from .hub import Hub
 
 __all__ = ["StagedRegistration", "StagedModeError", "Fence", "Stager", "Staging", "choose_mode",
-           "HostOps", "load", "save", "register", "register_host", "configure"]
+           "HostOps", "DirectStorage", "load", "save", "register", "register_host", "configure"]
 
 MODE_P2P = "p2p"
 MODE_STAGED = "staged"
@@ -501,8 +500,6 @@ class StagedRegistration(Memory):
         self.page_size = ALIGN
         self.what = what
         self._reason = reason
-        self._busy = 0
-        self._lock = threading.Lock()
         self._mark_owner()
 
     @property
@@ -553,30 +550,11 @@ class StagedRegistration(Memory):
     def dmabuf_fd(self) -> int:
         raise self._refuse("a dma-buf export")
 
-    def _hold(self, n: int) -> None:
-        with self._lock:
-            if self._closed:
-                raise UsageError(f"{self} is closed")
-            self._busy += n
+    def copy_target(self) -> CopyTarget:
+        return CopyTarget(self._range.ptr, self.ops, self.device_ordinal, self.gpu is not None)
 
-    def close(self, force: bool = False, timeout: float | None = None) -> None:
-        """Release it: its users (the ordering's accesses) are asked to quiesce first, its
-        dependents (MRs) must be closed (closed here with force=True); EBUSY while a load or
-        save still uses it (unless forced)."""
-        if self._closed:
-            return
-        share = self._share
-        if self.foreign:
-            self._closed = True
-            return
-        share.drain(timeout, force)
-        share.close_dependents(force)
-        with self._lock:
-            if self._busy and not force:
-                raise P2PHubOSError(errno.EBUSY, f"close {self}",
-                                    f"{self._busy} load/save transfer(s) still use it")
-            self._closed = True
-        share.released = True
+    def _free(self) -> None:
+        """Memory.close's last step: the range and the host memory it owns go."""
         self._range.close()
         if self._owned is not None:
             self._owned.close()
@@ -630,27 +608,10 @@ def register_host(hub: "Hub", mem: PinnedHost, reason: str | None = None) -> Sta
 
 
 class Staging(Resource):
-    """A Hub's staged engine: its lanes (one Stager per copy engine and device, reused by
-    every load and save) and its open staged registrations."""
+    """A Hub's open staged registrations (its engines, lanes included, are p2phub.batch.Engines)."""
 
     def __init__(self) -> None:
-        self.opts: dict[str, int] = {}
-        self._stagers: dict[tuple[str, int], Stager] = {}
         self._regs: "weakref.WeakSet[StagedRegistration]" = weakref.WeakSet()
-        self._lock = threading.Lock()
-
-    def configure(self, chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
-        Stager(HostOps(), 0, chunk, lanes)   # validates
-        self.close_stagers()
-        self.opts = {"chunk": chunk, "lanes": lanes}
-
-    def stager(self, ops: Any, device: int) -> Stager:
-        key = (ops.name, device)
-        with self._lock:
-            st = self._stagers.get(key)
-            if st is None:
-                st = self._stagers[key] = Stager(ops, device, **self.opts)
-            return st
 
     def add(self, reg: StagedRegistration) -> None:
         self._regs.add(reg)
@@ -661,15 +622,8 @@ class Staging(Resource):
     def registrations(self) -> list[StagedRegistration]:
         return [r for r in list(self._regs) if not r.closed]
 
-    def close_stagers(self) -> None:
-        with self._lock:
-            stagers, self._stagers = list(self._stagers.values()), {}
-        for st in stagers:
-            st.close()
-
     def _close(self) -> None:
-        """The Hub closes: every lane and every staged registration (forced)."""
-        self.close_stagers()
+        """The Hub closes: every staged registration (forced)."""
         for reg in list(self._regs):
             reg.close(force=True)
 
@@ -679,34 +633,24 @@ class Staging(Resource):
 
 def configure(hub: "Hub", chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
     """Set the hub's staging lanes: `lanes` I/Os in flight of `chunk` bytes each (2 x lanes x
-    chunk bytes of pinned host memory, allocated on the first transfer)."""
-    hub._staging.configure(chunk, lanes)
+    chunk bytes of pinned host memory, allocated on the first transfer). The lanes serve
+    memory whose copy engine the batch engine does not drive (ROCm, other backends)."""
+    hub.engines.configure_staged(chunk, lanes)
 
 
-def _stager(hub: "Hub", reg: Memory) -> Stager:
-    if isinstance(reg, StagedRegistration):
-        return hub._staging.stager(reg.ops, reg.device_ordinal)
-    gpu = _gpu_of(reg)
-    be = get_backend(gpu.backend)
-    if be is None:
-        raise UsageError(f"{reg}: the {gpu.backend} backend that made it is not installed here")
-    return hub._staging.stager(be, max(gpu.device, 0))
-
-
-def _gpu_of(reg: Memory) -> GpuRange:
-    """The GPU range of a peer-to-peer registration (load/save copy through its backend)."""
-    gpu = reg.gpu
-    if gpu is None:
+def copy_target(reg: Memory) -> CopyTarget:
+    """The registration's copy target, refused where load/save cannot copy to it."""
+    tgt = reg.copy_target()
+    if tgt.ops is None:
+        gpu = reg.gpu
+        if gpu is not None:
+            raise UsageError(f"{reg}: the {gpu.backend} backend that made it is not installed here")
         raise UsageError(f"{reg}: load/save needs GPU memory registered with hub.register(); "
                          "host registrations are reached through reg.mmap()")
-    return gpu
+    return tgt
 
 
-def _mem_ptr(reg: Memory) -> int:
-    return reg.ptr if isinstance(reg, StagedRegistration) else _gpu_of(reg).ptr
-
-
-def _check_memory(reg: Any, role: str) -> Memory:
+def check_memory(reg: Any, role: str) -> Memory:
     if not isinstance(reg, Memory):
         raise UsageError(f"{role} must be memory registered with this hub (hub.register or "
                          f"hub.alloc_host), not {describe(reg)}")
@@ -715,7 +659,7 @@ def _check_memory(reg: Any, role: str) -> Memory:
     return reg
 
 
-def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
+def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
     """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
@@ -740,99 +684,63 @@ def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]
     raise UsageError(f"{describe(target)}: not a path, an open file or an fd")
 
 
-def _size_of(fd: int) -> int:
+def size_of(fd: int) -> int:
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode):
         return st.st_size
     return os.lseek(fd, 0, os.SEEK_END)  # block devices
 
 
-def _is_namespace(obj: Any) -> bool:
-    """A p2phub NVMe Namespace (only possible once p2phub.nvme has been imported)."""
-    mod = sys.modules.get("p2phub.nvme.namespace")
-    return mod is not None and isinstance(obj, mod.Namespace)
+@runtime_checkable
+class DirectStorage(Protocol):
+    """Storage with an engine of its own (p2phub's NVMe Namespace): a load or save of it is one
+    ``submit`` of NVMe ops, the device reaching the memory itself."""
+
+    nsid: int
+    lba_size: int
+    blocks: int
+
+    def submit(self, ops: Any) -> list[Any]: ...
 
 
 def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
-         dest_offset: int = 0, *, direct: bool = True,
-         progress: Callable[[int], None] | None = None) -> Fence:
-    """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open
-    file, an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest`."""
-    reg = _check_memory(dest, "the destination")
-    if _is_namespace(source):
-        return _namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
-    if isinstance(reg, StagedRegistration):
-        reg._hold(0)
-    fd, is_direct, owned, name = _open(source, write=False, direct=direct)
-    try:
-        total = _size_of(fd)
-        if nbytes is None:
-            nbytes = total - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > total:
-            raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
-                             f"{total} bytes")
-        check_range(dest_offset, nbytes, reg.length, str(reg))
-        mem = _mem_ptr(reg) + dest_offset
-        return _launch(hub, "load", reg, fd, owned, is_direct, offset, dest_offset, mem, nbytes,
-                       f"load {name}[{offset}:+{nbytes}] -> {reg.what}", progress)
-    except BaseException:
-        if owned:
-            os.close(fd)
-        raise
+         dest_offset: int = 0, **kw: Any) -> Fence:
+    """``hub.load`` (see p2phub.batch.load)."""
+    return hub.load(source, dest, offset, nbytes, dest_offset, **kw)
 
 
 def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
-         source_offset: int = 0, *, direct: bool = True, sync: bool = True,
-         progress: Callable[[int], None] | None = None) -> Fence:
-    """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
-    `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace)."""
-    reg = _check_memory(source, "the source")
-    if _is_namespace(dest):
-        return _namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
-    if nbytes is None:
-        nbytes = reg.length - source_offset
-    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, str(reg))
-    if offset < 0:
-        raise UsageError(f"offset={offset} is negative")
-    use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
-    fd, is_direct, owned, name = _open(dest, write=True, direct=use_direct)
-    try:
-        fence_what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
-        return _launch(hub, "save", reg, fd, owned, is_direct, offset, source_offset,
-                       _mem_ptr(reg) + source_offset, nbytes, fence_what, progress, sync=sync)
-    except BaseException:
-        if owned:
-            os.close(fd)
-        raise
+         source_offset: int = 0, **kw: Any) -> Fence:
+    """``hub.save`` (see p2phub.batch.save)."""
+    return hub.save(source, dest, offset, nbytes, source_offset, **kw)
 
 
-def _launch(hub: "Hub", direction: str, reg: Memory, fd: int, owned: bool, direct: bool,
-            offset: int, reg_offset: int, mem: int, nbytes: int, what: str,
-            progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
-    stager = _stager(hub, reg)
+def on_lanes(hub: "Hub", direction: str, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+             direct: bool, offset: int, reg_offset: int, nbytes: int, what: str,
+             progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
+    """One load or save on the staging lanes, for memory whose copies only its backend's
+    Python operations can issue (the batch engine drives CUDA and host copies itself)."""
+    stager = hub.engines.stager(tgt.ops, tgt.ordinal)
     fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
     fence.stats["sync"] = sync
     # the transfer is an ordered access of the memory: a load fills it (producer), a save
     # reads it (consumer); it waits here for the earlier accesses it conflicts with
     kind = AccessKind.NVME_READ if direction == "load" else AccessKind.NVME_WRITE
     access = reg.ordering.acquire(reg_offset, nbytes, kind, what)
-    staged_reg = isinstance(reg, StagedRegistration)
     try:
-        if staged_reg:
-            reg._hold(1)
+        reg.hold()
     except BaseException as exc:
         access.cancel(exc)
         raise
 
     def done() -> None:
-        if staged_reg:
-            with reg._lock:
-                reg._busy -= 1
+        reg.unhold()
         if owned:
             os.close(fd)
 
     try:
-        stager.start(fence, direction, fd, direct, offset, mem, nbytes, progress, done)
+        stager.start(fence, direction, fd, direct, offset, tgt.ptr + reg_offset, nbytes,
+                     progress, done)
     except BaseException as exc:
         done()
         access.cancel(exc)
@@ -841,10 +749,11 @@ def _launch(hub: "Hub", direction: str, reg: Memory, fd: int, owned: bool, direc
     return fence
 
 
-def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: int | None,
-                  reg_offset: int) -> Fence:
-    if isinstance(reg, StagedRegistration):
-        raise reg._refuse(f"an NVMe {op} straight into memory")
+def namespace_io(hub: "Hub", op: str, ns: DirectStorage, reg: Memory, offset: int,
+                 nbytes: int | None, reg_offset: int) -> Fence:
+    if reg.mode == MODE_STAGED:
+        raise StagedModeError(f"{reg}: an NVMe {op} straight into memory needs peer-to-peer "
+                              f"mode; this registration is staged ({reg.reason})")
     from .nvme.namespace import Op
     lba_bytes = ns.lba_size
     if offset % lba_bytes:
