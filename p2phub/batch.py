@@ -752,12 +752,9 @@ class _Request:
     sync: bool
 
     def finish(self, err: BaseException | None, moved: int, stats: dict[str, Any]) -> None:
-        if err is None and moved < 0:
-            err = P2PHubOSError(-moved, self.fence.what)
-        elif err is None and moved < self.nbytes:
-            err = P2PHubOSError(errno.EIO, f"{'write' if self.write else 'read'} at offset "
-                                f"{self.offset}", f"the file ends at byte {self.offset + moved}, "
-                                f"before {self.offset + self.nbytes}")
+        if err is None and (moved < 0 or moved < self.nbytes):
+            err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.fence.what,
+                                self._short_why())
         try:
             self.reg.unhold()
             if self.owned:
@@ -768,6 +765,18 @@ class _Request:
             err = err or exc
         self.fence.stats.update(stats)
         self.fence._finish(err)
+
+
+    def _short_why(self) -> str:
+        """Why a read came up short: the file ends before the range (it shrank)."""
+        if self.write:
+            return ""
+        try:
+            size = staged.size_of(self.fd)
+        except OSError:
+            return ""
+        end = self.offset + self.nbytes
+        return f"the source ends at byte {size}, before {end}" if size < end else ""
 
 
 def _engine_copies(ops: Any) -> bool:

@@ -153,6 +153,7 @@ class MemoryOwner(Protocol):
     """What a Memory asks of the Hub that made it."""
 
     strict_ordering: bool
+    foreign: bool
 
     def _ordering_for(self, mem: "Memory") -> Any: ...
 
@@ -394,7 +395,7 @@ class Memory(Resource):
             self._closed = True
             return
         try:
-            if self.foreign:
+            if self.foreign or self._owner.foreign:   # a forked child of the hub's process
                 self._abandon()
             else:
                 self._release(force, timeout)

@@ -307,7 +307,7 @@ class Stager(Resource):
         self.chunk = chunk
         self.nlanes = lanes
         self._lanes: list[_Lane] = []
-        self._busy = threading.Lock()   # one transfer at a time uses the lanes
+        self._in_use = threading.Lock()   # one transfer at a time uses the lanes
 
     def _ensure(self) -> list[_Lane]:
         if not self._lanes:
@@ -320,7 +320,7 @@ class Stager(Resource):
         return self._lanes
 
     def _close(self) -> None:
-        with self._busy:
+        with self._in_use:
             for lane in self._lanes:
                 for b in lane.bufs:
                     b.close()
@@ -348,7 +348,7 @@ class Stager(Resource):
         t0 = time.perf_counter()
         err: BaseException | None = None
         try:
-            with self._busy:
+            with self._in_use:
                 lanes = self._ensure()
                 pieces = _pieces(file_offset, nbytes, self.chunk, direct)
                 nxt = iter(range(len(pieces)))
