@@ -60,7 +60,7 @@ from . import staged
 from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
-from .staged import ALIGN, MODE_STAGED, DirectStorage, Fence, HostOps, Stager
+from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
             p.mems.insert(k, None)  # type: ignore[arg-type]
     nvme_rows = np.zeros(n, bool)
     for k, target in enumerate(storages):
-        if isinstance(target, DirectStorage):
+        if staged.is_direct_storage(target):
             nvme_rows |= si == k
     try:
         for k, m in enumerate(p.mems):
@@ -378,7 +378,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
                 p.files.append(_File(None))
                 continue
             i0 = first_of(si, k)
-            if isinstance(target, DirectStorage):
+            if staged.is_direct_storage(target):
                 p.files.append(_File(target))
                 p.namespaces[k] = target
                 _check_namespace(np, p, k, target, used, write)
@@ -792,12 +792,12 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     a fence. The read is queued on the hub's engine thread with whatever else is queued (see
     _Worker); `progress(nbytes)` is called once the bytes are in."""
     reg = staged.check_memory(dest, "the destination")
-    if isinstance(source, DirectStorage):
+    if staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     tgt = staged.copy_target(reg)
     fd, is_direct, owned, name = staged.open_target(source, False, direct)
     try:
-        total = staged.size_of(fd)
+        total = staged.size_of(fd, name)
         if nbytes is None:
             nbytes = total - offset
         if offset < 0 or nbytes <= 0 or offset + nbytes > total:
@@ -823,7 +823,7 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace); with `sync`
     the file is fsynced before the fence completes."""
     reg = staged.check_memory(source, "the source")
-    if isinstance(dest, DirectStorage):
+    if staged.is_direct_storage(dest):
         return staged.namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
         nbytes = reg.length - source_offset

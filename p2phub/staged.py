@@ -663,20 +663,25 @@ def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool
     """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
-        if os.path.isdir(name):
-            raise UsageError(f"{name} is a directory: want a file or a block device")
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= os.O_CLOEXEC
+        fd, is_direct = -1, False
         if direct:
             try:
-                return os.open(name, flags | os.O_DIRECT, 0o644), True, True, name
+                fd, is_direct = os.open(name, flags | os.O_DIRECT, 0o644), True
             except OSError as exc:
+                if exc.errno == errno.EISDIR:
+                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
                 if exc.errno != errno.EINVAL:   # a file system without O_DIRECT: buffered
                     raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
-        try:
-            return os.open(name, flags, 0o644), False, True, name
-        except OSError as exc:
-            raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+        if fd < 0:
+            try:
+                fd = os.open(name, flags, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.EISDIR:
+                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
+                raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+        return fd, is_direct, True, name
     if isinstance(target, int) and not isinstance(target, bool):
         return target, False, False, f"fd {target}"
     if hasattr(target, "fileno"):
@@ -684,11 +689,19 @@ def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool
     raise UsageError(f"{describe(target)}: not a path, an open file or an fd")
 
 
-def size_of(fd: int) -> int:
+def size_of(fd: int, name: str = "") -> int:
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode):
         return st.st_size
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{name or f'fd {fd}'} is a directory: want a file or a block device")
     return os.lseek(fd, 0, os.SEEK_END)  # block devices
+
+
+def is_direct_storage(obj: Any) -> bool:
+    """A DirectStorage (an NVMe Namespace), the common file targets answered without the
+    protocol's attribute walk."""
+    return not isinstance(obj, (str, os.PathLike, int)) and isinstance(obj, DirectStorage)
 
 
 @runtime_checkable
