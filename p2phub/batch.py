@@ -60,6 +60,7 @@ from . import staged
 from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
+from .ordering.tracker import AccessKind
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
 
@@ -582,6 +583,9 @@ class Engines(Resource):
             return st
 
     def worker(self) -> "_Worker":
+        w = self._worker
+        if w is not None:       # every request asks: no lock once the thread runs
+            return w
         with self._lock:
             self._check_open()
             if self._worker is None:
@@ -763,7 +767,7 @@ class _Request:
                 self.progress(self.nbytes)
         except BaseException as exc:  # noqa: BLE001 - delivered through the fence
             err = err or exc
-        self.fence.stats.update(stats)
+        self.fence.stats.update(stats, direct=self.direct)
         self.fence._finish(err)
 
 
@@ -849,7 +853,6 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
 def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
            direct: bool, offset: int, reg_offset: int, nbytes: int, what: str, progress: Any,
            sync: bool) -> Fence:
-    from .ordering.tracker import AccessKind
     fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
     # an ordered access of the memory: a load fills it (producer), a save reads it (consumer);
     # it waits here for the earlier accesses it conflicts with
@@ -889,12 +892,11 @@ def _run_requests(reqs: list[_Request]) -> None:
         stats: dict[str, Any] = {}
         write = rs[0].write
         try:
-            fds = np.fromiter((r.fd for r in rs), np.int32, n)
-            off = np.fromiter((r.offset for r in rs), np.uint64, n)
-            ln = np.fromiter((r.nbytes for r in rs), np.uint64, n)
-            mem = np.fromiter((r.mem for r in rs), np.uint64, n)
-            flags = np.fromiter(((1 if r.direct else 0) | (2 if r.target.gpu else 0) for r in rs),
-                                np.uint8, n)
+            fds = np.array([r.fd for r in rs], np.int32)
+            off = np.array([r.offset for r in rs], np.uint64)
+            ln = np.array([r.nbytes for r in rs], np.uint64)
+            mem = np.array([r.mem for r in rs], np.uint64)
+            flags = np.array([r.direct | (r.target.gpu << 1) for r in rs], np.uint8)
             eng = rs[0].hub.engines.batch_engine(rs[0].target.ops, rs[0].target.ordinal)
             _rc, stats = eng.run(write, fds, off, ln, mem, flags, out)
             if write:
@@ -905,9 +907,7 @@ def _run_requests(reqs: list[_Request]) -> None:
         dt = time.perf_counter() - t0
         stats.update(seconds=dt, requests=n)
         for r, moved in zip(rs, out.tolist()):
-            st = dict(stats, direct=r.direct,
-                      gbps=(r.nbytes / dt / 1e9) if dt > 0 else 0.0)
-            r.finish(err, int(moved), st)
+            r.finish(err, moved, stats)
 
 
 def _release(held: list[Memory], p: _Plan) -> None:

@@ -500,6 +500,7 @@ class StagedRegistration(Memory):
         self.page_size = ALIGN
         self.what = what
         self._reason = reason
+        self._target: CopyTarget | None = None
         self._mark_owner()
 
     @property
@@ -551,7 +552,10 @@ class StagedRegistration(Memory):
         raise self._refuse("a dma-buf export")
 
     def copy_target(self) -> CopyTarget:
-        return CopyTarget(self._range.ptr, self.ops, self.device_ordinal, self.gpu is not None)
+        if self._target is None:    # asked once per request: made once
+            self._target = CopyTarget(self._range.ptr, self.ops, self.device_ordinal,
+                                      self.gpu is not None)
+        return self._target
 
     def _free(self) -> None:
         """Memory.close's last step: the range and the host memory it owns go."""
