@@ -11,11 +11,14 @@ bytes between storage and GPU memory through pinned host bounce buffers:
     storage --(kernel I/O: O_DIRECT preads, several in flight)--> pinned chunk
             --(cuMemcpyHtoDAsync on the lane's stream)--> GPU memory
 
-Each lane (one thread) owns a stream and two pinned chunks, so while one
-chunk's copy runs on the stream the lane already reads the next one; with
-several lanes the disk sees a deep queue and PCIe runs at the same time. Saving
-runs the other way (D2H copy, then O_DIRECT pwrite). Files and block devices
-both work; file systems without O_DIRECT (tmpfs) fall back to buffered I/O.
+Loads and saves into host memory and CUDA memory run on the Hub's batch engine
+(p2phub.batch: io_uring, reused staging slots, batched copies), one request or
+many. Memory of other backends (ROCm) goes through this module's lanes: each
+lane (one thread) owns a stream and two pinned chunks, so while one chunk's copy
+runs on the stream the lane already reads the next one; with several lanes the
+disk sees a deep queue and PCIe runs at the same time. Saving runs the other way
+(D2H copy, then O_DIRECT pwrite). Files and block devices both work; file
+systems without O_DIRECT (tmpfs) fall back to buffered I/O.
 
 The same calls work in peer-to-peer mode (files always go through the kernel;
 an NVMe namespace owned by p2phub goes straight to the SSD), and both return a
