@@ -392,6 +392,8 @@ class Registration(Memory):
 class Hub(Resource):
     """An open /dev/p2phub: the owner of every registration and controller made through it."""
 
+    _drain_timeout: float | None = None   # close(timeout)'s, for _close()
+
     def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
         """mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
         ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
