@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from . import capabilities
 from ._resource import Resource
-from .backend import GpuRange, check_range, describe, find_backend, get_backend
+from .backend import GpuRange, check_range, describe, find_backend
 from .errors import ModuleNotLoadedError, P2PHubOSError, StagedModeError, UsageError
 from .hostmem import PinnedHost
 from .memory import CopyTarget, Memory, MemoryInfo, MemoryShare
