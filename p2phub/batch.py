@@ -56,16 +56,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from . import staged
+from .backend import check_range
 from .errors import P2PHubOSError, UsageError
-from .backend import get_backend
-from .memory import Memory
-from .staged import ALIGN, Fence, HostOps, StagedRegistration, _is_namespace
+from .memory import CopyTarget, Memory
+from .ordering.tracker import AccessKind
+from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
 
 if TYPE_CHECKING:
     from .hub import Hub
 
-__all__ = ["BatchFence", "load_batch", "save_batch", "configure_batch"]
+__all__ = ["BatchFence", "Engines", "load", "save", "load_batch", "save_batch", "configure_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -222,23 +224,16 @@ def _first(np: Any, mask: Any) -> int | None:
 
 
 def _memory(hub: "Hub", reg: Any, i: int) -> _Mem:
-    if isinstance(reg, StagedRegistration):
-        if reg.closed:
-            raise UsageError(f"entry {i}: {reg} is closed")
-        if reg.hub is not hub:
-            raise UsageError(f"entry {i}: {reg} belongs to another hub")
-        return _Mem(reg, reg.ptr, reg.length, reg.gpu is not None, reg.ops,
-                    max(reg.device_ordinal, 0))
-    if isinstance(reg, Memory):
-        if reg.closed:
-            raise UsageError(f"entry {i}: {reg} is closed")
-        gpu = reg.gpu   # GPU memory: its backend copies to and from it; host or dma-buf
-        ops = get_backend(gpu.backend) if gpu is not None else None   # memory: NVMe entries only
-        src = reg.source
-        return _Mem(reg, gpu.ptr if gpu is not None else getattr(src, "ptr", 0), reg.length, True,
-                    ops, max(gpu.device, 0) if gpu is not None else 0)
-    raise UsageError(f"entry {i}: {type(reg).__name__} is not a registration of this hub "
-                     "(use hub.register())")
+    if not isinstance(reg, Memory):
+        raise UsageError(f"entry {i}: {type(reg).__name__} is not a registration of this hub "
+                         "(use hub.register())")
+    if reg.closed:
+        raise UsageError(f"entry {i}: {reg} is closed")
+    if reg.mode == MODE_STAGED and reg.hub is not hub:
+        raise UsageError(f"entry {i}: {reg} belongs to another hub")
+    # ops None: a P2P hub's host or dma-buf memory, reached by NVMe entries or its CPU mapping
+    t = reg.copy_target()
+    return _Mem(reg, t.ptr, reg.length, t.gpu or t.ops is None, t.ops, t.ordinal)
 
 
 def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
@@ -347,7 +342,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
     storages, memories, off, ln, mo, si, mi = cols
     n = off.size
     p = _Plan(n, off, ln, mo, si, mi)
-    p.buffered_from = hub.__dict__.get("_batch_opts", {}).get("buffered_from", DEFAULT_BUFFERED_FROM)
+    p.buffered_from = hub.engines.batch_opts["buffered_from"]
     if direct not in (True, False, "auto"):
         raise UsageError(f"direct={direct!r}: want True, False or 'auto'")
     first_of = lambda idx, k: int(np.argmax(idx == k))  # noqa: E731
@@ -371,7 +366,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
             p.mems.insert(k, None)  # type: ignore[arg-type]
     nvme_rows = np.zeros(n, bool)
     for k, target in enumerate(storages):
-        if _is_namespace(target):
+        if staged.is_direct_storage(target):
             nvme_rows |= si == k
     try:
         for k, m in enumerate(p.mems):
@@ -384,7 +379,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
                 p.files.append(_File(None))
                 continue
             i0 = first_of(si, k)
-            if _is_namespace(target):
+            if staged.is_direct_storage(target):
                 p.files.append(_File(target))
                 p.namespaces[k] = target
                 _check_namespace(np, p, k, target, used, write)
@@ -422,7 +417,7 @@ def _check_namespace(np: Any, p: _Plan, k: int, ns: Any, used: Any, write: bool)
                          f"of {ns} ({ns.blocks * lba} bytes)")
     for i in np.flatnonzero(used):
         m = p.mems[int(p.midx[i])]
-        if isinstance(m.reg, StagedRegistration):
+        if m.reg.mode == MODE_STAGED:
             raise UsageError(f"entry {int(i)}: an NVMe {'write' if write else 'read'} straight "
                              f"into {m.reg} needs peer-to-peer mode ({m.reg.reason})")
 
@@ -520,32 +515,102 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     engine registering its staging memory with io_uring; `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran)."""
-    if not 1 <= depth <= 4096:
-        raise UsageError(f"depth={depth}: want 1..4096")
-    if slot <= 0 or slot % ALIGN:
-        raise UsageError(f"slot={slot} must be a positive multiple of {ALIGN}")
-    if slots < 1:
-        raise UsageError(f"slots={slots} must be positive")
-    if buffered_from <= 0:
-        raise UsageError(f"buffered_from={buffered_from} must be positive")
-    for key in [k for k in hub.__dict__.get("_stagers", {}) if k[0] == "batch"]:
-        hub.__dict__["_stagers"].pop(key).close()
-    hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
-                                   "buffered_from": buffered_from,
-                                   "options": (0 if fixed_buffers else _OPT_NO_FIXED)
-                                   | (0 if io_thread else _OPT_NO_IO_THREAD)}
+    hub._check_open()
+    hub.engines.configure_batch(depth, slot, slots, buffered_from, fixed_buffers=fixed_buffers,
+                                io_thread=io_thread)
+
+
+class Engines(Resource):
+    """A Hub's I/O engines and their settings, in one place: the batch engines (one per copy
+    engine and device), the thread that runs them, the staging lanes (p2phub.staged.Stager)
+    of memory the batch engine does not copy to. Hub.close() closes them: the queued work
+    runs to its end, then the thread ends and the rings, pinned memory and streams go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.batch_opts: dict[str, int] = {"depth": DEFAULT_DEPTH, "slot": DEFAULT_SLOT,
+                                           "slots": DEFAULT_SLOTS,
+                                           "buffered_from": DEFAULT_BUFFERED_FROM,
+                                           "options": _OPT_NO_IO_THREAD}
+        self.staged_opts: dict[str, int] = {}
+        self._batch: dict[tuple[str, int], _Engine] = {}
+        self._stagers: dict[tuple[str, int], Stager] = {}
+        self._worker: _Worker | None = None
+
+    def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
+                        fixed_buffers: bool, io_thread: bool) -> None:
+        if not 1 <= depth <= 4096:
+            raise UsageError(f"depth={depth}: want 1..4096")
+        if slot <= 0 or slot % ALIGN:
+            raise UsageError(f"slot={slot} must be a positive multiple of {ALIGN}")
+        if slots < 1:
+            raise UsageError(f"slots={slots} must be positive")
+        if buffered_from <= 0:
+            raise UsageError(f"buffered_from={buffered_from} must be positive")
+        with self._lock:
+            engines, self._batch = list(self._batch.values()), {}
+            self.batch_opts = {"depth": depth, "slot": slot, "slots": slots,
+                               "buffered_from": buffered_from,
+                               "options": (0 if fixed_buffers else _OPT_NO_FIXED)
+                               | (0 if io_thread else _OPT_NO_IO_THREAD)}
+        _close_each(engines)   # each waits for the batch it runs
+
+    def configure_staged(self, chunk: int, lanes: int) -> None:
+        Stager(HostOps(), 0, chunk, lanes)   # validates
+        with self._lock:
+            stagers, self._stagers = list(self._stagers.values()), {}
+            self.staged_opts = {"chunk": chunk, "lanes": lanes}
+        _close_each(stagers)
+
+    def batch_engine(self, ops: Any, device: int) -> "_Engine":
+        key = (getattr(ops, "name", type(ops).__name__), device)
+        with self._lock:
+            self._check_open()
+            eng = self._batch.get(key)
+            if eng is None:
+                o = self.batch_opts
+                eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
+                                                 o["options"])
+            return eng
+
+    def stager(self, ops: Any, device: int) -> Stager:
+        key = (ops.name, device)
+        with self._lock:
+            self._check_open()
+            st = self._stagers.get(key)
+            if st is None:
+                st = self._stagers[key] = Stager(ops, device, **self.staged_opts)
+            return st
+
+    def worker(self) -> "_Worker":
+        w = self._worker
+        if w is not None:       # every request asks: no lock once the thread runs
+            return w
+        with self._lock:
+            self._check_open()
+            if self._worker is None:
+                self._worker = _Worker()
+            return self._worker
+
+    def _close(self) -> None:
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()      # runs what is queued (engines still open), ends the thread
+        with self._lock:
+            self._closed = True
+            owned: list[Resource] = [*self._batch.values(), *self._stagers.values()]
+            self._batch, self._stagers = {}, {}
+        _close_each(owned)
+
+
+def _close_each(objs: list[Any]) -> None:
+    for o in objs:
+        o.close()
 
 
 def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:
-    # kept with the hub's stagers, so that Hub.close() (staged.close_stagers) closes it
-    key = ("batch", getattr(ops, "name", type(ops).__name__), device)
-    stagers = hub.__dict__.setdefault("_stagers", {})
-    if key not in stagers:
-        opts = hub.__dict__.get("_batch_opts", {})
-        stagers[key] = _Engine(ops, device, opts.get("depth", DEFAULT_DEPTH),
-                               opts.get("slot", DEFAULT_SLOT), opts.get("slots", DEFAULT_SLOTS),
-                               opts.get("options", _OPT_NO_IO_THREAD))
-    return stagers[key]
+    return hub.engines.batch_engine(ops, device)
 
 
 # ------------------------------------------------------------------ load / save
@@ -588,12 +653,14 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         fence.entries = [Fence(f"{verb}_batch entry {i}", int(p.length[i])) for i in range(p.n)]
     fence.results = np.zeros(p.n, np.int64)
     fence.stats["io"] = {f.name: _io_name(f, p.buffered_from) for f in p.files if f.fd >= 0}
-    held = [m.reg for m in p.mems if m is not None and isinstance(m.reg, StagedRegistration)]
+    held: list[Memory] = []
     try:
-        for reg in held:
-            reg._hold(1)
+        for m in p.mems:
+            if m is not None:
+                m.reg.hold()
+                held.append(m.reg)
     except BaseException:
-        _close_plan(p)
+        _release(held, p)
         raise
     is_ns = np.isin(p.sidx, np.fromiter(p.namespaces, np.int64, len(p.namespaces)))
     parts: list[Any] = []
@@ -604,28 +671,44 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         _release(held, p)
         raise
     file_rows = np.flatnonzero(~is_ns)
-    _worker(hub).put((hub, write, p, file_rows, parts, fence, held, sync))
+    try:
+        hub.engines.worker().put((hub, write, p, file_rows, parts, fence, held, sync))
+    except BaseException:
+        _release(held, p)
+        raise
     return fence
 
 
 class _Worker(Resource):
-    """The hub's batch thread: batches run on it one after another (a thread started per
-    batch costs more than a small batch's I/O on a busy host)."""
+    """The hub's engine thread: batches and single requests run on it in the order queued.
+    Each time it wakes it takes everything queued; consecutive single requests of one direction
+    go to the engine as one submission, so requests issued together are read together, while
+    a lone request runs as soon as it is queued (nothing waits for a batch to fill)."""
 
     def __init__(self) -> None:
         import queue
+        self._empty = queue.Empty
         self.q: Any = queue.SimpleQueue()
         self.t = threading.Thread(target=self._loop, name="p2phub-batch", daemon=True)
         self.t.start()
 
     def _loop(self) -> None:
-        while (job := self.q.get()) is not None:
+        while True:
+            jobs = [self.q.get()]
+            while jobs[-1] is not None:
+                try:
+                    jobs.append(self.q.get_nowait())
+                except self._empty:
+                    break
+            stop = jobs[-1] is None
             try:
-                _run(*job)
-            except BaseException:  # noqa: BLE001 - _run reports through the fence; keep serving
+                _serve([j for j in jobs if j is not None])
+            except BaseException:  # noqa: BLE001 - _serve reports through the fences; keep serving
                 log.exception("batch worker")
+            if stop:
+                return
 
-    def put(self, job: tuple[Any, ...]) -> None:
+    def put(self, job: Any) -> None:
         self.q.put(job)
 
     def _close(self) -> None:
@@ -635,18 +718,201 @@ class _Worker(Resource):
             self.t.join()
 
 
-def _worker(hub: "Hub") -> _Worker:
-    stagers = hub.__dict__.setdefault("_stagers", {})
-    w = stagers.get(("batch-worker",))
-    if w is None:
-        w = stagers[("batch-worker",)] = _Worker()
-    return w
+def _serve(jobs: list[Any]) -> None:
+    run: list[_Request] = []
+    for job in jobs:
+        if isinstance(job, _Request) and (not run or run[0].write == job.write):
+            run.append(job)
+            continue
+        if run:
+            _run_requests(run)
+            run = []
+        if isinstance(job, _Request):
+            run.append(job)
+        else:
+            _run(*job)
+    if run:
+        _run_requests(run)
 
 
-def _release(held: list[Any], p: _Plan) -> None:
+# ------------------------------------------------------------------ single requests
+
+
+@dataclass(eq=False)
+class _Request:
+    """One hub.load / hub.save queued on the engine thread."""
+    hub: Any
+    write: bool
+    reg: Memory
+    target: CopyTarget
+    fd: int
+    owned: bool
+    direct: bool
+    offset: int
+    mem: int
+    nbytes: int
+    fence: Fence
+    progress: Any
+    sync: bool
+
+    def finish(self, err: BaseException | None, moved: int, stats: dict[str, Any]) -> None:
+        if err is None and (moved < 0 or moved < self.nbytes):
+            err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.fence.what,
+                                self._short_why())
+        try:
+            self.reg.unhold()
+            if self.owned:
+                os.close(self.fd)
+            if err is None and self.progress is not None:
+                self.progress(self.nbytes)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the fence
+            err = err or exc
+        self.fence.stats.update(stats, direct=self.direct)
+        self.fence._finish(err)
+
+
+    def _short_why(self) -> str:
+        """Why a read came up short: the file ends before the range (it shrank)."""
+        if self.write:
+            return ""
+        try:
+            size = staged.size_of(self.fd)
+        except OSError:
+            return ""
+        end = self.offset + self.nbytes
+        return f"the source ends at byte {size}, before {end}" if size < end else ""
+
+
+def _engine_copies(ops: Any) -> bool:
+    """The batch engine issues this copy engine's copies itself (memcpy, the CUDA driver)."""
+    return getattr(ops, "name", "") in ("host", "cuda")
+
+
+def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
+         dest_offset: int = 0, *, direct: bool = True,
+         progress: Any = None) -> Fence:
+    """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open file,
+    an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest` at `dest_offset`;
+    a fence. The read is queued on the hub's engine thread with whatever else is queued (see
+    _Worker); `progress(nbytes)` is called once the bytes are in."""
+    reg = staged.check_memory(dest, "the destination")
+    if staged.is_direct_storage(source):
+        return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
+    tgt = staged.copy_target(reg)
+    fd, is_direct, owned, name = staged.open_target(source, False, direct)
+    try:
+        total = staged.size_of(fd, name)
+        if nbytes is None:
+            nbytes = total - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > total:
+            raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
+                             f"{total} bytes")
+        check_range(dest_offset, nbytes, reg.length, str(reg))
+        what = f"load {name}[{offset}:+{nbytes}] -> {reg.what}"
+        if not _engine_copies(tgt.ops):
+            return staged.on_lanes(hub, "load", reg, tgt, fd, owned, is_direct, offset,
+                                   dest_offset, nbytes, what, progress)
+        return _queue(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
+                      what, progress, True)
+    except BaseException:
+        if owned:
+            os.close(fd)
+        raise
+
+
+def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
+         source_offset: int = 0, *, direct: bool = True, sync: bool = True,
+         progress: Any = None) -> Fence:
+    """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
+    `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace); with `sync`
+    the file is fsynced before the fence completes."""
+    reg = staged.check_memory(source, "the source")
+    if staged.is_direct_storage(dest):
+        return staged.namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
+    if nbytes is None:
+        nbytes = reg.length - source_offset
+    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, str(reg))
+    if offset < 0:
+        raise UsageError(f"offset={offset} is negative")
+    tgt = staged.copy_target(reg)
+    use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
+    fd, is_direct, owned, name = staged.open_target(dest, True, use_direct)
+    try:
+        what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
+        if not _engine_copies(tgt.ops):
+            return staged.on_lanes(hub, "save", reg, tgt, fd, owned, is_direct, offset,
+                                   source_offset, nbytes, what, progress, sync=sync)
+        return _queue(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
+                      what, progress, sync)
+    except BaseException:
+        if owned:
+            os.close(fd)
+        raise
+
+
+def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+           direct: bool, offset: int, reg_offset: int, nbytes: int, what: str, progress: Any,
+           sync: bool) -> Fence:
+    fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
+    # an ordered access of the memory: a load fills it (producer), a save reads it (consumer);
+    # it waits here for the earlier accesses it conflicts with
+    access = reg.ordering.acquire(reg_offset, nbytes,
+                                  AccessKind.NVME_WRITE if write else AccessKind.NVME_READ, what)
+    try:
+        reg.hold()
+    except BaseException as exc:
+        access.cancel(exc)
+        raise
+    req = _Request(hub, write, reg, tgt, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
+                   fence, progress, sync)
+    try:
+        hub.engines.worker().put(req)
+    except BaseException as exc:
+        reg.unhold()
+        access.cancel(exc)
+        raise
+    access.bind(fence)
+    return fence
+
+
+def _run_requests(reqs: list[_Request]) -> None:
+    """Requests of one direction, one engine submission per copy engine and device."""
+    import time
+
+    import numpy as np
+    groups: dict[tuple[int, str, int], list[_Request]] = {}
+    for r in reqs:
+        key = (id(r.hub), getattr(r.target.ops, "name", ""), r.target.ordinal)
+        groups.setdefault(key, []).append(r)
+    for rs in groups.values():
+        n = len(rs)
+        t0 = time.perf_counter()
+        out = np.zeros(n, np.int64)
+        err: BaseException | None = None
+        stats: dict[str, Any] = {}
+        write = rs[0].write
+        try:
+            fds = np.array([r.fd for r in rs], np.int32)
+            off = np.array([r.offset for r in rs], np.uint64)
+            ln = np.array([r.nbytes for r in rs], np.uint64)
+            mem = np.array([r.mem for r in rs], np.uint64)
+            flags = np.array([r.direct | (r.target.gpu << 1) for r in rs], np.uint8)
+            eng = rs[0].hub.engines.batch_engine(rs[0].target.ops, rs[0].target.ordinal)
+            _rc, stats = eng.run(write, fds, off, ln, mem, flags, out)
+            if write:
+                for fd in {r.fd for r in rs if r.sync}:
+                    os.fsync(fd)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the fences
+            err = exc
+        dt = time.perf_counter() - t0
+        stats.update(seconds=dt, requests=n)
+        for r, moved in zip(rs, out.tolist()):
+            r.finish(err, moved, stats)
+
+
+def _release(held: list[Memory], p: _Plan) -> None:
     for reg in held:
-        with reg._lock:
-            reg._busy -= 1
+        reg.unhold()
     _close_plan(p)
 
 

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Protocol
 
-from . import capabilities, hostmem, sources, staged, uapi
+from . import batch, capabilities, hostmem, sources, staged, uapi
 from ._resource import Resource
 from .backend import GpuRange
 from .device import Device, ModuleInfo, ioctl_error
@@ -189,6 +189,9 @@ class _Pin(MemoryShare):
         if not drained:
             self.drain(timeout, force)
         self.close_dependents(force)
+        with self.hold_lock:
+            if not force:
+                self.check_holds(self.what)
         if self.dmabuf_fd >= 0:
             os.close(self.dmabuf_fd)
             self.dmabuf_fd = -1
@@ -347,38 +350,33 @@ class Registration(Memory):
 
     # ----------------------------------------------------------- lifetime
 
-    def close(self, force: bool = False, timeout: float | None = None) -> None:
-        """Release this handle; the last handle of a pin unregisters it.
+    # ----------------------------------------------------------- lifetime (Memory.close's hooks)
+    # close(force, timeout): the last handle of a pin unregisters it. Raises P2PHubOSError(EBUSY)
+    # while an importer is attached to an export, while RDMA memory regions of it are alive
+    # (with force=True they are closed first), or while a transfer holds it.
 
-        Before that, the pin's users are asked to quiesce (up to `timeout` seconds,
-        default DRAIN_TIMEOUT_S): one that cannot makes close() raise and release
-        nothing. Raises P2PHubOSError(EBUSY) while an importer is attached to an export,
-        or while RDMA memory regions of it are alive (with force=True they are closed first).
-        """
-        if self._closed:
-            return
+    def _detach(self) -> bool:
         pin = self._pin
-        hub = pin.hub
-        with hub._lock:
-            last = pin.refs == 1 and not pin.released
-            if last:
-                hub._uncache(pin)   # no new handle on a pin on its way out
-            else:
-                pin.refs -= 1       # another handle still holds the pin
-                self._closed = True
-                return
-        try:
-            if hub.foreign:
-                pin.abandon()       # a forked child never releases the parent's memory
-            else:
-                pin.release(kernel=True, force=force, timeout=timeout)
-        except BaseException:
-            with hub._lock:         # still registered: findable again
-                if pin.key is not None and not pin.revoked:
-                    hub._cache.setdefault(pin.key, pin)
-            raise
-        pin.refs -= 1
-        self._closed = True
+        with pin.hub._lock:
+            if pin.refs == 1 and not pin.released:
+                pin.hub._uncache(pin)   # no new handle on a pin on its way out
+                return False
+            pin.refs -= 1               # another handle still holds the pin
+            return True
+
+    def _abandon(self) -> None:
+        self._pin.abandon()             # a forked child never releases the parent's memory
+        self._pin.refs -= 1
+
+    def _release(self, force: bool, timeout: float | None) -> None:
+        self._pin.release(kernel=True, force=force, timeout=timeout)
+        self._pin.refs -= 1
+
+    def _reattach(self) -> None:
+        pin = self._pin
+        with pin.hub._lock:             # still registered: findable again
+            if pin.key is not None and not pin.revoked:
+                pin.hub._cache.setdefault(pin.key, pin)
 
     @property
     def closed(self) -> bool:
@@ -394,6 +392,8 @@ class Registration(Memory):
 class Hub(Resource):
     """An open /dev/p2phub: the owner of every registration and controller made through it."""
 
+    _drain_timeout: float | None = None   # close(timeout)'s, for _close()
+
     def __init__(self, path: str = uapi.DEVICE_PATH, mode: str = "auto") -> None:
         """mode: "auto" (P2P when /dev/p2phub can be opened, else staged), "p2p" or "staged".
         ``hub.mode`` says which one it is in and ``hub.mode_reason`` why (doctor check ids);
@@ -401,7 +401,8 @@ class Hub(Resource):
         self.mode, self.mode_reason = staged.choose_mode(path, mode)
         self.device = Device(path) if self.mode == "p2p" else \
             staged.NoDevice(path, self.mode_reason)  # type: ignore[assignment]
-        self._staging = staged.Staging()   # the staged engine: lanes, staged registrations
+        self._staging = staged.Staging()   # the open staged registrations
+        self.engines = batch.Engines()     # the I/O engines, their thread and settings
         self.policy = PathPolicy()         # chooses each (memory, device) pair's path
         if self.mode == "staged" and (self.mode, self.mode_reason) not in _said:
             _said.add((self.mode, self.mode_reason))
@@ -435,23 +436,24 @@ class Hub(Resource):
 
     def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
              dest_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
-        """Read storage (file, block device, NVMe namespace) into a registration; a fence."""
-        return staged.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
+        """Read storage (file, block device, NVMe namespace) into a registration; a fence.
+        Queued on the same engine as load_batch, with every other request queued with it."""
+        self._check_open()
+        return batch.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
 
     def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
              source_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
         """Write a registration to storage (file, block device, NVMe namespace); a fence."""
-        return staged.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
+        self._check_open()
+        return batch.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
 
     def load_batch(self, entries: Any = None, **kw: Any) -> Any:  # -> p2phub.batch.BatchFence
         """Many (storage, offset, length, memory, memory offset) reads in one call, checked
         before any is submitted; one fence (see p2phub.batch)."""
-        from . import batch
         return batch.load_batch(self, entries, **kw)
 
     def save_batch(self, entries: Any = None, **kw: Any) -> Any:  # -> p2phub.batch.BatchFence
         """Many writes of registered memory to storage in one call (see p2phub.batch)."""
-        from . import batch
         return batch.save_batch(self, entries, **kw)
 
     # ----------------------------------------------------------- registering
@@ -618,16 +620,19 @@ class Hub(Resource):
         return self.device.info()
 
     def close(self, timeout: float | None = None) -> None:  # type: ignore[override]
-        """Drain every registration's users (up to `timeout` seconds, default DRAIN_TIMEOUT_S;
-        raising, with nothing released, when one cannot), close the controllers of
-        Hub.nvme(), release every pin, then close /dev/p2phub (which releases in the kernel
-        what is left)."""
-        if self._closed:
-            return
-        self._close_all(timeout)
-        self._closed = True
+        """Run what is queued on the engines and close them (their thread, rings, pinned
+        memory), drain every registration's users (up to `timeout` seconds, default
+        DRAIN_TIMEOUT_S; raising, with nothing released, when one cannot), close the
+        controllers of Hub.nvme(), release every pin, then close /dev/p2phub (which releases
+        in the kernel what is left)."""
+        self._drain_timeout = timeout
+        super().close()
+
+    def _close(self) -> None:
+        self._close_all(self._drain_timeout)
 
     def _close_all(self, timeout: float | None) -> None:
+        self.engines.close()
         self._staging.close()
         if self.device.closed:
             return

@@ -12,6 +12,9 @@ uses only what is written here:
 - who uses it: ``add_user`` / ``remove_user`` / ``users`` (quiesced before it is
   released), ``add_dependent`` / ``live_dependents`` (closed first, e.g. MRs);
 - its order: ``ordering`` and ``gpu_access(...)`` (p2phub.ordering);
+- what a copy engine needs: ``copy_target()`` (the address its bytes start at, the copy
+  operations that reach them, the device ordinal) and ``hold()`` / ``unhold()`` around a
+  transfer in flight (close() refuses with EBUSY while one is held, unless forced);
 - how it reaches a device: ``path(device)`` says which path a device would take
   and why (`MemPath`), ``bind(device)`` takes it (`Binding`: the kernel handle a
   device maps, or the staged lane), and refuses with an error naming why. The
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
     from .backend import GpuRange
 
 __all__ = ["Memory", "MemoryShare", "MemPath", "PathKind", "Binding", "NicTarget", "MemoryInfo",
-           "DRAIN_TIMEOUT_S", "device_key"]
+           "CopyTarget", "DRAIN_TIMEOUT_S", "device_key"]
 
 DRAIN_TIMEOUT_S = 30.0  # how long close() waits for a memory's users by default
 
@@ -131,10 +135,25 @@ class MemoryInfo:
     revocable: bool = False
 
 
+@dataclass(frozen=True)
+class CopyTarget:
+    """What a copy engine (staged lanes, the batch engine) needs to reach a memory's bytes:
+    the address they start at, the copy operations of the runtime that owns them (a backend's,
+    p2phub.staged.HostOps for host memory; None where no engine copies: a P2P hub's dma-buf or
+    host registration, reached through its CPU mapping), the device ordinal, and whether the
+    bytes are GPU memory."""
+
+    ptr: int
+    ops: Any
+    ordinal: int
+    gpu: bool
+
+
 class MemoryOwner(Protocol):
     """What a Memory asks of the Hub that made it."""
 
     strict_ordering: bool
+    foreign: bool
 
     def _ordering_for(self, mem: "Memory") -> Any: ...
 
@@ -153,6 +172,8 @@ class MemoryShare:
         self.ordering: Any = None       # p2phub.ordering.Ordering, made on first use
         self.paths: dict[str, MemPath] = {}
         self.released = False
+        self.holds = 0                  # transfers in flight (Memory.hold)
+        self.hold_lock = threading.Lock()
 
     @property
     def what(self) -> str:
@@ -172,6 +193,12 @@ class MemoryShare:
                     continue
                 raise P2PHubOSError(errno.EBUSY, f"close {self.what}",
                                     f"{user!r} still has I/O outstanding on it; nothing was released")
+
+    def check_holds(self, what: str) -> None:
+        """Raise EBUSY while a transfer holds the memory (call with hold_lock held)."""
+        if self.holds:
+            raise P2PHubOSError(errno.EBUSY, f"close {what}",
+                                f"{self.holds} load/save transfer(s) still use it")
 
     def close_dependents(self, force: bool) -> None:
         live = [d for d in self.dependents if not d.closed] if self.dependents else []
@@ -240,6 +267,36 @@ class Memory(Resource):
     def same_memory(self, other: object) -> bool:
         """Two handles of the same memory (the Hub's cache hands out several)."""
         return other is self or (isinstance(other, Memory) and other._share is self._share)
+
+    def copy_target(self) -> CopyTarget:
+        """Where a copy engine finds the bytes (see CopyTarget): GPU memory through its
+        backend's copies; host memory a P2P hub pinned has no copy engine (ops None)."""
+        from .backend import get_backend
+        gpu = self.gpu
+        if gpu is not None:
+            return CopyTarget(gpu.ptr, get_backend(gpu.backend), max(gpu.device, 0), True)
+        return CopyTarget(int(getattr(self.source, "ptr", 0) or 0), None, 0, False)
+
+    # ------------------------------------------------------------------ transfers in flight
+
+    def hold(self, n: int = 1) -> None:
+        """A transfer that reads or writes this memory starts: close() refuses (EBUSY, unless
+        forced) until the matching unhold(). UsageError once the memory is closed."""
+        share = self._share
+        with share.hold_lock:
+            if self.closed:
+                raise UsageError(f"{self} is closed")
+            share.holds += n
+
+    def unhold(self, n: int = 1) -> None:
+        share = self._share
+        with share.hold_lock:
+            share.holds -= n
+
+    @property
+    def holds(self) -> int:
+        """Transfers in flight on this memory (every handle of it)."""
+        return self._share.holds
 
     # ------------------------------------------------------------------ users and dependents
 
@@ -327,7 +384,52 @@ class Memory(Resource):
     # ------------------------------------------------------------------ lifetime
 
     def close(self, force: bool = False, timeout: float | None = None) -> None:  # type: ignore[override]
-        raise NotImplementedError
+        """Release this handle of the memory, once. Its users are asked to quiesce first (up to
+        `timeout` seconds, default DRAIN_TIMEOUT_S), its dependents (MRs) must be closed (closed
+        here with force=True), and no transfer may hold it (EBUSY unless forced); on a refusal
+        nothing is released and close() may be called again. In a forked child nothing of the
+        parent's is released."""
+        if self.closed:
+            return
+        if self._detach():
+            self._closed = True
+            return
+        try:
+            if self.foreign or self._owner.foreign:   # a forked child of the hub's process
+                self._abandon()
+            else:
+                self._release(force, timeout)
+        except BaseException:
+            self._reattach()
+            raise
+        self._closed = True
+
+    # The variations of close(), per kind of memory:
+
+    def _detach(self) -> bool:
+        """True when other handles keep the memory alive: this one just goes."""
+        return False
+
+    def _release(self, force: bool, timeout: float | None) -> None:
+        """Drain users, close dependents, check holds, then free what this memory holds."""
+        share = self._share
+        share.drain(timeout, force)
+        share.close_dependents(force)
+        with share.hold_lock:
+            if not force:
+                share.check_holds(str(self))
+            self._closed = True     # no new hold from here on
+        share.released = True
+        self._free()
+
+    def _free(self) -> None:
+        """Free what this memory holds (after _release's checks)."""
+
+    def _abandon(self) -> None:
+        """In a forked child: let go without touching the parent's state."""
+
+    def _reattach(self) -> None:
+        """A refused release: make the memory findable again."""
 
     def _check_open(self) -> None:
         if self.closed:

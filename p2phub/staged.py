@@ -11,11 +11,14 @@ bytes between storage and GPU memory through pinned host bounce buffers:
     storage --(kernel I/O: O_DIRECT preads, several in flight)--> pinned chunk
             --(cuMemcpyHtoDAsync on the lane's stream)--> GPU memory
 
-Each lane (one thread) owns a stream and two pinned chunks, so while one
-chunk's copy runs on the stream the lane already reads the next one; with
-several lanes the disk sees a deep queue and PCIe runs at the same time. Saving
-runs the other way (D2H copy, then O_DIRECT pwrite). Files and block devices
-both work; file systems without O_DIRECT (tmpfs) fall back to buffered I/O.
+Loads and saves into host memory and CUDA memory run on the Hub's batch engine
+(p2phub.batch: io_uring, reused staging slots, batched copies), one request or
+many. Memory of other backends (ROCm) goes through this module's lanes: each
+lane (one thread) owns a stream and two pinned chunks, so while one chunk's copy
+runs on the stream the lane already reads the next one; with several lanes the
+disk sees a deep queue and PCIe runs at the same time. Saving runs the other way
+(D2H copy, then O_DIRECT pwrite). Files and block devices both work; file
+systems without O_DIRECT (tmpfs) fall back to buffered I/O.
 
 The same calls work in peer-to-peer mode (files always go through the kernel;
 an NVMe namespace owned by p2phub goes straight to the SSD), and both return a
@@ -30,28 +33,27 @@ import errno
 import mmap
 import os
 import stat
-import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from . import capabilities
 from ._resource import Resource
-from .backend import GpuRange, check_range, describe, find_backend, get_backend
+from .backend import GpuRange, check_range, describe, find_backend
 from .errors import ModuleNotLoadedError, P2PHubOSError, StagedModeError, UsageError
 from .hostmem import PinnedHost
-from .memory import Memory, MemoryInfo, MemoryShare
+from .memory import CopyTarget, Memory, MemoryInfo, MemoryShare
 from .ordering.tracker import AccessKind
 
 if TYPE_CHECKING:
     from .hub import Hub
 
 __all__ = ["StagedRegistration", "StagedModeError", "Fence", "Stager", "Staging", "choose_mode",
-           "HostOps", "load", "save", "register", "register_host", "configure"]
+           "HostOps", "DirectStorage", "load", "save", "register", "register_host", "configure"]
 
 MODE_P2P = "p2p"
 MODE_STAGED = "staged"
@@ -308,7 +310,7 @@ class Stager(Resource):
         self.chunk = chunk
         self.nlanes = lanes
         self._lanes: list[_Lane] = []
-        self._busy = threading.Lock()   # one transfer at a time uses the lanes
+        self._in_use = threading.Lock()   # one transfer at a time uses the lanes
 
     def _ensure(self) -> list[_Lane]:
         if not self._lanes:
@@ -321,7 +323,7 @@ class Stager(Resource):
         return self._lanes
 
     def _close(self) -> None:
-        with self._busy:
+        with self._in_use:
             for lane in self._lanes:
                 for b in lane.bufs:
                     b.close()
@@ -349,7 +351,7 @@ class Stager(Resource):
         t0 = time.perf_counter()
         err: BaseException | None = None
         try:
-            with self._busy:
+            with self._in_use:
                 lanes = self._ensure()
                 pieces = _pieces(file_offset, nbytes, self.chunk, direct)
                 nxt = iter(range(len(pieces)))
@@ -501,8 +503,7 @@ class StagedRegistration(Memory):
         self.page_size = ALIGN
         self.what = what
         self._reason = reason
-        self._busy = 0
-        self._lock = threading.Lock()
+        self._target: CopyTarget | None = None
         self._mark_owner()
 
     @property
@@ -553,30 +554,14 @@ class StagedRegistration(Memory):
     def dmabuf_fd(self) -> int:
         raise self._refuse("a dma-buf export")
 
-    def _hold(self, n: int) -> None:
-        with self._lock:
-            if self._closed:
-                raise UsageError(f"{self} is closed")
-            self._busy += n
+    def copy_target(self) -> CopyTarget:
+        if self._target is None:    # asked once per request: made once
+            self._target = CopyTarget(self._range.ptr, self.ops, self.device_ordinal,
+                                      self.gpu is not None)
+        return self._target
 
-    def close(self, force: bool = False, timeout: float | None = None) -> None:
-        """Release it: its users (the ordering's accesses) are asked to quiesce first, its
-        dependents (MRs) must be closed (closed here with force=True); EBUSY while a load or
-        save still uses it (unless forced)."""
-        if self._closed:
-            return
-        share = self._share
-        if self.foreign:
-            self._closed = True
-            return
-        share.drain(timeout, force)
-        share.close_dependents(force)
-        with self._lock:
-            if self._busy and not force:
-                raise P2PHubOSError(errno.EBUSY, f"close {self}",
-                                    f"{self._busy} load/save transfer(s) still use it")
-            self._closed = True
-        share.released = True
+    def _free(self) -> None:
+        """Memory.close's last step: the range and the host memory it owns go."""
         self._range.close()
         if self._owned is not None:
             self._owned.close()
@@ -630,27 +615,10 @@ def register_host(hub: "Hub", mem: PinnedHost, reason: str | None = None) -> Sta
 
 
 class Staging(Resource):
-    """A Hub's staged engine: its lanes (one Stager per copy engine and device, reused by
-    every load and save) and its open staged registrations."""
+    """A Hub's open staged registrations (its engines, lanes included, are p2phub.batch.Engines)."""
 
     def __init__(self) -> None:
-        self.opts: dict[str, int] = {}
-        self._stagers: dict[tuple[str, int], Stager] = {}
         self._regs: "weakref.WeakSet[StagedRegistration]" = weakref.WeakSet()
-        self._lock = threading.Lock()
-
-    def configure(self, chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
-        Stager(HostOps(), 0, chunk, lanes)   # validates
-        self.close_stagers()
-        self.opts = {"chunk": chunk, "lanes": lanes}
-
-    def stager(self, ops: Any, device: int) -> Stager:
-        key = (ops.name, device)
-        with self._lock:
-            st = self._stagers.get(key)
-            if st is None:
-                st = self._stagers[key] = Stager(ops, device, **self.opts)
-            return st
 
     def add(self, reg: StagedRegistration) -> None:
         self._regs.add(reg)
@@ -661,15 +629,8 @@ class Staging(Resource):
     def registrations(self) -> list[StagedRegistration]:
         return [r for r in list(self._regs) if not r.closed]
 
-    def close_stagers(self) -> None:
-        with self._lock:
-            stagers, self._stagers = list(self._stagers.values()), {}
-        for st in stagers:
-            st.close()
-
     def _close(self) -> None:
-        """The Hub closes: every lane and every staged registration (forced)."""
-        self.close_stagers()
+        """The Hub closes: every staged registration (forced)."""
         for reg in list(self._regs):
             reg.close(force=True)
 
@@ -679,34 +640,24 @@ class Staging(Resource):
 
 def configure(hub: "Hub", chunk: int = DEFAULT_CHUNK, lanes: int = DEFAULT_LANES) -> None:
     """Set the hub's staging lanes: `lanes` I/Os in flight of `chunk` bytes each (2 x lanes x
-    chunk bytes of pinned host memory, allocated on the first transfer)."""
-    hub._staging.configure(chunk, lanes)
+    chunk bytes of pinned host memory, allocated on the first transfer). The lanes serve
+    memory whose copy engine the batch engine does not drive (ROCm, other backends)."""
+    hub.engines.configure_staged(chunk, lanes)
 
 
-def _stager(hub: "Hub", reg: Memory) -> Stager:
-    if isinstance(reg, StagedRegistration):
-        return hub._staging.stager(reg.ops, reg.device_ordinal)
-    gpu = _gpu_of(reg)
-    be = get_backend(gpu.backend)
-    if be is None:
-        raise UsageError(f"{reg}: the {gpu.backend} backend that made it is not installed here")
-    return hub._staging.stager(be, max(gpu.device, 0))
-
-
-def _gpu_of(reg: Memory) -> GpuRange:
-    """The GPU range of a peer-to-peer registration (load/save copy through its backend)."""
-    gpu = reg.gpu
-    if gpu is None:
+def copy_target(reg: Memory) -> CopyTarget:
+    """The registration's copy target, refused where load/save cannot copy to it."""
+    tgt = reg.copy_target()
+    if tgt.ops is None:
+        gpu = reg.gpu
+        if gpu is not None:
+            raise UsageError(f"{reg}: the {gpu.backend} backend that made it is not installed here")
         raise UsageError(f"{reg}: load/save needs GPU memory registered with hub.register(); "
                          "host registrations are reached through reg.mmap()")
-    return gpu
+    return tgt
 
 
-def _mem_ptr(reg: Memory) -> int:
-    return reg.ptr if isinstance(reg, StagedRegistration) else _gpu_of(reg).ptr
-
-
-def _check_memory(reg: Any, role: str) -> Memory:
+def check_memory(reg: Any, role: str) -> Memory:
     if not isinstance(reg, Memory):
         raise UsageError(f"{role} must be memory registered with this hub (hub.register or "
                          f"hub.alloc_host), not {describe(reg)}")
@@ -715,24 +666,29 @@ def _check_memory(reg: Any, role: str) -> Memory:
     return reg
 
 
-def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
+def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
     """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
-        if os.path.isdir(name):
-            raise UsageError(f"{name} is a directory: want a file or a block device")
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= os.O_CLOEXEC
+        fd, is_direct = -1, False
         if direct:
             try:
-                return os.open(name, flags | os.O_DIRECT, 0o644), True, True, name
+                fd, is_direct = os.open(name, flags | os.O_DIRECT, 0o644), True
             except OSError as exc:
+                if exc.errno == errno.EISDIR:
+                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
                 if exc.errno != errno.EINVAL:   # a file system without O_DIRECT: buffered
                     raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
-        try:
-            return os.open(name, flags, 0o644), False, True, name
-        except OSError as exc:
-            raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+        if fd < 0:
+            try:
+                fd = os.open(name, flags, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.EISDIR:
+                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
+                raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+        return fd, is_direct, True, name
     if isinstance(target, int) and not isinstance(target, bool):
         return target, False, False, f"fd {target}"
     if hasattr(target, "fileno"):
@@ -740,99 +696,71 @@ def _open(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]
     raise UsageError(f"{describe(target)}: not a path, an open file or an fd")
 
 
-def _size_of(fd: int) -> int:
+def size_of(fd: int, name: str = "") -> int:
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode):
         return st.st_size
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{name or f'fd {fd}'} is a directory: want a file or a block device")
     return os.lseek(fd, 0, os.SEEK_END)  # block devices
 
 
-def _is_namespace(obj: Any) -> bool:
-    """A p2phub NVMe Namespace (only possible once p2phub.nvme has been imported)."""
-    mod = sys.modules.get("p2phub.nvme.namespace")
-    return mod is not None and isinstance(obj, mod.Namespace)
+def is_direct_storage(obj: Any) -> bool:
+    """A DirectStorage (an NVMe Namespace), the common file targets answered without the
+    protocol's attribute walk."""
+    return not isinstance(obj, (str, os.PathLike, int)) and isinstance(obj, DirectStorage)
+
+
+@runtime_checkable
+class DirectStorage(Protocol):
+    """Storage with an engine of its own (p2phub's NVMe Namespace): a load or save of it is one
+    ``submit`` of NVMe ops, the device reaching the memory itself."""
+
+    nsid: int
+    lba_size: int
+    blocks: int
+
+    def submit(self, ops: Any) -> list[Any]: ...
 
 
 def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
-         dest_offset: int = 0, *, direct: bool = True,
-         progress: Callable[[int], None] | None = None) -> Fence:
-    """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open
-    file, an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest`."""
-    reg = _check_memory(dest, "the destination")
-    if _is_namespace(source):
-        return _namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
-    if isinstance(reg, StagedRegistration):
-        reg._hold(0)
-    fd, is_direct, owned, name = _open(source, write=False, direct=direct)
-    try:
-        total = _size_of(fd)
-        if nbytes is None:
-            nbytes = total - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > total:
-            raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
-                             f"{total} bytes")
-        check_range(dest_offset, nbytes, reg.length, str(reg))
-        mem = _mem_ptr(reg) + dest_offset
-        return _launch(hub, "load", reg, fd, owned, is_direct, offset, dest_offset, mem, nbytes,
-                       f"load {name}[{offset}:+{nbytes}] -> {reg.what}", progress)
-    except BaseException:
-        if owned:
-            os.close(fd)
-        raise
+         dest_offset: int = 0, **kw: Any) -> Fence:
+    """``hub.load`` (see p2phub.batch.load)."""
+    return hub.load(source, dest, offset, nbytes, dest_offset, **kw)
 
 
 def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
-         source_offset: int = 0, *, direct: bool = True, sync: bool = True,
-         progress: Callable[[int], None] | None = None) -> Fence:
-    """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
-    `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace)."""
-    reg = _check_memory(source, "the source")
-    if _is_namespace(dest):
-        return _namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
-    if nbytes is None:
-        nbytes = reg.length - source_offset
-    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, str(reg))
-    if offset < 0:
-        raise UsageError(f"offset={offset} is negative")
-    use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
-    fd, is_direct, owned, name = _open(dest, write=True, direct=use_direct)
-    try:
-        fence_what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
-        return _launch(hub, "save", reg, fd, owned, is_direct, offset, source_offset,
-                       _mem_ptr(reg) + source_offset, nbytes, fence_what, progress, sync=sync)
-    except BaseException:
-        if owned:
-            os.close(fd)
-        raise
+         source_offset: int = 0, **kw: Any) -> Fence:
+    """``hub.save`` (see p2phub.batch.save)."""
+    return hub.save(source, dest, offset, nbytes, source_offset, **kw)
 
 
-def _launch(hub: "Hub", direction: str, reg: Memory, fd: int, owned: bool, direct: bool,
-            offset: int, reg_offset: int, mem: int, nbytes: int, what: str,
-            progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
-    stager = _stager(hub, reg)
+def on_lanes(hub: "Hub", direction: str, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+             direct: bool, offset: int, reg_offset: int, nbytes: int, what: str,
+             progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
+    """One load or save on the staging lanes, for memory whose copies only its backend's
+    Python operations can issue (the batch engine drives CUDA and host copies itself)."""
+    stager = hub.engines.stager(tgt.ops, tgt.ordinal)
     fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
     fence.stats["sync"] = sync
     # the transfer is an ordered access of the memory: a load fills it (producer), a save
     # reads it (consumer); it waits here for the earlier accesses it conflicts with
     kind = AccessKind.NVME_READ if direction == "load" else AccessKind.NVME_WRITE
     access = reg.ordering.acquire(reg_offset, nbytes, kind, what)
-    staged_reg = isinstance(reg, StagedRegistration)
     try:
-        if staged_reg:
-            reg._hold(1)
+        reg.hold()
     except BaseException as exc:
         access.cancel(exc)
         raise
 
     def done() -> None:
-        if staged_reg:
-            with reg._lock:
-                reg._busy -= 1
+        reg.unhold()
         if owned:
             os.close(fd)
 
     try:
-        stager.start(fence, direction, fd, direct, offset, mem, nbytes, progress, done)
+        stager.start(fence, direction, fd, direct, offset, tgt.ptr + reg_offset, nbytes,
+                     progress, done)
     except BaseException as exc:
         done()
         access.cancel(exc)
@@ -841,10 +769,11 @@ def _launch(hub: "Hub", direction: str, reg: Memory, fd: int, owned: bool, direc
     return fence
 
 
-def _namespace_io(hub: "Hub", op: str, ns: Any, reg: Any, offset: int, nbytes: int | None,
-                  reg_offset: int) -> Fence:
-    if isinstance(reg, StagedRegistration):
-        raise reg._refuse(f"an NVMe {op} straight into memory")
+def namespace_io(hub: "Hub", op: str, ns: DirectStorage, reg: Memory, offset: int,
+                 nbytes: int | None, reg_offset: int) -> Fence:
+    if reg.mode == MODE_STAGED:
+        raise StagedModeError(f"{reg}: an NVMe {op} straight into memory needs peer-to-peer "
+                              f"mode; this registration is staged ({reg.reason})")
     from .nvme.namespace import Op
     lba_bytes = ns.lba_size
     if offset % lba_bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 
@@ -67,12 +67,6 @@ def test_fence_on_stream_gates_a_kernel(torch, src_file, monkeypatch, kind) -> N
     path, data = src_file
     n = 32 * MiB
     t = torch.zeros(n, dtype=torch.uint8, device="cuda")
-    real = staged._pread_full
-
-    def slow(*a):
-        time.sleep(0.05)
-        return real(*a)
-    monkeypatch.setattr(staged, "_pread_full", slow)
     s = torch.cuda.Stream()
     # Load the consumer's kernels first: with CUDA's lazy module loading, a kernel's first
     # launch waits for every stream, including `s` held by the pending fence (docs/ordering.md).
@@ -84,7 +78,10 @@ def test_fence_on_stream_gates_a_kernel(torch, src_file, monkeypatch, kind) -> N
     else:
         handle = s if kind == "torch" else s.cuda_stream
     with Hub(mode="staged") as hub, hub.register(t) as reg:
-        staged.configure(hub, chunk=4 * MiB, lanes=2)
+        tgt = reg.copy_target()
+        engine = hub.engines.batch_engine(tgt.ops, tgt.ordinal)
+        engine.lock.acquire()                   # the engine is busy: the load waits its turn
+        threading.Timer(0.5, engine.lock.release).start()
         fence = hub.load(path, reg, nbytes=n)
         assert not fence.done()
         fence.on_stream(handle)                 # the kernel below runs after the bytes arrived

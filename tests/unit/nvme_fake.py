@@ -95,10 +95,13 @@ class FakeHub:
     """The owner of fake registrations: the real path policy and ordering layer."""
 
     strict_ordering = False
+    foreign = False
 
     def __init__(self, device: object) -> None:
+        from p2phub.batch import Engines
         self.device = device
         self.policy = PathPolicy()
+        self.engines = Engines()   # what hub.load_batch runs on; closed by the test
 
     def register(self, size: int) -> FakeRegistration:
         return FakeRegistration(self, size)

@@ -14,7 +14,7 @@ import pytest
 from p2phub import batch
 from p2phub.errors import P2PHubOSError, UsageError
 from p2phub.hub import Hub
-from p2phub.memory import Memory
+from p2phub.memory import Memory, MemoryShare
 
 KiB, MiB = 1 << 10, 1 << 20
 SHM = "/dev/shm"
@@ -322,7 +322,7 @@ def test_registration_is_busy_during_a_batch_and_hub_close_closes_the_engine(dis
                      mem_offsets=np.arange(1000) * 4096)
     f.wait(60)
     assert bytes(mem[:4096000]) == data[:4096000].tobytes()
-    assert reg._busy == 0
+    assert reg.holds == 0
     h.close()
     with pytest.raises(Exception, match="closed"):
         h.load_batch([(path, 0, 4096, reg, 0)])
@@ -343,6 +343,7 @@ class _MappedDmabuf(Memory):
 
     def __init__(self, n: int, mappable: bool = True) -> None:
         self.length, self.what, self.mappable = n, "a mapped dma-buf", mappable
+        self._share = MemoryShare()
         self.fd = os.memfd_create("p2phub-test")
         os.ftruncate(self.fd, n)
 

@@ -333,4 +333,4 @@ def test_hub_batch_with_namespace_entries_goes_through_one_submit(rig) -> None:
         for o, r, m in zip(woffs, midx, moffs):
             assert data[o:o + page] == regs[r].mem[m:m + page]
     finally:
-        batch._worker(hub).close()
+        hub.engines.close()

@@ -199,10 +199,10 @@ def test_round_trip_through_a_block_device_like_fd(hub, tmp_path) -> None:
 def test_close_while_busy_is_refused(hub, data_file) -> None:
     path, data = data_file
     reg = hub.register(bytearray(len(data)))
-    reg._hold(1)                 # as a running transfer does
+    reg.hold()                   # as a running transfer does
     with pytest.raises(OSError, match="EBUSY"):
         reg.close()
-    reg._busy = 0
+    reg.unhold()
     reg.close()
     with pytest.raises(UsageError, match="closed"):
         hub.load(path, reg)
@@ -235,22 +235,15 @@ def test_a_short_source_fails_the_fence(hub, tmp_path) -> None:
     p.write_bytes(bytes(300 * KiB))
     buf = bytearray(300 * KiB)
     with hub.register(buf) as reg:
-        f = open(p, "rb+")
-        fence_fn = staged._pread_full
-
-        def shrinking(fd, view, length, offset):   # the file is truncated under the load
-            os.truncate(p, 100 * KiB)
-            return fence_fn(fd, view, length, offset)
-        staged._pread_full = shrinking
-        try:
+        engine = hub.engines.batch_engine(reg.copy_target().ops, 0)
+        with engine.lock:                 # the engine is busy: the load waits in its queue
             fence = hub.load(p, reg)
-            exc = fence.exception(30)
-        finally:
-            staged._pread_full = fence_fn
-            f.close()
+            os.truncate(p, 100 * KiB)     # the file is truncated under the load
+        exc = fence.exception(30)
         assert exc is not None and "ends at byte" in str(exc)
         with pytest.raises(Exception, match="ends at byte"):
             fence.wait(1)
+        assert reg.holds == 0
 
 
 # ---------------------------------------------------------------- a GPU-like copy engine

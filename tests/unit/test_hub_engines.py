@@ -1,0 +1,130 @@
+"""The Hub owns its I/O engines: after hub.close() no thread, fd or locked memory the Hub
+started is left, whichever calls ran (load, save, load_batch, save_batch) and with the reads
+on the copying thread or on their own; and single requests share the batch engine (issued
+together, they reach it as one submission). The CUDA copy path runs against the stand-in
+libcuda.so.1 of test_batch_fakecuda, in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_batch_fakecuda import fake_libcuda  # noqa: F401 - the stand-in driver fixture
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = r"""
+import os, sys, threading, time
+import numpy as np
+from p2phub import batch, staged
+from p2phub.backend import GpuRange
+from p2phub.hub import Hub
+
+class FakeCudaOps(staged.HostOps):
+    name = "cuda"            # the batch engine copies through (the stand-in) libcuda
+    def stream_create(self):
+        return 1
+
+def fake_gpu(hub, nbytes):
+    buf = np.zeros(nbytes, np.uint8)
+    ptr = buf.ctypes.data
+    rng = GpuRange("fakecuda", 0, ptr, nbytes, ptr, nbytes, keepalive=[buf])
+    reg = staged.StagedRegistration(hub, rng, FakeCudaOps(), "fake GPU memory")
+    hub._staging.add(reg)
+    return buf, reg
+
+def fds():
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+def tasks():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[t] = open(f"/proc/self/task/{t}/comm").read().strip()
+        except OSError:
+            pass
+    return out
+
+def locked_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1])
+
+def memfd_maps():
+    return sum(1 for line in open("/proc/self/maps") if "memfd:" in line)
+
+def state():
+    return ({t.ident: t.name for t in threading.enumerate()}, fds(), tasks(),
+            locked_kb(), memfd_maps())
+
+path, out = sys.argv[1], sys.argv[2]
+data = np.fromfile(path, np.uint8)
+for io_thread in (False, True):
+    before = state()
+    hub = Hub(mode="staged")
+    batch.configure_batch(hub, depth=8, slot=64 << 10, slots=12, io_thread=io_thread)
+    host = hub.alloc_host(4 << 20)
+    view = np.frombuffer(host.mmap(), np.uint8)
+    gpu, greg = fake_gpu(hub, 4 << 20)
+    for mem, reg in ((view, host), (gpu, greg)):
+        hub.load(path, reg, 8192, 65536, 4096).wait(60)
+        assert np.array_equal(mem[4096:4096 + 65536], data[8192:8192 + 65536])
+        hub.save(reg, out, 0, 65536, 4096).wait(60)
+        assert np.array_equal(np.fromfile(out, np.uint8)[:65536], mem[4096:4096 + 65536])
+        offs = np.arange(64) * 12288
+        f = hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg,
+                           mem_offsets=np.arange(64) * 8192)
+        f.wait(60)
+        for k, o in enumerate(offs):
+            assert np.array_equal(mem[k * 8192:k * 8192 + 4096], data[o:o + 4096])
+        hub.save_batch(storage=out, offsets=np.arange(8) * 4096, lengths=4096, memory=reg,
+                       mem_offsets=np.arange(8) * 8192).wait(60)
+        # single requests issued together: each lands, and they share engine submissions
+        fences = [hub.load(path, reg, int(o), 4096, 2 << 20 | k * 4096)
+                  for k, o in enumerate(offs)]
+        for fe in fences:
+            fe.wait(60)
+        for k, o in enumerate(offs):
+            d = (2 << 20) | k * 4096
+            assert np.array_equal(mem[d:d + 4096], data[o:o + 4096])
+        assert all(fe.stats["requests"] >= 1 for fe in fences)
+    del view
+    during = state()
+    assert any(n == "p2phub-batch" for n in during[0].values()), during[0]
+    hub.close()
+    after = state()
+    threads = {i: n for i, n in after[0].items() if i not in before[0]}
+    assert not threads, f"threads left: {threads}"
+    fdl = {fd: t for fd, t in after[1].items() if before[1].get(fd) != t}
+    assert not fdl, f"fds left: {fdl}"
+    # a joined thread's task leaves /proc a moment after join() returns
+    for _ in range(100):
+        left = {t: n for t, n in tasks().items() if t not in before[2]}
+        if not left:
+            break
+        time.sleep(0.01)
+    assert not left, f"tasks left: {left}"
+    assert after[3] == before[3], f"VmLck {before[3]} -> {after[3]} kB"
+    assert after[4] == before[4], f"memfd mappings {before[4]} -> {after[4]}"
+    del gpu, greg, host
+print("ok")
+"""
+
+
+def test_hub_close_leaves_no_thread_fd_or_locked_memory(fake_libcuda, tmp_path) -> None:  # noqa: F811
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(4 << 20))
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_libcuda))
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(tmp_path / "out.bin")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok"]
