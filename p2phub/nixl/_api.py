@@ -869,15 +869,15 @@ class nixl_agent(Resource):  # noqa: N801
             k = int(np.flatnonzero((la < 0) | (la >= len(lp.rows)) | (ra < 0) | (ra >= len(rp.rows)))[0])
             raise nixlInvalidParamError(f"index pair {k} ({li[k]}, {ri[k]}) is outside the lists "
                                         f"({len(lp.rows)} local, {len(rp.rows)} remote)")
-        if lp.cols is None:
-            lp.cols = self._storage.mem_cols(lp.rows, "make_prepped_xfer")
+        if lp.cols is None or lp.cols[0] != self._storage.generation:
+            lp.cols = (self._storage.generation,) + self._storage.mem_cols(lp.rows, "make_prepped_xfer")
         llen = np.fromiter((r[1] for r in lp.rows), np.int64, len(lp.rows))[la]
         rlen = np.fromiter((r[1] for r in rp.rows), np.int64, len(rp.rows))[ra]
         if (llen != rlen).any():
             k = int(np.flatnonzero(llen != rlen)[0])
             raise nixlInvalidParamError(f"index pair {k}: local descriptor {li[k]} has {int(llen[k])} "
                                         f"bytes, FILE descriptor {ri[k]} has {int(rlen[k])}")
-        mems, midx, moff = lp.cols
+        _gen, mems, midx, moff = lp.cols
         files, fidx, foff = rp.cols
         req = _Req(op, self.name, [], len(li), int(llen.sum()), b"", None)
         req.file = FileXfer(op == "WRITE", backend, mems, midx[la], moff[la], files, fidx[ra],

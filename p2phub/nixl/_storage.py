@@ -129,9 +129,10 @@ class FileReg:
 
 
 @dataclass
-class MemReg:
-    """A DRAM or VRAM range registered with the agent, and (once a FILE transfer used it)
-    its registration with the storage engine's hub."""
+class Span:
+    """Registered DRAM or VRAM ranges that follow one another (a pool registered page by
+    page is one span), and its one registration with the storage engine's hub, made when a
+    FILE transfer first touches it."""
     addr: int
     length: int
     vram: bool
@@ -146,7 +147,7 @@ class FileXfer:
     in it, and the length."""
     write: bool
     backend: str
-    mems: list[MemReg]
+    mems: list[Span]
     midx: Any
     moff: Any
     files: list[FileReg]
@@ -163,7 +164,9 @@ class Storage:
 
     def __init__(self) -> None:
         self.files: list[FileReg] = []
-        self.mems: dict[tuple[int, int], MemReg] = {}
+        self.mems: dict[tuple[int, int], tuple[bool, int]] = {}   # (addr, len) -> (vram, device)
+        self.spans: list[Span] = []
+        self.generation = 0      # bumped when the spans change (prepared columns are redone)
         self._hub: Any = None
         self._lock = threading.Lock()
 
@@ -185,37 +188,61 @@ class Storage:
                 os.close(f.fd)
                 f.fd = -1
         self.files = []
-        for m in self.mems.values():
-            if m.hubreg is not None:
-                m.hubreg.close(force=True)
-        self.mems = {}
+        for sp in self.spans:
+            if sp.hubreg is not None:
+                sp.hubreg.close(force=True)
+        self.spans, self.mems = [], {}
         if self._hub is not None:
             self._hub.close()
             self._hub = None
 
     # -- memory
     def add_mem(self, addr: int, length: int, vram: bool, device: int) -> None:
-        self.mems.setdefault((addr, length), MemReg(addr, length, vram, device))
+        if (addr, length) not in self.mems:
+            self.mems[(addr, length)] = (vram, device)
+            self._respan()
 
     def drop_mem(self, addr: int, length: int) -> None:
-        m = self.mems.pop((addr, length), None)
-        if m is not None and m.hubreg is not None:
-            try:
-                m.hubreg.close()
-            except P2PHubError as exc:
-                self.mems[(addr, length)] = m
-                raise nixlBackendError(f"deregister_memory: {addr:#x}+{length}: {exc}") from None
+        if self.mems.pop((addr, length), None) is not None:
+            self._respan()
 
-    def _hubreg(self, m: MemReg) -> Any:
-        if m.hubreg is None:
-            obj: Any = (m.addr, m.length) if m.vram else \
-                (ctypes.c_char * m.length).from_address(m.addr)
+    def _respan(self) -> None:
+        """Merge the registered ranges into spans; a span that stays as it was keeps its
+        hub registration, the others' are closed (refused while a transfer uses one)."""
+        merged: list[Span] = []
+        for (a, n), (vram, dev) in sorted(self.mems.items()):
+            last = merged[-1] if merged else None
+            if last is not None and last.addr + last.length == a and (last.vram, last.device) == (vram, dev):
+                last.length += n
+            elif last is not None and a < last.addr + last.length:
+                last.length = max(last.length, a + n - last.addr)   # overlapping registrations
+            else:
+                merged.append(Span(a, n, vram, dev))
+        old = {(sp.addr, sp.length, sp.vram, sp.device): sp for sp in self.spans}
+        keep = []
+        for sp in merged:
+            prev = old.pop((sp.addr, sp.length, sp.vram, sp.device), None)
+            keep.append(prev if prev is not None else sp)
+        for sp in old.values():
+            if sp.hubreg is not None:
+                try:
+                    sp.hubreg.close()
+                except P2PHubError as exc:
+                    raise nixlBackendError(f"{sp.addr:#x}+{sp.length}: a FILE transfer still "
+                                           f"uses it ({exc})") from None
+        self.spans = keep
+        self.generation += 1
+
+    def _hubreg(self, sp: Span) -> Any:
+        if sp.hubreg is None:
+            obj: Any = (sp.addr, sp.length) if sp.vram else \
+                (ctypes.c_char * sp.length).from_address(sp.addr)
             try:
-                m.hubreg = self.hub.register(obj)
+                sp.hubreg = self.hub.register(obj)
             except P2PHubError as exc:
-                raise nixlBackendError(f"{'VRAM' if m.vram else 'DRAM'} {m.addr:#x}+{m.length}: "
+                raise nixlBackendError(f"{'VRAM' if sp.vram else 'DRAM'} {sp.addr:#x}+{sp.length}: "
                                        f"the storage engine cannot reach it: {exc}") from None
-        return m.hubreg
+        return sp.hubreg
 
     # -- files
     def register(self, rows: list[tuple[int, int, int, bytes]]) -> None:
@@ -265,27 +292,22 @@ class Storage:
                 os.close(f.fd)
                 f.fd = -1
 
-    def mem_cols(self, rows: list[tuple[int, int, int]], what: str) -> tuple[list[MemReg], Any, Any]:
-        """The registered ranges holding `rows` (addr, len, dev), and per row the index of
-        its range and its offset in it."""
+    def mem_cols(self, rows: list[tuple[int, int, int]], what: str) -> tuple[list[Span], Any, Any]:
+        """The spans holding `rows` (addr, len, dev), and per row the index of its span and
+        its offset in it."""
         import numpy as np
         a = np.fromiter((r[0] for r in rows), np.int64, len(rows))
         n = np.fromiter((r[1] for r in rows), np.int64, len(rows))
-        idx = np.full(len(rows), -1, np.int64)
-        off = np.zeros(len(rows), np.int64)
-        mems: list[MemReg] = []
-        for m in self.mems.values():
-            sel = (idx < 0) & (a >= m.addr) & (a + n <= m.addr + m.length)
-            if sel.any():
-                idx[sel] = len(mems)
-                off[sel] = a[sel] - m.addr
-                mems.append(m)
-        bad = np.flatnonzero(idx < 0)
+        starts = np.fromiter((sp.addr for sp in self.spans), np.int64, len(self.spans))
+        ends = np.fromiter((sp.addr + sp.length for sp in self.spans), np.int64, len(self.spans))
+        k = np.searchsorted(starts, a, side="right") - 1
+        ok = (k >= 0) & (a + n <= ends[np.maximum(k, 0)]) if len(self.spans) else np.zeros(len(rows), bool)
+        bad = np.flatnonzero(~ok)
         if bad.size:
             i = int(bad[0])
             raise nixlNotFoundError(f"{what}: descriptor {i} ({int(a[i]):#x}+{int(n[i])}) is not "
                                     "inside registered memory")
-        return mems, idx, off
+        return list(self.spans), k, a - starts[k]
 
     def file_cols(self, rows: list[tuple[int, int, int]], what: str) -> tuple[list[FileReg], Any, Any]:
         """The FILE registrations holding `rows` (file offset, len, fd or id), and per row
