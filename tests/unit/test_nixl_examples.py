@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 TOP = Path(__file__).resolve().parents[2]
 SRC = Path(os.environ.get("NIXL_SRC", TOP / ".nixl-src"))

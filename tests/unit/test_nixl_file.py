@@ -22,7 +22,6 @@ from p2phub.nixl.errors import (  # noqa: E402
     nixlBackendError, nixlInvalidParamError, nixlNotFoundError, nixlNotSupportedError,
 )
 
-pytestmark = pytest.mark.unit
 
 BLK = 4096
 

@@ -35,7 +35,6 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-pytestmark = pytest.mark.unit
 
 PAGE = 16384
 
