@@ -5,12 +5,14 @@ A connector written against NIXL moves with its import changed::
     from p2phub.nixl._api import nixl_agent, nixl_agent_config   # was: from nixl._api ...
 
 Every public ``nixl_agent`` method is here with NIXL's arguments, return types and errors
-(see docs/kv.md, "Use it from vLLM", for what differs). One backend, ``P2PHUB`` (p2phub's
-KV agent: TCP, or RDMA over the NICs it is told: ``nixl_agent_config(transport=,
-rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT / P2PHUB_NIXL_RDMA_DEVICES), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
-selects it, so configurations written for NIXL's default work unchanged, while ``UCX``
-itself is an absent plugin (no parameters, no memory types), as NIXL answers for a plugin
-that is not installed.
+(see docs/kv.md, "Use it from vLLM" and "Use it from LMCache / SGLang / Dynamo", for what
+differs). Peers are reached through p2phub's KV agent (TCP, or RDMA over the NICs it is told:
+``nixl_agent_config(transport=, rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT /
+P2PHUB_NIXL_RDMA_DEVICES), under the plugin names ``P2PHUB`` and ``UCX`` (the name ``UCX`` in a
+``backends`` list selects P2PHUB, so configurations written for NIXL's default work unchanged).
+FILE memory (``(offset, length, fd, meta)`` registrations, path mode, transfers to the agent's
+own name) is moved by p2phub's batch engine, under the storage plugin names ``POSIX``, ``GDS``,
+``GDS_MT`` and ``P2PHUB`` (see ``_storage``).
 """
 
 from __future__ import annotations
@@ -287,7 +289,8 @@ class _Prepped:
 
 
 class _Req:
-    """One transfer request: a KV transfer to a peer, or a copy within this process."""
+    """One transfer request: a KV transfer to a peer, a copy within this process, or a batch
+    between memory and FILE."""
 
     __slots__ = ("op", "peer", "pairs", "count", "nbytes", "notif", "x", "t0", "post_us",
                  "done_ns", "posted", "loop_state", "released", "lock", "counted", "file")
@@ -974,7 +977,8 @@ class nixl_agent(Resource):  # noqa: N801
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post the transfer (again, once done). "PROC" while it moves, "DONE" when it
         completed within the call; a failure raises (nixlRemoteDisconnectError names the
-        peer), as NIXL's post does."""
+        peer), as NIXL's post does. A FILE transfer the engine refuses before moving anything
+        answers "ERR" (check_xfer_state then raises nixlBackendError saying why)."""
         req = self._req(handle, "transfer")
         with req.lock:
             if req.posted and req.last_state == "PROC":

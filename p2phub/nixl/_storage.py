@@ -168,7 +168,8 @@ class Storage:
         self.spans: list[Span] = []
         self.generation = 0      # bumped when the spans change (prepared columns are redone)
         self._hub: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # the hub's creation
+        self._reg_lock = threading.Lock()    # the spans' hub registrations (transfers on threads)
 
     # -- the engine
     @property
@@ -234,6 +235,10 @@ class Storage:
         self.generation += 1
 
     def _hubreg(self, sp: Span) -> Any:
+        with self._reg_lock:
+            return self._hubreg_locked(sp)
+
+    def _hubreg_locked(self, sp: Span) -> Any:
         if sp.hubreg is None:
             obj: Any = (sp.addr, sp.length) if sp.vram else \
                 (ctypes.c_char * sp.length).from_address(sp.addr)
