@@ -5,12 +5,14 @@ A connector written against NIXL moves with its import changed::
     from p2phub.nixl._api import nixl_agent, nixl_agent_config   # was: from nixl._api ...
 
 Every public ``nixl_agent`` method is here with NIXL's arguments, return types and errors
-(see docs/kv.md, "Use it from vLLM", for what differs). One backend, ``P2PHUB`` (p2phub's
-KV agent: TCP, or RDMA over the NICs it is told: ``nixl_agent_config(transport=,
-rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT / P2PHUB_NIXL_RDMA_DEVICES), stands where NIXL has plugins; the name ``UCX`` in a ``backends`` list
-selects it, so configurations written for NIXL's default work unchanged, while ``UCX``
-itself is an absent plugin (no parameters, no memory types), as NIXL answers for a plugin
-that is not installed.
+(see docs/kv.md, "Use it from vLLM" and "Use it from LMCache / SGLang / Dynamo", for what
+differs). Peers are reached through p2phub's KV agent (TCP, or RDMA over the NICs it is told:
+``nixl_agent_config(transport=, rdma_devices=)`` or P2PHUB_NIXL_TRANSPORT /
+P2PHUB_NIXL_RDMA_DEVICES), under the plugin names ``P2PHUB`` and ``UCX`` (the name ``UCX`` in a
+``backends`` list selects P2PHUB, so configurations written for NIXL's default work unchanged).
+FILE memory (``(offset, length, fd, meta)`` registrations, path mode, transfers to the agent's
+own name) is moved by p2phub's batch engine, under the storage plugin names ``POSIX``, ``GDS``,
+``GDS_MT`` and ``P2PHUB`` (see ``_storage``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from enum import Enum
 from typing import Any, Optional, Sequence, Union
 
-from ..errors import UsageError
+from ..errors import P2PHubError, UsageError
 from ..kv import transport as tp
 from ..kv.agent import DescList
 from ..kv.errors import KVError, KVPeerError, KVRejected
@@ -33,6 +35,7 @@ from . import _bindings as nixlBind
 from ..kv.transport import RangeLookup
 from .._resource import Resource
 from ._kvagent import exchange
+from ._storage import NETWORK, PLUGINS, FileXfer, check_params
 from .logging import get_logger  # noqa: F401 - nixl._api has it
 from .errors import (
     nixlBackendError, nixlError, nixlInvalidParamError, nixlNoTelemetryError,
@@ -49,8 +52,7 @@ __all__ = [
 
 DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 PLUGIN = "P2PHUB"
-ALIASES = ("UCX",)          # backend names that select P2PHUB in backends lists
-MEM_TYPES = ("DRAM", "VRAM")  # what P2PHUB moves (VRAM staged through pinned host memory)
+ALIASES = ("UCX",)          # names that select P2PHUB in nixl_agent_config's backends list
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -274,7 +276,7 @@ class nixl_agent_config:  # noqa: N801
 class _Prepped:
     """A prepared list: local ("init"), a peer's, or this agent's own ("loop")."""
 
-    __slots__ = ("kind", "peer", "rows", "kvlist", "mem")
+    __slots__ = ("kind", "peer", "rows", "kvlist", "mem", "cols")
 
     def __init__(self, kind: str, peer: str, rows: list[tuple[int, int, int]],
                  kvlist: Optional[DescList], mem: str) -> None:
@@ -283,13 +285,15 @@ class _Prepped:
         self.rows = rows
         self.kvlist = kvlist
         self.mem = mem
+        self.cols: Any = None     # for FILE transfers: (registrations, index, offset) per row
 
 
 class _Req:
-    """One transfer request: a KV transfer to a peer, or a copy within this process."""
+    """One transfer request: a KV transfer to a peer, a copy within this process, or a batch
+    between memory and FILE."""
 
     __slots__ = ("op", "peer", "pairs", "count", "nbytes", "notif", "x", "t0", "post_us",
-                 "done_ns", "posted", "loop_state", "released", "lock", "counted")
+                 "done_ns", "posted", "loop_state", "released", "lock", "counted", "file")
 
     def __init__(self, op: str, peer: str, pairs: list[tuple[int, int, int, int, int]], count: int,
                  nbytes: int, notif: bytes, x: Optional[tp.Xfer]) -> None:
@@ -308,6 +312,7 @@ class _Req:
         self.released = False
         self.lock = threading.Lock()
         self.counted = False
+        self.file: Optional[FileXfer] = None    # a transfer between memory and FILE
 
     def mark_done(self, _x: Any = None) -> None:
         if not self.done_ns:
@@ -317,6 +322,13 @@ class _Req:
     def last_state(self) -> str:
         if not self.posted:
             return "PROC"
+        if self.file is not None:
+            f = self.file
+            if f.error is not None:
+                return "ERR"
+            if f.fence is None or not f.fence.done():
+                return "PROC"
+            return "ERR" if f.fence.exception() is not None else "DONE"
         if self.x is None:
             return self.loop_state
         return self.x.state
@@ -419,9 +431,10 @@ class nixl_agent(Resource):  # noqa: N801
                 "rdma_devices": ",".join(kv.rails.devices) if kv.rails is not None else ""}
 
     def _plugin_params(self, plugin: str) -> None:
-        if plugin == PLUGIN:
-            self.plugin_b_options[plugin] = self._params()
-            self.plugin_mem_types[plugin] = list(MEM_TYPES)
+        spec = PLUGINS.get(plugin)
+        if spec is not None and plugin in self.plugin_list:
+            self.plugin_b_options[plugin] = self._params() if plugin == PLUGIN else dict(spec.params)
+            self.plugin_mem_types[plugin] = list(spec.mems)
 
     def transport_to(self, remote_agent: Union[str, bytes]) -> str:
         """p2phub: "rdma" or "tcp", how this agent's payload moves to and from that peer
@@ -463,44 +476,62 @@ class nixl_agent(Resource):  # noqa: N801
         return {}
 
     def create_backend(self, backend: str, initParams: dict[str, str] = {}) -> None:  # noqa: B006, N803
-        """Instantiate a plugin. The only one is P2PHUB; its one parameter is
-        ``stall_timeout`` (seconds)."""
+        """Instantiate a plugin, with its parameters (an unknown one is refused by name).
+        P2PHUB: the KV agent for peers and the batch engine for FILE (``stall_timeout``,
+        seconds); UCX: the KV agent; POSIX (DRAM, FILE), GDS and GDS_MT (DRAM, VRAM, FILE):
+        the batch engine (hub.load_batch / hub.save_batch), NIXL's parameters accepted."""
         if backend not in self.plugin_list:
             raise nixlNotFoundError(f"no plugin {backend!r}: the plugins here are {self.plugin_list}")
         if backend in self.backends:
             raise nixlInvalidParamError(f"backend {backend!r} was already created")
-        for k, v in initParams.items():
-            if k != "stall_timeout":
-                raise nixlInvalidParamError(f"{backend} takes no parameter {k!r} (only stall_timeout)")
-            try:
-                t = float(v)
-            except ValueError:
-                t = -1.0
-            if not t > 0:
-                raise nixlInvalidParamError(f"stall_timeout={v!r} must be a number of seconds > 0")
-            self.kv.stall_timeout = t
+        params = check_params(backend, dict(initParams))
+        if "stall_timeout" in initParams:
+            self.kv.stall_timeout = float(params["stall_timeout"])
         h = self.agent.new_id()
         self.agent.backends[h] = backend
         self.backends[backend] = h
-        self.backend_mems[backend] = list(MEM_TYPES)
-        self.backend_options[backend] = self._params()
+        self.backend_mems[backend] = list(PLUGINS[backend].mems)
+        self.backend_options[backend] = self._params() if backend == PLUGIN else params
         logger.info("Backend %s was instantiated", backend)
 
-    def _backends(self, names: Sequence[str]) -> list[int]:
+    def _backend_key(self, b: str) -> Optional[str]:
+        if b in self.backends:
+            return b
+        if b in ALIASES and PLUGIN in self.backends:
+            return PLUGIN
+        return None
+
+    def _backends(self, names: Sequence[str]) -> list[str]:
+        """The created backends `names` stand for (UCX stands for P2PHUB where only that
+        was created); a name not created raises KeyError."""
         out = []
         for b in names:
-            key = PLUGIN if b in ALIASES and PLUGIN in self.backends else b
-            if key not in self.backends:
+            key = self._backend_key(b)
+            if key is None:
                 raise KeyError(f"backend {b!r} was not created on agent {self.name!r} "
                                f"(created: {sorted(self.backends)})")
-            out.append(self.backends[key])
+            out.append(key)
         return out
 
-    def _need_backend(self, what: str) -> None:
-        if PLUGIN not in self.backends:
-            raise nixlNotFoundError(f"{what}: agent {self.name!r} has no backend "
-                                    f"(create_backend({PLUGIN!r}), or list 'UCX' or {PLUGIN!r} "
-                                    "in nixl_agent_config's backends)")
+    def _serving(self, mems: Sequence[str], names: Sequence[str] = ()) -> list[str]:
+        """The created backends (of `names`, if given) that move every one of `mems`."""
+        pool = self._backends(names) if names else list(self.backends)
+        return [b for b in pool if all(m in PLUGINS[b].mems for m in mems)]
+
+    def _need_backend(self, what: str, mems: Sequence[str] = (), names: Sequence[str] = (),
+                      network: bool = False) -> str:
+        """The backend that serves `mems` (and peers, with `network`); nixlNotFoundError
+        naming what to create when none does."""
+        got = self._serving(mems, names)
+        if network:
+            got = [b for b in got if b in NETWORK]
+        if not got:
+            kind = "a peer" if network else " <-> ".join(mems) or "this"
+            raise nixlNotFoundError(
+                f"{what}: agent {self.name!r} has no backend for {kind} (created: "
+                f"{sorted(self.backends) or 'none'}; create_backend({PLUGIN!r}) serves DRAM, "
+                "VRAM and FILE, or list 'UCX' or 'P2PHUB' in nixl_agent_config's backends)")
+        return got[0]
 
     # ------------------------------------------------------------------ descriptors
     def _mem_objects(self, descs: Any, width: int) -> Any:
@@ -586,24 +617,36 @@ class nixl_agent(Resource):  # noqa: N801
         return pickle.loads(serialized_descs)
 
     # ------------------------------------------------------------------ memory
-    def _mem_kind(self, dl: Any, what: str) -> None:
-        mt = dl.getType()
-        if mt in (nixlBind.DRAM_SEG, nixlBind.VRAM_SEG):
-            return
-        raise nixlNotSupportedError(f"{what}: {nixlBind.MEM_NAMES[mt]} needs a storage plugin; "
-                                    f"the plugin here ({PLUGIN}) moves {' and '.join(MEM_TYPES)}")
+    def _mem_kind(self, dl: Any, what: str) -> str:
+        """"DRAM", "VRAM" or "FILE"; BLOCK and OBJ are refused (no plugin here moves them)."""
+        name = nixlBind.MEM_NAMES[dl.getType()]
+        if name in ("DRAM", "VRAM", "FILE"):
+            return name
+        raise nixlNotSupportedError(f"{what}: {name} needs a storage plugin that moves it; "
+                                    f"the plugins here ({', '.join(self.plugin_list)}) move "
+                                    "DRAM, VRAM and FILE")
+
+    @property
+    def _storage(self) -> Any:
+        return self.agent.storage
 
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: list[str] = []) -> nixlBind.nixlRegDList:  # noqa: B006
+        """Register DRAM / VRAM ranges (tuples, a table, tensors) or FILE rows: ``(offset,
+        length, fd, meta)``, or path mode with meta ``"ro|rw[,direct|sync|noatime|create]:/path"``
+        (the file is opened here and closed at deregistration; a missing path without
+        ``create`` raises nixlBackendError, as NIXL's file plugins do)."""
         reg = self.get_reg_descs(reg_list, mem_type)
         if reg is None:
             raise TypeError("register_memory: want a nixlRegDList, (addr, len, dev, meta) tuples "
                             "with mem_type, an Nx3 integer array with mem_type, or contiguous "
                             "tensors / arrays")
-        self._backends(backends)
-        self._need_backend("register_memory")
-        self._mem_kind(reg, "register_memory")
-        vram = reg.getType() == nixlBind.VRAM_SEG
+        mem = self._mem_kind(reg, "register_memory")
+        self._need_backend("register_memory", [mem], backends)
+        if mem == "FILE":
+            self._storage.register([(r[0], r[1], r[2], r[3]) for r in reg._rows])
+            return reg
+        vram = mem == "VRAM"
         for addr, n, dev in reg.ranges():
             if (addr, n) in self._regs:
                 continue
@@ -612,32 +655,41 @@ class nixl_agent(Resource):  # noqa: N801
             except UsageError as exc:
                 raise nixlInvalidParamError(f"register_memory: {exc}") from None
             self._regs.append((addr, n))
+            self._storage.add_mem(addr, n, vram, dev)
         return reg
 
     def deregister_memory(self, dereg_list: nixlBind.nixlRegDList,
                           backends: list[str] = []) -> None:  # noqa: B006
         """Deregister: the ranges can no longer be prepared here, and transfers into them
-        from peers are refused (their segment ids stay taken; peers see empty slots)."""
+        from peers are refused (their segment ids stay taken; peers see empty slots). FILE
+        rows registered by path close their file."""
         if not isinstance(dereg_list, nixlBind.nixlRegDList):
             raise TypeError(f"deregister_memory: want the nixlRegDList register_memory returned, "
                             f"not {type(dereg_list).__name__}")
         self._backends(backends)
+        if dereg_list.getType() == nixlBind.FILE_SEG:
+            self._storage.deregister([(r[0], r[1], r[2], r[3]) for r in dereg_list._rows])
+            return
         for addr, n, _dev in dereg_list.ranges():
             if (addr, n) not in self._regs:
                 raise nixlNotFoundError(f"deregister_memory: {addr:#x}+{n} is not registered")
         for addr, n, _dev in dereg_list.ranges():
+            self._storage.drop_mem(addr, n)
             self._regs.remove((addr, n))
             self.kv.deregister_range(addr, n)
 
     def query_memory(self, reg_list: Any, backend: str,
                      mem_type: Optional[str] = None) -> list[Optional[dict[str, str]]]:
-        """Per descriptor: None where it is not inside memory registered here, else
-        {"mem_type", "registered": "true", "segment"}."""
+        """Per descriptor: None where it is not there. FILE: the meta names a file; its
+        {"size", "mode", "mtime"} when it exists (as NIXL's file plugins). DRAM / VRAM:
+        {"mem_type", "registered": "true", "region"} when inside memory registered here."""
         reg = self.get_reg_descs(reg_list, mem_type)
-        if backend not in self.backends and not (backend in ALIASES and PLUGIN in self.backends):
+        if self._backend_key(backend) is None:
             raise ValueError(f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}")
         if reg is None:
             raise TypeError("query_memory: want descriptors get_reg_descs takes")
+        if reg.getType() == nixlBind.FILE_SEG:
+            return self._storage.query([r[3] for r in reg._rows])
         out: list[Optional[dict[str, str]]] = []
         for a, n, _d in reg.ranges():
             hit = next((i for i, (ra, rn) in enumerate(self._regs) if ra <= a and a + n <= ra + rn), None)
@@ -750,11 +802,20 @@ class nixl_agent(Resource):  # noqa: N801
 
     # ------------------------------------------------------------------ transfers
     def _prep(self, agent_name: str, descs: nixlBind.nixlXferDList) -> _Prepped:
-        self._need_backend("prep_xfer_dlist")
-        self._mem_kind(descs, "prep_xfer_dlist")
+        mem = self._mem_kind(descs, "prep_xfer_dlist")
         rows = descs.ranges()
-        mem = nixlBind.MEM_NAMES[descs.getType()]
-        if agent_name in ("", nixlBind.NIXL_INIT_AGENT) or agent_name == self.name:
+        if mem == "FILE":
+            if agent_name != self.name:
+                raise nixlNotSupportedError("prep_xfer_dlist: FILE descriptors are the remote "
+                                            "side of a transfer, prepared with this agent's own "
+                                            f"name ({self.name!r}), not {agent_name!r}")
+            self._need_backend("prep_xfer_dlist", ["FILE"])
+            p = _Prepped("file", self.name, rows, None, mem)
+            p.cols = self._storage.file_cols(rows, "prep_xfer_dlist")
+            return p
+        local = agent_name in ("", nixlBind.NIXL_INIT_AGENT) or agent_name == self.name
+        self._need_backend("prep_xfer_dlist", [mem], network=not local)
+        if local:
             self._registered(rows, "prep_xfer_dlist")
             if agent_name == self.name:
                 return _Prepped("loop", self.name, rows, None, mem)
@@ -797,10 +858,43 @@ class nixl_agent(Resource):  # noqa: N801
     def _dlist(self, handle: Any, what: str) -> _Prepped:
         return self._held(handle, nixl_prepped_dlist_handle, self.agent.dlists, what)
 
+    def _make_file(self, op: str, lp: _Prepped, li: list[int], rp: _Prepped, ri: list[int],
+                   backends: Sequence[str]) -> nixl_xfer_handle:
+        """A transfer between registered memory and FILE: its batch columns, by index."""
+        import numpy as np
+        backend = self._need_backend("make_prepped_xfer", [lp.mem, "FILE"], backends)
+        if len(li) != len(ri):
+            raise nixlInvalidParamError(f"{len(li)} local indices but {len(ri)} remote indices")
+        if not li:
+            raise nixlInvalidParamError("a transfer of no descriptors")
+        la, ra = np.asarray(li, np.int64), np.asarray(ri, np.int64)
+        if la.min() < 0 or la.max() >= len(lp.rows) or ra.min() < 0 or ra.max() >= len(rp.rows):
+            k = int(np.flatnonzero((la < 0) | (la >= len(lp.rows)) | (ra < 0) | (ra >= len(rp.rows)))[0])
+            raise nixlInvalidParamError(f"index pair {k} ({li[k]}, {ri[k]}) is outside the lists "
+                                        f"({len(lp.rows)} local, {len(rp.rows)} remote)")
+        if lp.cols is None or lp.cols[0] != self._storage.generation:
+            lp.cols = (self._storage.generation,) + self._storage.mem_cols(lp.rows, "make_prepped_xfer")
+        llen = np.fromiter((r[1] for r in lp.rows), np.int64, len(lp.rows))[la]
+        rlen = np.fromiter((r[1] for r in rp.rows), np.int64, len(rp.rows))[ra]
+        if (llen != rlen).any():
+            k = int(np.flatnonzero(llen != rlen)[0])
+            raise nixlInvalidParamError(f"index pair {k}: local descriptor {li[k]} has {int(llen[k])} "
+                                        f"bytes, FILE descriptor {ri[k]} has {int(rlen[k])}")
+        _gen, mems, midx, moff = lp.cols
+        files, fidx, foff = rp.cols
+        req = _Req(op, self.name, [], len(li), int(llen.sum()), b"", None)
+        req.file = FileXfer(op == "WRITE", backend, mems, midx[la], moff[la], files, fidx[ra],
+                            foff[ra], llen)
+        h = self.agent.new_id()
+        self.agent.xfers[h] = req
+        return nixl_xfer_handle(self.agent, h)
+
     def _make(self, op: str, lp: _Prepped, li: list[int], rp: _Prepped, ri: list[int],
-              notif: bytes) -> nixl_xfer_handle:
+              notif: bytes, backends: Sequence[str] = ()) -> nixl_xfer_handle:
         if lp.kind != "init":
             raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        if rp.kind == "file":
+            return self._make_file(op, lp, li, rp, ri, backends)
         if rp.kind == "init":
             raise nixlInvalidParamError("the remote side must be prepared with a peer's (or this "
                                         "agent's own) name, not NIXL_INIT_AGENT")
@@ -844,7 +938,7 @@ class nixl_agent(Resource):  # noqa: N801
         lp = self._dlist(local_xfer_side, "make_prepped_xfer")
         rp = self._dlist(remote_xfer_side, "make_prepped_xfer")
         return self._make(op, lp, _indices(local_indices, "local_indices"), rp,
-                          _indices(remote_indices, "remote_indices"), _b(notif_msg))
+                          _indices(remote_indices, "remote_indices"), _b(notif_msg), backends)
 
     def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
                         remote_descs: nixlBind.nixlXferDList, remote_agent: Union[str, bytes],
@@ -866,7 +960,7 @@ class nixl_agent(Resource):  # noqa: N801
         lp = self._prep("", local_descs)
         rp = self._prep(peer, remote_descs)
         idx = list(range(local_descs.descCount()))
-        return self._make(op, lp, idx, rp, idx, _b(notif_msg))
+        return self._make(op, lp, idx, rp, idx, _b(notif_msg), backends)
 
     def _req(self, handle: Any, what: str) -> _Req:
         return self._held(handle, nixl_xfer_handle, self.agent.xfers, what)
@@ -883,7 +977,8 @@ class nixl_agent(Resource):  # noqa: N801
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post the transfer (again, once done). "PROC" while it moves, "DONE" when it
         completed within the call; a failure raises (nixlRemoteDisconnectError names the
-        peer), as NIXL's post does."""
+        peer), as NIXL's post does. A FILE transfer the engine refuses before moving anything
+        answers "ERR" (check_xfer_state then raises nixlBackendError saying why)."""
         req = self._req(handle, "transfer")
         with req.lock:
             if req.posted and req.last_state == "PROC":
@@ -898,6 +993,8 @@ class nixl_agent(Resource):  # noqa: N801
             req.counted = False
             req.t0 = time.monotonic_ns()
             req.posted = True
+            if req.file is not None:
+                return self._post_file(req)
             if req.x is None:
                 self._loop(req)
                 req.loop_state = "DONE"
@@ -922,9 +1019,44 @@ class nixl_agent(Resource):  # noqa: N801
                 raise _kv_error(x.error or KVError("failed"), f"transfer to {req.peer!r}")
             return "PROC" if st == "PROC" else "DONE"
 
+    def _post_file(self, req: _Req) -> str:
+        """One batch on the storage engine. A batch it refuses before moving anything (a
+        range past the end of the file, a write not aligned for an O_DIRECT file, a file
+        open the wrong way) answers "ERR" here, and check_xfer_state raises it."""
+        f = req.file
+        assert f is not None
+        f.fence, f.error = None, None
+        try:
+            f.fence = self._storage.post(f)
+        except (P2PHubError, nixlError) as exc:
+            f.error = exc
+            logger.error("transfer (%s, %d descriptors): %s", f.backend, req.count, exc)
+            return "ERR"
+        finally:
+            req.post_us = max(1, (time.monotonic_ns() - req.t0) // 1000)
+        f.fence.add_done_callback(lambda _f: req.mark_done())
+        return req.last_state
+
+    def _file_state(self, req: _Req) -> str:
+        f = req.file
+        assert f is not None
+        st = req.last_state
+        if st == "ERR":
+            exc = f.error if f.error is not None else f.fence.exception()
+            raise nixlBackendError(f"{f.backend} {'WRITE' if f.write else 'READ'} of "
+                                   f"{req.count} descriptors failed: {exc}")
+        if st == "DONE":
+            req.mark_done()
+            if not req.counted:
+                req.counted = True
+                self._est.add(req.nbytes, (req.done_ns - req.t0) // 1000)
+        return st
+
     def _state(self, req: _Req) -> str:
         if not req.posted:
             raise nixlNotPostedError("the transfer was not posted (transfer())")
+        if req.file is not None:
+            return self._file_state(req)
         if req.x is None:
             return req.loop_state
         st = req.x.state
@@ -974,8 +1106,8 @@ class nixl_agent(Resource):  # noqa: N801
         return d, m, "UNKNOWN"
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
-        self._req(handle, "query_xfer_backend")
-        return PLUGIN
+        req = self._req(handle, "query_xfer_backend")
+        return req.file.backend if req.file is not None else PLUGIN
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
         handle.release()

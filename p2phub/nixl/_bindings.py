@@ -335,6 +335,8 @@ class nixlAgent(Resource):  # noqa: N801
                                   transport=transport, rdma_devices=devices or None)
         except UsageError as exc:
             raise nixlInvalidParamError(f"agent {name!r}: {exc}") from None
+        from ._storage import Storage
+        self.storage = Storage()          # FILE registrations and the batch engine's hub
         self._ids = itertools.count(1)
         self.xfers: dict[int, Any] = {}
         self.dlists: dict[int, Any] = {}
@@ -344,7 +346,8 @@ class nixlAgent(Resource):  # noqa: N801
         return next(self._ids)
 
     def getAvailPlugins(self) -> list[str]:  # noqa: N802
-        return ["P2PHUB"]
+        from ._storage import PLUGINS
+        return list(PLUGINS)
 
     def releaseXferReq(self, handle: int) -> int:  # noqa: N802
         x = self.xfers.pop(handle, None)
@@ -357,7 +360,10 @@ class nixlAgent(Resource):  # noqa: N801
         return nixl_status_t.NIXL_SUCCESS
 
     def _close(self) -> None:
-        self.kv.close()
+        try:
+            self.storage.close()
+        finally:
+            self.kv.close()
 
 
 def now_us() -> int:

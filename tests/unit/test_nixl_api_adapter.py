@@ -89,21 +89,24 @@ def test_errors_are_nixls_classes_and_the_builtins(two) -> None:
     h = a.make_prepped_xfer("WRITE", lh, [0], rh, [0])
     with pytest.raises(nixlNotPostedError):
         a.check_xfer_state(h)
-    file_ = [(buf.ctypes.data, 4096, 0, "")]
-    with pytest.raises(nixlNotSupportedError, match="FILE needs a storage plugin"):
-        a.register_memory(file_, "FILE")
+    blk = [(buf.ctypes.data, 4096, 0, "")]
+    with pytest.raises(nixlNotSupportedError, match="BLOCK needs a storage plugin"):
+        a.register_memory(blk, "BLOCK")
     with pytest.raises(ValueError, match="not found"):
-        a.query_memory(file_, "GDS", "DRAM")
+        a.query_memory(blk, "GDS", "DRAM")
 
 
 def test_plugins_and_backends(two) -> None:
     a, _ = two
-    assert a.get_plugin_list() == ["P2PHUB"]
-    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM", "VRAM"]
+    assert a.get_plugin_list() == ["P2PHUB", "UCX", "POSIX", "GDS", "GDS_MT"]
+    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM", "VRAM", "FILE"]
     assert "stall_timeout" in a.get_plugin_params("P2PHUB")
-    # UCX has no meaning here: answered as NIXL answers for a plugin that is not installed
-    assert a.get_plugin_params("UCX") == {} and a.get_plugin_mem_types("UCX") == []
+    # UCX is a name of the KV agent too (NIXL's parameters, its memory types) ...
+    assert a.get_plugin_mem_types("UCX") == ["DRAM", "VRAM"]
+    assert a.get_plugin_params("UCX")["num_workers"] == "1"
+    # ... and in a backends list it selects P2PHUB: not created under its own name here
     assert a.get_backend_params("UCX") == {} and a.get_backend_mem_types("UCX") == []
+    assert a.get_plugin_params("LIBFABRIC") == {} and a.get_plugin_mem_types("LIBFABRIC") == []
     assert list(a.backends) == ["P2PHUB"]
     empty = nixl_agent("E", nixl_agent_config(backends=[]))
     try:

@@ -80,8 +80,8 @@ def two(fake) -> Iterator[tuple[nixl_agent, nixl_agent, Mem, Mem]]:
 
 def test_vram_is_a_memory_type_and_registers_as_cuda_segments(two) -> None:
     a, _b, _ma, _mb = two
-    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM", "VRAM"]
-    assert a.get_backend_mem_types("P2PHUB") == ["DRAM", "VRAM"]
+    assert a.get_plugin_mem_types("P2PHUB") == ["DRAM", "VRAM", "FILE"]
+    assert a.get_backend_mem_types("P2PHUB") == ["DRAM", "VRAM", "FILE"]
     assert json.loads(a.get_agent_metadata())["devices"] == [-1, 0, 1]
     assert a.query_memory([(_ma.d1.addr, BLK, 1, "")], "P2PHUB", "VRAM")[0]["mem_type"] == "VRAM"
 
@@ -137,6 +137,6 @@ def test_vram_refusals(two) -> None:
     a, _b, ma, _mb = two
     with pytest.raises(nixlInvalidParamError, match="CUDA device 2 does not exist"):
         a.register_memory([(ma.d0.addr, BLK, 2, "")], "VRAM")
-    for storage in ("FILE", "BLOCK", "OBJ"):
+    for storage in ("BLOCK", "OBJ"):
         with pytest.raises(nixlNotSupportedError, match=f"{storage} needs a storage plugin"):
             a.register_memory([(ma.host.ctypes.data, BLK, 0, "")], storage)
