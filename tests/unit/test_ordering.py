@@ -367,8 +367,9 @@ class FakeFuture:
         self._cbs: list = []
         self.polls = 0
 
-    def _poll(self) -> None:
+    def poll(self) -> bool:
         self.polls += 1
+        return self._ev.is_set()
 
     def done(self) -> bool:
         return self._ev.is_set()
@@ -525,6 +526,9 @@ def test_an_nvme_future_holds_a_stream_itself(ops: FakeOps) -> None:
 
         def wait(self, fut: object, timeout: float | None) -> None:
             pass
+
+        def process(self) -> int:
+            return 0
 
     fut = CommandFuture(QueuePairStub(), opcode=2, parts=1, what="read")  # type: ignore[arg-type]
     s = FakeStream()
