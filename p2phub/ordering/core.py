@@ -69,7 +69,7 @@ class AccessFence(Fence):
             self._from_source(src)
 
     def _from_source(self, src: Fence) -> None:
-        self._ordering._release(self.access)
+        self._ordering._retire(self.access)
         self._complete(src._exc)
 
     def _poll(self) -> None:
@@ -199,7 +199,7 @@ class Ordering(Resource):
         assert f is not None
         if f._done:
             return
-        self._release(a)
+        self._retire(a)
         if exc is None:
             exc = FenceError(f"{a} was withdrawn")
         f._complete(exc)
@@ -209,7 +209,7 @@ class Ordering(Resource):
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
 
-    def _release(self, a: Access) -> None:
+    def _retire(self, a: Access) -> None:
         with self._lock:
             try:
                 self._tracker.remove(a)
@@ -258,7 +258,7 @@ class Ordering(Resource):
     _close_again = True   # a closed ordering refuses new accesses; a later close still
                           # waits for (or fails) the ones it refused to drop the first time
 
-    def _teardown(self, force: bool, timeout: float | None, *,  # type: ignore[override]
+    def _release(self, force: bool, timeout: float | None, *,  # type: ignore[override]
                  reason: str = "the registration was closed") -> None:
         """close(force=False, timeout=None, reason=...): refuse new accesses; wait up to
         `timeout` seconds for the live ones (None: do not wait). It may be called again (a

@@ -1,5 +1,6 @@
 """Resource.close() is one template: close once, arguments passed to the hook, a refused close
-left open to retry, close again where the class says so, nothing released from a forked child."""
+left open to retry, close again where the class says so, nothing released from a forked child,
+a handle that others keep alive just goes."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Busy(Resource):
         self.calls: list[tuple[bool, float | None, dict[str, Any]]] = []
         self.abandoned = False
 
-    def _teardown(self, force: bool, timeout: float | None, **how: Any) -> None:
+    def _release(self, force: bool, timeout: float | None, **how: Any) -> None:
         self.calls.append((force, timeout, how))
         if self.in_use and not force:
             raise P2PHubOSError(errno.EBUSY, "close", "still in use")
@@ -98,3 +99,39 @@ def test_the_ordering_closes_on_the_template() -> None:
     with pytest.raises(Exception, match="the controller died"):
         a.fence.wait(0)
     o.close(timeout=0.01)                       # again: nothing left to wait for
+
+
+class Handle(Resource):
+    """One of several handles of one thing: the last one releases it."""
+
+    def __init__(self, refs: list[int], refuse: bool = False) -> None:
+        self.refs, self.refuse, self.events = refs, refuse, []
+
+    def _detach(self) -> bool:
+        if self.refs[0] > 1:
+            self.refs[0] -= 1
+            return True
+        self.events.append("last")
+        return False
+
+    def _release(self, force: bool, timeout: float | None, **how: Any) -> None:
+        if self.refuse:
+            raise P2PHubOSError(errno.EBUSY, "close", "in use")
+        self.refs[0] -= 1
+        self.events.append("released")
+
+    def _reattach(self) -> None:
+        self.events.append("reattached")
+
+
+def test_a_detached_handle_just_goes_and_a_refused_last_one_reattaches() -> None:
+    refs = [2]
+    a, b = Handle(refs), Handle(refs, refuse=True)
+    a.close()
+    assert a.closed and refs == [1] and a.events == []
+    with pytest.raises(P2PHubOSError):
+        b.close()
+    assert not b.closed and b.events == ["last", "reattached"] and refs == [1]
+    b.refuse = False
+    b.close()
+    assert b.closed and refs == [0] and b.events[-1] == "released"
