@@ -7,7 +7,8 @@ doctor renders them. Each fact names the doctor check that explains it.
 - ``kmod_facts(path)``: is p2phub.ko loaded, is its device node usable by this user
   (checks kmod.loaded, kmod.devnode); ``staged_reason(path)`` says it in one line;
 - ``pci_route(a, b)``: the PCIe route between two functions: below a common switch,
-  or up through a root port / host bridge (check pcie.host_bridge);
+  or up through a root port / host bridge, also where ACS redirects peer traffic on a port
+  of the walk (checks pcie.host_bridge, pcie.acs);
 - ``iommu_mode(bdf)``: how DMA addresses of a function are translated (iommu.domain);
 - ``consults_p2pdma_allow_list(backend)``: whether an exporter asks the kernel's P2PDMA
   core (and so its host-bridge allow list) before it maps memory for a peer
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["KmodFacts", "Route", "RouteFacts", "kmod_facts", "staged_reason", "pci_route",
-           "iommu_mode", "consults_p2pdma_allow_list", "route_of_class", "P2PDMA_CORE_BACKENDS", "SYSFS"]
+           "acs_redirect", "acs_ctrl", "acs_redirects", "ACS_REDIRECT_MASK", "ECAP_ACS",
+           "iommu_mode", "consults_p2pdma_allow_list", "P2PDMA_CORE_BACKENDS", "SYSFS"]
 
 SYSFS = "/sys"
 _BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
@@ -110,8 +112,53 @@ def _chain(bdf: str, sysfs: str) -> list[str] | None:
     return [parts[host]] + [p for p in parts[host + 1:] if _BDF.match(p)]
 
 
+# ACS (PCI Express Base spec; names as in pci_regs.h): a port whose ACS Control sets request
+# redirect, completion redirect or egress control sends peer requests up to the root complex.
+ECAP_ACS = 0x000D
+ACS_REDIRECT_MASK = (1 << 2) | (1 << 3) | (1 << 5)  # RR | CR | EC, as the kernel tests
+_CFG_EXT = 0x100
+_CFG_SIZE = 4096
+
+
+def acs_ctrl(config: bytes) -> int | None:
+    """The ACS Control word of a config-space dump, or None when it has no ACS capability.
+    The dump must hold the extended space (4096 bytes: readable by root only)."""
+    off, seen = _CFG_EXT, 0
+    while _CFG_EXT <= off <= len(config) - 8 and seen < 128:
+        hdr = int.from_bytes(config[off:off + 4], "little")
+        if hdr in (0, 0xFFFFFFFF):
+            return None
+        if hdr & 0xFFFF == ECAP_ACS:
+            return int.from_bytes(config[off + 6:off + 8], "little")
+        nxt = (hdr >> 20) & 0xFFC
+        if nxt <= off:      # lists only go forward; stop on loops
+            return None
+        off, seen = nxt, seen + 1
+    return None
+
+
+def acs_redirects(ctrl: int | None) -> bool:
+    """Whether an ACS Control word redirects peer traffic upstream."""
+    return bool(ctrl is not None and ctrl & ACS_REDIRECT_MASK)
+
+
+def acs_redirect(bdf: str, sysfs: str = SYSFS) -> bool | None:
+    """True when ACS at function `bdf` redirects peer traffic upstream; None when its
+    extended config space cannot be read (it needs root)."""
+    try:
+        with open(f"{sysfs}/bus/pci/devices/{bdf}/config", "rb") as f:
+            data = f.read(_CFG_SIZE)
+    except OSError:
+        return None
+    if len(data) < _CFG_SIZE:
+        return None
+    return acs_redirects(acs_ctrl(data))
+
+
 def pci_route(a: str, b: str, sysfs: str = SYSFS) -> RouteFacts:
-    """The route between PCI functions `a` and `b` (lower-case BDFs)."""
+    """The route between PCI functions `a` and `b` (lower-case BDFs), as the kernel's P2PDMA
+    walks it: below their common bridge, unless ACS on a port of the walk (either function
+    up to the common bridge) redirects peer traffic up through the root complex."""
     a, b = str(a).lower(), str(b).lower()
     if a == b:
         return RouteFacts(Route.SAME, a)
@@ -130,17 +177,12 @@ def pci_route(a: str, b: str, sysfs: str = SYSFS) -> RouteFacts:
         return RouteFacts(Route.HOST_BRIDGE, ca[0])
     if common == 1:   # the first bridge below the host bridge is the root port
         return RouteFacts(Route.HOST_BRIDGE, f"root port {ca[1]} of {ca[0]}")
+    walk = ca[:common:-1] + [ca[common]] + cb[:common:-1]
+    redirect = [x for x in walk if acs_redirect(x, sysfs)]
+    if redirect:
+        return RouteFacts(Route.HOST_BRIDGE, f"ACS redirect on {', '.join(redirect)} sends it "
+                                             f"up from common bridge {ca[common]}")
     return RouteFacts(Route.SWITCH, f"common bridge {ca[common]}")
-
-
-# The doctor's topology classes (nvidia-smi topo's words) as routes.
-_CLASS_ROUTE = {"X": Route.SAME, "PIX": Route.SWITCH, "PXB": Route.SWITCH,
-                "PHB": Route.HOST_BRIDGE, "NODE": Route.HOST_BRIDGE, "SYS": Route.HOST_BRIDGE}
-
-
-def route_of_class(cls: str) -> Route:
-    """The route of a topology class (X, PIX, PXB, PHB, NODE, SYS)."""
-    return _CLASS_ROUTE.get(cls, Route.UNKNOWN)
 
 
 # ------------------------------------------------------------------ IOMMU

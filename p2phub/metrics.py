@@ -125,12 +125,12 @@ if ENABLED:
         def collect(self) -> Iterable[Any]:
             kv = _pair("kv", "agent", "registered_segments", "live memory registrations of a KV agent",
                        "registered_bytes", "bytes a KV agent's registrations cover",
-                       ((a.name, [n for _addr, n in a._segments]) for a in list(_agents)
-                        if not getattr(a, "_closed", False)))
+                       ((a.name, [n for _addr, n in a.segments]) for a in list(_agents)
+                        if not a.closed))
             nvme = _pair("nvme", "controller", "mapped_registrations",
                          "registrations mapped for an NVMe controller", "mapped_bytes",
                          "bytes pinned by an NVMe controller's mappings",
-                         ((c.bdf, [int(getattr(m.reg, "length", 0)) for m in list(c.mappings._by_handle.values())])
+                         ((c.bdf, [int(getattr(m.reg, "length", 0)) for m in c.mappings.mapped()])
                           for c in list(_controllers) if not getattr(c, "closed", False)))
             return [*kv, *nvme]
 
@@ -217,7 +217,7 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
     fut.add_done_callback(done)
     for op, of in zip(ops, op_futures or ()):
         def one(f: Any, kind: str = getattr(op, "kind", "other")) -> None:
-            if getattr(f, "_exc", None) is None:
+            if f.error is None:
                 NVME_SECONDS.observe((bdf, kind), time.monotonic() - t0)
         of.add_done_callback(one)
 
@@ -229,10 +229,10 @@ def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
     t0 = time.monotonic()
 
     def done(f: Any) -> None:
-        ok = n if f._exc is None else int(f.completed) - int(f._b.errors)
+        ok = n if f.error is None else int(f.completed) - int(f.failures)
         NVME_COMMANDS.labels(bdf, kind).inc(max(ok, 0))
         NVME_BYTES.labels(bdf, kind).inc(max(ok, 0) * nbytes)
-        if f._exc is not None:
+        if f.error is not None:
             NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
         NVME_BATCH_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
         if ok > 0:

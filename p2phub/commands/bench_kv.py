@@ -114,7 +114,7 @@ def _env() -> dict[str, str]:
 def run_pair(method: str, total: int, block: int, iters: int, timeout: float,
              device: str = "cpu") -> dict:
     """One run of one method: {"gbps", "bytes_ok"} or {"error"}."""
-    cmd = [sys.executable, "-m", "p2phub.kv.benchpeer", "--method", method, "--total", str(total),
+    cmd = [sys.executable, "-m", "p2phub.commands.bench_kv_peer", "--method", method, "--total", str(total),
            "--block", str(block), "--iters", str(iters), "--device", device]
     env = _env()
     procs: list[subprocess.Popen] = []

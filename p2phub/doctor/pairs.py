@@ -5,26 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..capabilities import route_of_class
+from .. import capabilities as caps
 from ..policy import p2p_path
 from .checks import Context
 from .checks.gpu import nvidia_params, nvidia_version
 from .checks.kernel import needs_p2pdma_core
 from .checks.nvme import nvme_usage, ownership_refused
 from .model import BLOCKED, DEGRADED, FAIL, OK, UNKNOWN, PairVerdict
-from .pcie import (MAP_BUS_ADDR, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, classify)
+from .route import (MAP_BUS_ADDR, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, classify)
 
 
 def _iommu_overlay(ctx: Context, map_type: str, bdfs: list[str]) -> str:
-    types = [ctx.top.pci[b].iommu_type if b in ctx.top.pci else None for b in bdfs]
-    groups = [ctx.top.pci[b].iommu_group if b in ctx.top.pci else None for b in bdfs]
     if map_type == MAP_BUS_ADDR:
         return "bypassed"  # TLPs turn around below the root complex
-    if all(g is None for g in groups):
+    modes = [caps.iommu_mode(b, ctx.sys.host("/sys")) for b in bdfs]
+    if all(m == "off" for m in modes):
         return "none"
-    if any(t in ("DMA", "DMA-FQ") for t in types):
+    if "translated" in modes:
         return "iova"
-    if all(t == "identity" for t in types if t):
+    if all(m == "identity" for m in modes if m != "off"):
         return "passthrough"
     return "unknown"
 
@@ -104,9 +103,10 @@ def compute_pairs(ctx: Context) -> list[PairVerdict]:
             # the path p2phub takes for this pair (p2phub.policy), and whether it consults the
             # kernel's host-bridge allow list at all
             consults = needs_p2pdma_core(gpu)
-            # ACS redirect sends even a pair below one switch up through the root complex
-            route = route_of_class("PHB" if pr.acs_blockers else pr.cls)
-            kind_, why_ = p2p_path(route, consults, _pin_of(ctx, gpu))
+            # the route p2phub's policy binds by (ACS redirect sends even a pair below one
+            # switch up through the root complex)
+            route = caps.pci_route(gd.bdf, pd.bdf, ctx.sys.host("/sys"))
+            kind_, why_ = p2p_path(route.route, consults, _pin_of(ctx, gpu))
             p2p = {"path": kind_.value, "why": why_, "consults_allow_list": consults}
             if pr.map_type == MAP_NOT_SUPPORTED and not consults:
                 degraded = True

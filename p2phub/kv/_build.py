@@ -12,3 +12,14 @@ from .._cffi_build import KV
 def load() -> ModuleType:
     """The compiled module (attributes ``ffi`` and ``lib``), built if needed."""
     return KV.load()
+
+
+_hot: ModuleType | None = None
+
+
+def hot() -> ModuleType:
+    """The compiled module, loaded once per process."""
+    global _hot
+    if _hot is None:
+        _hot = load()
+    return _hot

@@ -176,6 +176,10 @@ class Agent(Resource):
         self._notif_cv = threading.Condition(self._lock)
         self._xids = itertools.count(1)
         self._closed = False
+        self._conn_hooks = tp.ConnectionHooks(
+            inbound=self._inbound, inbound_error=self._inbound_error, notified=self._notify,
+            segment_table=self._seg_table, segment_devices=self._segment_devices,
+            failed=self._connection_failed)
         self.pool: KVPool | None = None
         self.layout: KVLayout | None = None
         self.cuda_device: int | None = None   # a CUDA pool's device: transfers are staged
@@ -295,6 +299,20 @@ class Agent(Resource):
             self.cuda_device = pool.cuda_device
         self.pool = pool
         self.layout = pool.layout
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, length) of every registered segment, by segment id (a copy)."""
+        with self._lock:
+            return list(self._segments)
+
+    def _segment_devices(self) -> list[int] | None:
+        return None if not self._any_cuda else self._segdev
+
+    def _inbound_error(self, peer: str, req: int) -> BaseException | None:
+        with self._lock:
+            r = self._inbound_reqs.get((peer, req))
+        return None if r is None else r.error
 
     def _seg_table(self) -> tuple[Any, int]:
         with self._lock:
@@ -468,7 +486,8 @@ class Agent(Resource):
             log.info("kv %s: handshake refused: %s", self.name, exc)
             sock.close()
             return
-        conn = tp.Connection(self, sock, peer, outbound=False, incarnation=int(hello.get("incarnation", 0)))
+        conn = tp.Connection(self, sock, peer, outbound=False,
+                             incarnation=int(hello.get("incarnation", 0)), hooks=self._conn_hooks)
         conn.rdma = link
         with self._lock:
             old = self._in.get(peer)
@@ -529,7 +548,8 @@ class Agent(Resource):
                 raise KVPeerError(peer, "unreachable",
                                   f"handshake with {ra.host}:{ra.port}: {exc}") from None
             raise
-        conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation)
+        conn = tp.Connection(self, sock, peer, outbound=True, incarnation=ra.incarnation,
+                             hooks=self._conn_hooks)
         conn.rdma = link
         log.info("kv %s -> %s: %s", self.name, peer,
                  f"RDMA over {', '.join(self.rails.devices)}" if link is not None else "TCP")

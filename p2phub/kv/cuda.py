@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from .._resource import Resource
+from ._build import hot
 from ..errors import UsageError
 from .errors import KVError
 
@@ -155,8 +156,7 @@ class Staging(Resource):
     or its reader)."""
 
     def __init__(self, drv: CudaDriver, ordinal: int, what: str, chunk: int) -> None:
-        from . import transport as tp
-        h = tp.hot()
+        h = hot()
         self.drv = drv
         self.what = what
         self.chunk = chunk

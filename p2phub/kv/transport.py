@@ -38,16 +38,14 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 from .. import metrics
 from . import _build
 from .errors import KVError, KVPeerError, KVRejected
 from .fence import FenceTimeout, HostFence
 from .._resource import Resource
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 MAGIC = 0x564B3250  # b"P2KV"
 HDR = struct.Struct("<IHHQQIIQ")
@@ -60,14 +58,7 @@ F_PLACED = 8     # DATA whose payload the sender already RDMA-WROTE at its runs 
 MAX_CTRL = 1 << 20          # bytes of a HELLO/NOTIF/ERR body
 MAX_RUNS = 1 << 24
 
-_hot = None
-
-
-def hot():
-    global _hot
-    if _hot is None:
-        _hot = _build.load()
-    return _hot
+hot = _build.hot   # the compiled hot path (kv.cuda's staging uses it too)
 
 
 def _c_err(rc: int) -> str:
@@ -312,13 +303,36 @@ class InboundRequest:
         return out
 
 
+class ConnectionOwner(Protocol):
+    """The settings a connection reads of its agent (kv.agent.Agent)."""
+
+    name: str
+    stall_timeout: float
+    peer_timeout: float
+    stage_chunk: int
+
+
+@dataclass(frozen=True)
+class ConnectionHooks:
+    """What a connection asks of the agent that owns it; the agent fills them in."""
+
+    inbound: Callable[[str, int], "InboundRequest"]                # (peer, req), made on first use
+    inbound_error: Callable[[str, int], BaseException | None]      # why a known request failed here
+    notified: Callable[[str, bytes], None]                         # a notification arrived
+    segment_table: Callable[[], tuple[Any, int]]                   # the C table of our segments, count
+    segment_devices: Callable[[], Sequence[int] | None]            # per segment: -1 host, else CUDA
+                                                                   # ordinal; None when all are host
+    failed: Callable[["Connection", BaseException], None]          # this connection went down
+
+
 class Connection(Resource):
     """One TCP connection to a peer. Outbound ones send transfers (a sender thread) and read
     ACKs; inbound ones read transfers into the agent's segments and answer them."""
 
-    def __init__(self, agent: "Agent", sock: socket.socket, peer: str, outbound: bool,
-                 incarnation: int = 0) -> None:
+    def __init__(self, agent: ConnectionOwner, sock: socket.socket, peer: str, outbound: bool,
+                 incarnation: int = 0, *, hooks: ConnectionHooks) -> None:
         self.agent = agent
+        self.hooks = hooks
         self.sock = sock
         sock.setblocking(False)
         self.fd = sock.fileno()
@@ -626,8 +640,8 @@ class Connection(Resource):
                     elif type_ == NOTIF:
                         self._track(xid, req)
                         if flags & F_REQ_END:  # complete first: a notified request is done
-                            self.agent._inbound(self.peer, req)._complete()
-                        self.agent._notify(self.peer, body)
+                            self.hooks.inbound(self.peer, req)._complete()
+                        self.hooks.notified(self.peer, body)
                         if flags & F_LAST:
                             self._finish_inbound(xid)
                     elif type_ == ERR:
@@ -670,7 +684,7 @@ class Connection(Resource):
         return wire
 
     def _land(self, flags: int, xid: int, req: int, layer: int, wire: bytes) -> None:
-        inb = self.agent._inbound(self.peer, req)
+        inb = self.hooks.inbound(self.peer, req)
         inb._landed(layer, wire)
         metrics.kv_landed(self.agent.name, wire)
         if flags & F_REQ_END:
@@ -700,7 +714,7 @@ class Connection(Resource):
         """`wire`'s runs as addresses in our segments: (iov, rc, index of the first bad
         run, total bytes, segment count); rc < 0 when a run is outside every segment."""
         h = hot()
-        segs, nsegs = self.agent._seg_table()
+        segs, nsegs = self.hooks.segment_table()
         iov = h.ffi.new("struct kv_iov[]", max(1, nruns))
         bad, total = h.ffi.new("size_t *"), h.ffi.new("uint64_t *")
         wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
@@ -710,8 +724,8 @@ class Connection(Resource):
     def _runs_device(self, wire: bytes, nruns: int) -> int | None:
         """The device of the segments `wire`'s runs land in (-1 host); None when they are
         on more than one device (a sender plans one message per device pair)."""
-        devs = self.agent._segdev
-        if not self.agent._any_cuda or not nruns:
+        devs = self.hooks.segment_devices()
+        if devs is None or not nruns:
             return -1
         found = {devs[seg] if seg < len(devs) else -1
                  for seg, _f, _o, _n in struct.iter_unpack("<IIQQ", wire)}
@@ -728,7 +742,7 @@ class Connection(Resource):
         if dev >= 0:
             return self._on_data_staged(flags, xid, req, layer, nruns, nbytes, wire, dev)
         h = hot()
-        segs, nsegs = self.agent._seg_table()
+        segs, nsegs = self.hooks.segment_table()
         bad = h.ffi.new("size_t *")
         wp = h.ffi.from_buffer("struct kv_wire[]", wire) if nruns else h.ffi.NULL
         rc = h.lib.kv_recv_runs(self.fd, segs, nsegs, wp, nruns, nbytes,
@@ -882,10 +896,9 @@ class Connection(Resource):
         with self._lock:
             reqs = self._active.pop(xid, set())
         for r in reqs:
-            with self.agent._lock:
-                inb = self.agent._inbound_reqs.get((self.peer, r))
-            if inb is not None and inb.error is not None:
-                self._send_ctrl(ERR, xid, r, 0, f"request {r}: {inb.error}".encode()[:MAX_CTRL])
+            err = self.hooks.inbound_error(self.peer, r)
+            if err is not None:
+                self._send_ctrl(ERR, xid, r, 0, f"request {r}: {err}".encode()[:MAX_CTRL])
                 return
         self._send_ctrl(ACK, xid, 0, 0)
         metrics.kv_received(self.agent.name)
@@ -895,7 +908,7 @@ class Connection(Resource):
             reqs = self._active.pop(xid, set())
         metrics.kv_refused(self.agent.name)
         for r in reqs:
-            self.agent._inbound(self.peer, r)._fail(exc)
+            self.hooks.inbound(self.peer, r)._fail(exc)
 
     def _acked(self, xid: int, exc: BaseException | None) -> None:
         with self._lock:
@@ -927,9 +940,9 @@ class Connection(Resource):
             x._finish(exc)
         for _xid, reqs in active.items():
             for r in reqs:
-                self.agent._inbound(self.peer, r)._fail(exc)
+                self.hooks.inbound(self.peer, r)._fail(exc)
         self._queue.put(None)
-        self.agent._connection_failed(self, exc)
+        self.hooks.failed(self, exc)
 
     def _fail_transfer(self, xfer: Xfer, exc: BaseException) -> None:
         """Fail `xfer` (its deadline passed); if its bytes are on this connection, drop the

@@ -223,6 +223,10 @@ class Mappings:
                     out.append(m)
         return out
 
+    def mapped(self) -> list[RegMapping]:
+        """The mappings held now (a copy: read without the lock, for gauges)."""
+        return list(self._by_handle.values())
+
     def forget_all(self) -> None:
         """The controller fd is closed: every hold went with it."""
         with self.lock:

@@ -85,6 +85,18 @@ class _FutureBase:
     def done(self) -> bool:
         return self._fin
 
+    @property
+    def error(self) -> BaseException | None:
+        """The request's failure once done; None while in flight or when it succeeded."""
+        return self._exc if self._fin else None
+
+    def poll(self) -> bool:
+        """Reap what the queue completed, without waiting (the one way a queue is driven);
+        True once this request is done. Raises what a dead queue raises."""
+        if not self._fin:
+            self.qp.process()
+        return self._fin
+
     def on_stream(self, stream: Any, ops: Any = None) -> None:
         """Make a GPU stream wait for this request with no CPU round trip (see
         ``p2phub.ordering.Fence.on_stream``): work enqueued on `stream` afterwards starts
@@ -222,6 +234,11 @@ class BatchFuture(_FutureBase):
     @property
     def completed(self) -> int:
         return int(self._b.done)
+
+    @property
+    def failures(self) -> int:
+        """Commands that completed with an error so far."""
+        return int(self._b.errors)
 
     @property
     def requests(self) -> int:

@@ -69,13 +69,13 @@ class AccessFence(Fence):
             self._from_source(src)
 
     def _from_source(self, src: Fence) -> None:
-        self._ordering._release(self.access)
+        self._ordering._retire(self.access)
         self._complete(src._exc)
 
     def _poll(self) -> None:
         src = self._source
-        if src is not None and not src._done:
-            src._poll()
+        if src is not None:
+            src.poll()
 
     def _block(self, timeout: float | None) -> None:
         # Wait on this fence's own event: it completes from the source (callback) or
@@ -199,7 +199,7 @@ class Ordering(Resource):
         assert f is not None
         if f._done:
             return
-        self._release(a)
+        self._retire(a)
         if exc is None:
             exc = FenceError(f"{a} was withdrawn")
         f._complete(exc)
@@ -209,7 +209,7 @@ class Ordering(Resource):
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
 
-    def _release(self, a: Access) -> None:
+    def _retire(self, a: Access) -> None:
         with self._lock:
             try:
                 self._tracker.remove(a)
@@ -255,20 +255,23 @@ class Ordering(Resource):
             ops.flush_rdma_writes(device)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self, *, timeout: float | None = 0.0, force: bool = False,  # type: ignore[override]
-              reason: str = "the registration was closed") -> None:
-        """Refuse new accesses; wait up to `timeout` for the live ones (None: forever).
-        Unlike Resource.close it may be called again (a registration's users quiesce it).
+    _close_again = True   # a closed ordering refuses new accesses; a later close still
+                          # waits for (or fails) the ones it refused to drop the first time
+
+    def _release(self, force: bool, timeout: float | None, *,  # type: ignore[override]
+                 reason: str = "the registration was closed") -> None:
+        """close(force=False, timeout=None, reason=...): refuse new accesses; wait up to
+        `timeout` seconds for the live ones (None: do not wait). It may be called again (a
+        registration's users quiesce it).
 
         Raises P2PHubOSError(EBUSY) naming them when some are still live, unless `force`:
         then each fails with `reason` and its waiters wake."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout or 0.0)
         for a in self.live():
             f = a.fence
             assert f is not None
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                f.exception(left)
+                f.exception(max(0.0, deadline - time.monotonic()))
             except FenceTimeout:
                 break
         live = self.live()

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import P2PHubError
-
-if TYPE_CHECKING:
-    from .tracker import Access
 
 
 class OrderingError(P2PHubError):
     """An access conflicts with a live one (strict mode), or cannot be ordered at all (two
     conflicting accesses in one batch). ``access`` and ``conflict`` name both."""
 
-    def __init__(self, msg: str, access: "Access | None" = None,
-                 conflict: "Access | None" = None) -> None:
+    def __init__(self, msg: str, access: Any = None,
+                 conflict: Any = None) -> None:
         super().__init__(msg)
         self.access = access
         self.conflict = conflict
@@ -34,8 +31,8 @@ class OrderingTimeout(FenceTimeout):
     """An access waited longer than its timeout for the earlier accesses it conflicts with;
     ``access`` and ``conflict`` name both. The access was withdrawn."""
 
-    def __init__(self, msg: str, access: "Access | None" = None,
-                 conflict: "Access | None" = None) -> None:
+    def __init__(self, msg: str, access: Any = None,
+                 conflict: Any = None) -> None:
         super().__init__(msg)
         self.access = access
         self.conflict = conflict

@@ -103,6 +103,13 @@ class Fence:
                 self._sleep(0.0002 if deadline is None else min(0.0002, deadline - now))
 
     # ------------------------------------------------------------------ user side
+    def poll(self) -> bool:
+        """Make progress without blocking (reap a queue or CQ, read a host word); True once
+        complete."""
+        if not self._done and self.needs_driving:
+            self._poll()
+        return self._done
+
     def done(self) -> bool:
         if not self._done and self.needs_driving:
             self._poll()
@@ -240,19 +247,14 @@ class SourceFence(Fence):
         self._complete(exc)
 
     def _poll(self) -> None:
-        src = self.source
-        poll = getattr(src, "_poll", None)
-        if poll is not None:
+        poll = getattr(self.source, "poll", None)  # a Fence, an NVMe future: drive it
+        if poll is None:
+            self.source.done()                      # a concurrent.futures.Future
+            return
+        try:
             poll()
-            return
-        qp = getattr(src, "qp", None)  # an NVMe CommandFuture: reap its queue
-        if qp is not None and hasattr(qp, "process"):
-            try:
-                qp.process()
-            except Exception as exc:  # noqa: BLE001 - a dead queue fails the fence
-                self._complete(exc)
-            return
-        src.done()
+        except Exception as exc:  # noqa: BLE001 - a dead queue fails the fence
+            self._complete(exc)
 
     def _block(self, timeout: float | None) -> None:
         try:

@@ -15,12 +15,10 @@ from __future__ import annotations
 import enum
 import itertools
 from bisect import bisect_left, bisect_right, insort
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator
 
 from .fence import Fence, SourceFence
 
-if TYPE_CHECKING:
-    from .core import AccessFence
 
 __all__ = ["AccessKind", "Access", "RangeTracker", "PRODUCERS", "CONSUMERS"]
 
@@ -75,7 +73,7 @@ class Access:
         self.owner = owner          # the registration, in words
         self.seq = next(_seq)
         self.deps: list[Access] = []
-        self.fence: "AccessFence | None" = None
+        self.fence: Any = None       # its ordering.core.AccessFence, set when entered
 
     @property
     def length(self) -> int:
@@ -85,7 +83,7 @@ class Access:
     def producer(self) -> bool:
         return self.kind.producer
 
-    def bind(self, source: object) -> "AccessFence":
+    def bind(self, source: object) -> Fence:
         """Tie this access to the completion of its work (a Fence or an NVMe future): when
         that completes, the range is released and ``self.fence`` completes the same way."""
         f = self.fence

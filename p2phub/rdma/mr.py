@@ -132,7 +132,7 @@ class MemoryRegion(Resource):
         self.rkey = rkey
         self.reason = reason      # why this path was chosen
         self._keep = keep         # the pyverbs MR / mapping the MR depends on
-        self._release = release
+        self._unregister = release
 
     def check(self) -> None:
         """Raise RevokedError when the registration's memory was revoked (the MR is dead)."""
@@ -148,7 +148,7 @@ class MemoryRegion(Resource):
 
     def _close(self) -> None:
         self._closed = True  # even if the release below fails: never release twice
-        self._release()
+        self._unregister()
         self._keep.clear()
 
     def __repr__(self) -> str:

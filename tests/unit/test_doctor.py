@@ -15,7 +15,8 @@ import pytest
 from p2phub.cli import main
 from p2phub.doctor import SCHEMA
 from p2phub.doctor.core import diagnose
-from p2phub.doctor.pcie import acs_bits_str, allow_entry, parse_config
+from p2phub.doctor.pcie import acs_bits_str, parse_config
+from p2phub.doctor.route import allow_entry
 from p2phub.doctor.sysroot import SysRoot
 
 pytestmark = pytest.mark.unit

@@ -367,8 +367,9 @@ class FakeFuture:
         self._cbs: list = []
         self.polls = 0
 
-    def _poll(self) -> None:
+    def poll(self) -> bool:
         self.polls += 1
+        return self._ev.is_set()
 
     def done(self) -> bool:
         return self._ev.is_set()
@@ -526,6 +527,9 @@ def test_an_nvme_future_holds_a_stream_itself(ops: FakeOps) -> None:
         def wait(self, fut: object, timeout: float | None) -> None:
             pass
 
+        def process(self) -> int:
+            return 0
+
     fut = CommandFuture(QueuePairStub(), opcode=2, parts=1, what="read")  # type: ignore[arg-type]
     s = FakeStream()
     fut.on_stream(s, ops)
@@ -662,3 +666,29 @@ def test_many_threads_many_ranges_never_overlap_a_producer() -> None:
         t.join(60)
     assert not errors, errors[:5]
     assert o.live() == []
+
+
+def test_an_nvme_future_is_driven_by_its_poll_and_names_its_error() -> None:
+    from p2phub.nvme.errors import NvmeStatusError
+    from p2phub.nvme.queue import CommandFuture
+
+    class QueuePairStub:
+        qid = 1
+        reaped = 0
+
+        def process(self) -> int:
+            self.reaped += 1
+            return 0
+
+        def wait(self, fut: object, timeout: float | None) -> None:
+            pass
+
+    qp = QueuePairStub()
+    fut = CommandFuture(qp, opcode=2, parts=1, what="read")  # type: ignore[arg-type]
+    fence = SourceFence(fut, "read")
+    assert not fut.poll() and fut.error is None and qp.reaped == 1
+    assert not fence.poll() and qp.reaped == 2          # the fence drives its future's queue
+    fut._complete_part(0x281, 0, 1, 0)                  # media error: unrecovered read
+    assert fut.poll() and qp.reaped == 2                # done: nothing left to reap
+    assert isinstance(fut.error, NvmeStatusError) and fence.poll()
+    assert fence.exception(0) is fut.error

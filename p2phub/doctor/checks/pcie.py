@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..model import BLOCKED, FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, CheckResult
-from ..pcie import ACS_TB, MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN, acs_bits_str
+from ..pcie import ACS_TB, acs_bits_str
+from ..route import MAP_NOT_SUPPORTED, MAP_THRU_HOST_BRIDGE, MAP_UNKNOWN
 from .base import Context, R, check, endpoints
 
 @check("pcie.ats", "ATS on GPUs and peers", phase="pairs")

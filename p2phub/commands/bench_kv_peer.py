@@ -1,4 +1,4 @@
-"""One side of one KV bench method, in its own process (``python -m p2phub.kv.benchpeer``).
+"""One side of one KV bench method, in its own process (``python -m p2phub.commands.bench_kv_peer``).
 
 Methods move the same bytes: TOTAL bytes per transfer as TOTAL / block pages, each page to
 a scattered place (a seeded permutation) on the target, except ``raw``, one socket stream
@@ -104,7 +104,7 @@ def raw(role: str, total: int, block: int, iters: int) -> None:
 
 # ---------------------------------------------------------------------------- p2phub
 def _kv_layout(total: int, block: int):
-    from .layout import KVLayout
+    from ..kv.layout import KVLayout
     pages = total // block
     layers = 4 if pages >= 8 else 1
     return KVLayout(num_layers=layers, blocks_per_layer=pages // (2 * layers), block_bytes=block,
@@ -129,8 +129,8 @@ def _initiate(agent, peer: dict, bpl: int, p: list[int], iters: int, total: int)
 def p2phub(role: str, total: int, block: int, iters: int, device: str = "cpu") -> None:
     if device == "cuda":
         return p2phub_cuda(role, total, block, iters)
-    from .agent import Agent
-    from .pool import KVPool
+    from ..kv.agent import Agent
+    from ..kv.pool import KVPool
     lay = _kv_layout(total, block)
     bpl = lay.blocks_per_layer
     pool = KVPool.host(lay)
@@ -164,8 +164,8 @@ def p2phub_cuda(role: str, total: int, block: int, iters: int) -> None:
     """p2phub.kv.Agent between two CUDA pools (torch tensors on cuda:0, one per layer),
     staged through pinned host memory; the target checks every page on the GPU."""
     import torch
-    from .agent import Agent
-    from .pool import KVPool
+    from ..kv.agent import Agent
+    from ..kv.pool import KVPool
     lay = _kv_layout(total, block)
     bpl, seg = lay.blocks_per_layer, lay.segment_bytes
     src = pattern(total)
@@ -200,7 +200,7 @@ def p2phub_read(role: str, total: int, block: int, iters: int) -> None:
     into a scattered place of its own VRAM (make_xfer op="READ"), staged through pinned
     memory on both sides, and checks every page on its GPU (it holds the result)."""
     import torch
-    from .agent import Agent
+    from ..kv.agent import Agent
     n = total // block
     if role == "target":
         t = torch.frombuffer(bytearray(pattern(total)), dtype=torch.uint8).cuda()
@@ -285,7 +285,7 @@ def p2phub_xfer(role: str, total: int, block: int, iters: int) -> None:
     prepared once (prep_local / prep_remote), one transfer by index (make_xfer), posted and
     its state polled until done, `iters` times, as the nixl method polls check_xfer_state.
     The same wire work and the same waiting as p2phub-nixl, without the adapter."""
-    from .agent import Agent
+    from ..kv.agent import Agent
     n = total // block
     p = perm(n)
     agent = Agent(role, stall_timeout=30)
