@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <linux/aio_abi.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -25,6 +26,11 @@
 #include <unistd.h>
 
 #define NEVENTS 64
+/* reads of twice this and up are cut into pieces of this size, so that a few large reads
+ * still fill the queue (and the disk's parallel channels) as many small ones do */
+#define SIO_SPLIT_DEFAULT (256ULL << 10)
+/* a host load waits for 1/REAP_SHARE of the reads in flight at a time */
+#define REAP_SHARE 8
 #define MAX_COPY_BATCH 512
 /* the kernel takes registered buffers of at most 1 GiB each */
 #define FIXED_MAX (1ULL << 30)
@@ -151,9 +157,17 @@ static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
 
     memset(r, 0, sizeof(*r));
     memset(&p, 0, sizeof(p));
-    p.flags = IORING_SETUP_CQSIZE;
+    /* completions are posted to the ring when this thread next enters the kernel, not by
+     * interrupting it (kernels before 5.19 refuse the flag: set up without it) */
+    p.flags = IORING_SETUP_CQSIZE | IORING_SETUP_COOP_TASKRUN;
     p.cq_entries = entries * 2;
     r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    if (r->fd < 0 && errno == EINVAL) {
+        memset(&p, 0, sizeof(p));
+        p.flags = IORING_SETUP_CQSIZE;
+        p.cq_entries = entries * 2;
+        r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    }
     if (r->fd < 0) {
         int e = errno;
         say(err, errlen, "io_uring_setup(%u): %s", entries, strerror(e));
@@ -271,6 +285,143 @@ static int ring_peek(struct ring *r, unsigned long long *data, int *res)
     return 1;
 }
 
+/* ------------------------------------------------------------------ Linux AIO
+ *
+ * Where io_uring is blocked (io_uring_setup refused: containers under Docker's default seccomp
+ * profile, kernel.io_uring_disabled), the engine submits through Linux AIO instead: the same
+ * O_DIRECT reads and writes, without registered buffers. One iocb per slot (a slot has at most
+ * one I/O in flight); reaped events wait in `ev` until taken. */
+
+struct aio_q {
+    aio_context_t ctx;
+    struct iocb *cbs;           /* one per slot */
+    struct iocb **pend;         /* built, not yet submitted */
+    unsigned npend;
+    struct io_event *ev;        /* reaped, not yet taken */
+    unsigned nev, evpos, cap;
+};
+
+static int aio_q_setup(struct aio_q *a, unsigned depth, unsigned nslots, char *err, int errlen)
+{
+    memset(a, 0, sizeof(*a));
+    a->cap = depth;
+    a->cbs = calloc(nslots, sizeof(*a->cbs));
+    a->pend = calloc(nslots, sizeof(*a->pend));
+    a->ev = calloc(depth, sizeof(*a->ev));
+    if (!a->cbs || !a->pend || !a->ev) {
+        free(a->cbs), free(a->pend), free(a->ev);
+        say(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    if (syscall(__NR_io_setup, depth, &a->ctx) < 0) {
+        int e = errno;
+        say(err, errlen, "io_setup(%u): %s", depth, strerror(e));
+        free(a->cbs), free(a->pend), free(a->ev);
+        return -e;
+    }
+    return 0;
+}
+
+static void aio_q_close(struct aio_q *a)
+{
+    syscall(__NR_io_destroy, a->ctx);
+    free(a->cbs), free(a->pend), free(a->ev);
+}
+
+static void aio_q_push(struct aio_q *a, int write, int fd, void *addr, unsigned len,
+                       unsigned long long off, unsigned slot)
+{
+    struct iocb *cb = &a->cbs[slot];
+
+    memset(cb, 0, sizeof(*cb));
+    cb->aio_lio_opcode = write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+    cb->aio_fildes = (unsigned)fd;
+    cb->aio_buf = (unsigned long long)(uintptr_t)addr;
+    cb->aio_nbytes = len;
+    cb->aio_offset = (long long)off;
+    cb->aio_data = slot;
+    a->pend[a->npend++] = cb;
+}
+
+/* Submit what is pending; with `wait`, reap at least one completion (every one ready). An
+ * iocb the kernel refuses completes at once with its error, as io_uring's would. */
+static int aio_q_enter(struct aio_q *a, unsigned wait)
+{
+    unsigned done = 0;
+
+    while (done < a->npend) {
+        long ret = syscall(__NR_io_submit, a->ctx, (long)(a->npend - done), a->pend + done);
+
+        if (ret > 0) {
+            done += (unsigned)ret;
+            continue;
+        }
+        if (ret < 0 && errno == EINTR)
+            continue;
+        if (ret < 0 && errno == EAGAIN)
+            break;          /* the context is full: submit the rest after reaping */
+        if (a->nev - a->evpos == 0)
+            a->nev = a->evpos = 0;
+        if (a->nev >= a->cap)
+            break;
+        a->ev[a->nev].data = a->pend[done]->aio_data;
+        a->ev[a->nev].res = ret < 0 ? -errno : -EIO;
+        a->nev++;
+        done++;
+    }
+    memmove(a->pend, a->pend + done, (a->npend - done) * sizeof(*a->pend));
+    a->npend -= done;
+    if (!wait || a->nev > a->evpos)
+        return 0;
+    for (;;) {
+        long ret = syscall(__NR_io_getevents, a->ctx, (long)wait, (long)a->cap, a->ev, NULL);
+
+        if (ret >= 0) {
+            a->nev = (unsigned)ret;
+            a->evpos = 0;
+            return 0;
+        }
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
+static int aio_q_peek(struct aio_q *a, unsigned long long *data, int *res)
+{
+    if (a->evpos >= a->nev)
+        return 0;
+    *data = a->ev[a->evpos].data;
+    *res = (int)a->ev[a->evpos].res;
+    a->evpos++;
+    return 1;
+}
+
+/* 1 when io_uring must not be used: P2PHUB_IO_URING=0 (as where it is blocked). */
+static int uring_refused(void)
+{
+    const char *v = getenv("P2PHUB_IO_URING");
+
+    return v && (!strcmp(v, "0") || !strcmp(v, "off") || !strcmp(v, "no"));
+}
+
+/* Why io_uring_setup failed, with kernel.io_uring_disabled where it is set. */
+static void uring_reason(char *buf, int len, int e)
+{
+    char v[8] = "";
+    FILE *f = fopen("/proc/sys/kernel/io_uring_disabled", "r");
+
+    if (f) {
+        if (!fgets(v, sizeof(v), f))
+            v[0] = 0;
+        fclose(f);
+        v[strcspn(v, "\n")] = 0;
+    }
+    if (v[0] && strcmp(v, "0"))
+        snprintf(buf, len, "io_uring_setup: %s (kernel.io_uring_disabled=%s)", strerror(e), v);
+    else
+        snprintf(buf, len, "io_uring_setup: %s", strerror(e));
+}
+
 /* ------------------------------------------------------------------ the engine */
 
 struct slot {
@@ -288,6 +439,11 @@ struct slot {
 
 struct sio_engine {
     struct ring ring;
+    struct aio_q aio;
+    int use_aio;                /* 1: Linux AIO submits (io_uring blocked) */
+    char path_reason[160];      /* why this submission path */
+    unsigned long long split;   /* reads of 2 x split bytes and up go in pieces of split */
+    unsigned long long split_entries;   /* this batch: entries cut into split pieces */
     unsigned options;           /* SIO_OPT_* */
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
@@ -311,6 +467,27 @@ struct sio_engine {
     unsigned *c_slots;
     unsigned c_n, c_nslots;
 };
+
+/* The engine's submission queue: io_uring, or Linux AIO where io_uring is blocked. */
+static int q_enter(struct sio_engine *e, unsigned wait)
+{
+    return e->use_aio ? aio_q_enter(&e->aio, wait) : ring_enter(&e->ring, wait);
+}
+
+static int q_peek(struct sio_engine *e, unsigned long long *data, int *res)
+{
+    return e->use_aio ? aio_q_peek(&e->aio, data, res) : ring_peek(&e->ring, data, res);
+}
+
+static const char *q_call(struct sio_engine *e)
+{
+    return e->use_aio ? "io_submit/io_getevents" : "io_uring_enter";
+}
+
+static unsigned q_pending(struct sio_engine *e)
+{
+    return e->use_aio ? e->aio.npend : e->ring.pending;
+}
 
 /* Register the staging memory with the ring as fixed buffers (no page pinning per I/O):
  * one buffer per FIXED_MAX bytes of whole slots. Where the kernel refuses (memlock limit,
@@ -390,9 +567,27 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
             e->nevents++;
         }
     }
-    if (ring_setup(&e->ring, depth, err, errlen))
-        goto fail;
-    register_stage(e);
+    e->split = SIO_SPLIT_DEFAULT;
+    if (uring_refused()) {
+        snprintf(e->path_reason, sizeof(e->path_reason),
+                 "io_uring not used: P2PHUB_IO_URING is off");
+        e->use_aio = 1;
+    } else {
+        int rc = ring_setup(&e->ring, depth, NULL, 0);
+
+        if (rc) {
+            uring_reason(e->path_reason, sizeof(e->path_reason), -rc);
+            e->use_aio = 1;
+        }
+    }
+    if (e->use_aio) {
+        if (aio_q_setup(&e->aio, depth, nslots, err, errlen))
+            goto fail;
+    } else {
+        register_stage(e);
+        snprintf(e->path_reason, sizeof(e->path_reason), "io_uring_setup succeeded%s",
+                 e->fixed ? ", staging registered" : ", staging not registered");
+    }
     return e;
 fail:
     for (i = 0; i < (unsigned)e->nevents; i++)
@@ -413,7 +608,10 @@ void sio_close(struct sio_engine *e)
         cu.stream_sync(e->stream);
     for (i = 0; i < e->nevents; i++)
         cu.ev_destroy(e->events[i]);
-    ring_close(&e->ring);
+    if (e->use_aio)
+        aio_q_close(&e->aio);
+    else
+        ring_close(&e->ring);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
     free(e);
@@ -574,7 +772,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
                       const unsigned long long *mem, const unsigned char *flags,
                       const long long *result, struct slot *p)
 {
-    unsigned long long start, skip, useful;
+    unsigned long long start, skip, useful, cap;
 
     while (c->i < n && (c->done >= len[c->i] || result[c->i] < 0)) {
         c->i++;
@@ -585,8 +783,14 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     start = off[c->i] + c->done;
     skip = (flags[c->i] & SIO_DIRECT) ? start % SIO_ALIGN : 0;
     useful = len[c->i] - c->done;
-    if (useful > e->slot_bytes - skip)
-        useful = e->slot_bytes - skip;
+    cap = e->slot_bytes - skip;
+    if (!write && e->split && len[c->i] >= 2 * e->split && e->split - skip < cap) {
+        cap = e->split - skip;
+        if (!c->done)
+            e->split_entries++;
+    }
+    if (useful > cap)
+        useful = cap;
     p->entry = c->i;
     p->pos = start - skip;
     p->skip = skip;
@@ -611,19 +815,22 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
 {
     struct slot *p = &e->slots[s];
     int op = write ? IORING_OP_WRITE : IORING_OP_READ;
+    char *addr = p->to_mem ? (char *)(uintptr_t)p->mem + p->done : slot_buf(e, s) + p->done;
+    unsigned len = (unsigned)(p->io_len - p->done);
 
+    st->pieces++;
+    if (e->use_aio) {
+        aio_q_push(&e->aio, write, fd[p->entry], addr, len, p->pos + p->done, s);
+        return;
+    }
     if (p->to_mem) {
-        ring_push(&e->ring, op, fd[p->entry], (char *)(uintptr_t)p->mem + p->done,
-                  (unsigned)(p->io_len - p->done), p->pos + p->done, s, -1);
-        st->pieces++;
+        ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s, -1);
         return;
     }
     if (e->fixed)
         op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
-    ring_push(&e->ring, op, fd[p->entry], slot_buf(e, s) + p->done,
-              (unsigned)(p->io_len - p->done), p->pos + p->done, s,
+    ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s,
               e->fixed ? (int)(s / e->fixed_slots) : -1);
-    st->pieces++;
 }
 
 /* The kernel could not pin the memory of a read in place (a mapping without struct pages,
@@ -739,14 +946,14 @@ static void *io_main(void *arg)
         if (!inflight)
             continue;   /* every slot is with the copies: wait for one (step 1) */
         /* 3. hand the reads over and wait for at least one */
-        res = ring_enter(&e->ring, 1);
+        res = q_enter(e, 1);
         if (res) {
-            snprintf(x->io_err, sizeof(x->io_err), "io_uring_enter: %s", strerror(-res));
+            snprintf(x->io_err, sizeof(x->io_err), "%s: %s", q_call(e), strerror(-res));
             x->io_ret = -1;
             break;
         }
         /* 4. reap: host pieces are copied here, CUDA pieces go to the copy side */
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             unsigned s = (unsigned)data;
             struct slot *p = &e->slots[s];
 
@@ -792,9 +999,9 @@ static void *io_main(void *arg)
         unsigned long long data;
         int res;
 
-        if (ring_enter(&e->ring, 1))
+        if (q_enter(e, 1))
             break;
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             inflight--;
             lfree[nlf++] = (unsigned)data;
         }
@@ -937,10 +1144,10 @@ static void reset_slots(struct sio_engine *e)
         e->free_list[i] = (unsigned)(e->nslots - 1 - i);
 }
 
-int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
-            const unsigned long long *off, const unsigned long long *len,
-            const unsigned long long *mem, const unsigned char *flags, long long *result,
-            struct sio_stats *st, char *err, int errlen)
+static int run_batch(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+                     const unsigned long long *off, const unsigned long long *len,
+                     const unsigned long long *mem, const unsigned char *flags,
+                     long long *result, struct sio_stats *st, char *err, int errlen)
 {
     struct cursor cur = { 0, 0 };
     unsigned inflight = 0;
@@ -1008,10 +1215,10 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         /* load: the reads just queued go to the disk first, then the last round's copies
          * are issued while the disk works on them */
         if (!write && e->c_nslots) {
-            int r = e->ring.pending ? ring_enter(&e->ring, 0) : 0;
+            int r = q_pending(e) ? q_enter(e, 0) : 0;
             if (r || flush_copies(e, 0, st, err, errlen)) {
                 if (r)
-                    say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                    say(err, errlen, "%s: %s", q_call(e), strerror(-r));
                 ret = -1;
                 break;
             }
@@ -1033,15 +1240,21 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             /* load: step 1 submitted all it could, and the GPU finishes the copies on its
              * own, so hand over the new reads and wait in the same system call */
             int wait = write ? inflight && !progressed && !e->held_count : inflight > 0;
-            int r = ring_enter(&e->ring, wait ? 1 : 0);
+            unsigned want = 1;
+            /* a host load with entries still to start: sleep until an eighth of the queue
+             * completed, not after each read (fewer wake-ups on a busy host; the other
+             * seven eighths keep the disk busy meanwhile) */
+            if (wait && !write && !need_cuda && more && inflight >= 2 * REAP_SHARE)
+                want = inflight / REAP_SHARE;
+            int r = q_enter(e, wait ? want : 0);
             if (r) {
-                say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                say(err, errlen, "%s: %s", q_call(e), strerror(-r));
                 ret = -1;
                 break;
             }
         }
         /* 3. reap */
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             unsigned s = (unsigned)data;
             struct slot *p = &e->slots[s];
 
@@ -1090,15 +1303,41 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         while (inflight) {
             unsigned long long data;
             int res;
-            if (ring_enter(&e->ring, 1))
+            if (q_enter(e, 1))
                 break;
-            while (ring_peek(&e->ring, &data, &res))
+            while (q_peek(e, &data, &res))
                 inflight--;
         }
         reset_slots(e);
     }
     free(rd.slot);
     return ret < 0 ? -1 : failed;
+}
+
+int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+            const unsigned long long *off, const unsigned long long *len,
+            const unsigned long long *mem, const unsigned char *flags, long long *result,
+            struct sio_stats *st, char *err, int errlen)
+{
+    int rc;
+
+    e->split_entries = 0;
+    rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
+    st->aio = e->use_aio;
+    st->split = e->split;
+    st->split_entries = e->split_entries;
+    return rc;
+}
+
+void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes)
+{
+    e->split = piece_bytes / SIO_ALIGN * SIO_ALIGN;
+}
+
+int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen)
+{
+    say(reason, reasonlen, "%s", e->path_reason);
+    return e->use_aio;
 }
 
 int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
