@@ -473,8 +473,13 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
                         continue
                     dest.clear()
                     cache = drop_caches(args.file)
+                    cpu0 = time.process_time()
                     dt = m.run(args.file, offs, dsts, size)
                     dest.sync()
+                    # CPU of the whole process (every thread a method started) per read: on
+                    # a host shared with other work, steadier than the wall clock
+                    row.setdefault("cpu_us_per_read", {}).setdefault(name, []).append(
+                        round((time.process_time() - cpu0) / count * 1e6, 2))
                     ok = dest.check(offs, dsts, size, sample)
                     row["verified"][name] = row["verified"].get(name, True) and ok
                     if not ok:
@@ -486,6 +491,15 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
                     if hasattr(m, "close"):
                         m.close()
         row["median_per_s"] = {k: round(statistics.median(v), 1) for k, v in row["per_s"].items()}
+        row["median_cpu_us_per_read"] = {k: round(statistics.median(v), 2)
+                                         for k, v in row.get("cpu_us_per_read", {}).items()}
+        # each run's p2phub against each run's best NIXL mode: the two ran minutes apart at
+        # most, so a host whose speed drifts moves both
+        nx = [row["per_s"].get(k) for k in NIXL if row["per_s"].get(k)]
+        if row["per_s"].get("p2phub") and nx:
+            paired = [p / max(x) for p, *x in zip(row["per_s"]["p2phub"], *nx)]
+            row["p2phub_vs_best_nixl_per_run"] = [round(r, 3) for r in paired]
+            row["p2phub_vs_best_nixl_per_run_median"] = round(statistics.median(paired), 3)
         if row.get("ceiling_open_ms"):
             row["ceiling_open_ms_median"] = round(statistics.median(row["ceiling_open_ms"]), 3)
         row["per_s"] = {k: [round(x, 1) for x in v] for k, v in row["per_s"].items()}
