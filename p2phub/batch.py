@@ -76,7 +76,7 @@ DEFAULT_SLOTS = 256
 # measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
 # reads 1.1x to 1.4x slower buffered
 DEFAULT_BUFFERED_FROM = 1 << 20
-_OPT_NO_FIXED, _OPT_NO_IO_THREAD = 1, 2   # SIO_OPT_* of staged_io/_sio.h
+_OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
 
 
 class BatchFence(Fence):
@@ -504,6 +504,7 @@ class _Engine(Resource):
             stats["batch_copy_api"] = bool(st.batch_api)
             stats["fixed_buffers"] = bool(st.fixed)
             stats["io_thread"] = bool(st.io_thread)
+            stats["poll"] = bool(self.options & _OPT_POLL)
             stats["submit_path"] = self.path
             stats["submit_path_reason"] = self.path_reason
             stats["split_bytes"] = int(st.split)
@@ -526,7 +527,7 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
                     slots: int = DEFAULT_SLOTS,
                     buffered_from: int = DEFAULT_BUFFERED_FROM, *,
                     fixed_buffers: bool = True, io_thread: bool = False,
-                    split: int | None = None) -> None:
+                    split: int | None = None, poll: bool = False) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
@@ -535,7 +536,9 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
     `split`: reads of twice this and up go in pieces of it (0: slot-sized pieces only; None:
-    the engine's default, 256 KiB), ``fence.stats["split_bytes"]`` and ``["split_entries"]``."""
+    the engine's default, 256 KiB), ``fence.stats["split_bytes"]`` and ``["split_entries"]``.
+    `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
+    latency is not paid, a CPU is spent while the disk works)."""
     if not 1 <= depth <= 4096:
         raise UsageError(f"depth={depth}: want 1..4096")
     if slot <= 0 or slot % ALIGN:
@@ -551,7 +554,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     hub.__dict__["_batch_opts"] = {"depth": depth, "slot": slot, "slots": slots,
                                    "buffered_from": buffered_from,
                                    "options": (0 if fixed_buffers else _OPT_NO_FIXED)
-                                   | (0 if io_thread else _OPT_NO_IO_THREAD), "split": split}
+                                   | (0 if io_thread else _OPT_NO_IO_THREAD)
+                                   | (_OPT_POLL if poll else 0), "split": split}
 
 
 def _engine(hub: "Hub", ops: Any, device: int) -> _Engine:

@@ -180,7 +180,8 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
     staging slots, reads through the page cache; "dio": every read O_DIRECT; "nofixed": the
     staging memory not registered with io_uring; "onethread" (the default): one thread reads
     and issues the GPU copies; "iothread": a second thread reads while the first copies;
-    "split128K": reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized pieces)."""
+    "split128K": reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized pieces;
+    "poll": the engine polls for completions instead of sleeping)."""
     direct: bool | str = "auto"
     engine: dict[str, Any] = {"fixed_buffers": True, "io_thread": False}
     for tok in name.split(":")[1:]:
@@ -190,6 +191,8 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
             engine["fixed_buffers"] = False
         elif tok in ("onethread", "iothread"):
             engine["io_thread"] = tok == "iothread"
+        elif tok == "poll":
+            engine["poll"] = True
         elif tok == "nosplit":
             engine["split"] = 0
         elif tok.startswith("split"):
@@ -200,7 +203,7 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
             slot = _parse_size(tok[1:])
         else:
             raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf, dio, "
-                             "nofixed, onethread, iothread, splitSIZE or nosplit)")
+                             "nofixed, onethread, iothread, splitSIZE, nosplit or poll)")
     return depth, slot, direct, engine
 
 

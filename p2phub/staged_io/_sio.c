@@ -22,6 +22,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
+#include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -148,25 +150,34 @@ struct ring {
     void *sq_map, *cq_map;
     size_t sq_len, cq_len, sqe_len;
     unsigned pending;  /* SQEs written, not yet handed to the kernel */
+    int single;        /* only the creating thread may use it (SINGLE_ISSUER) */
+    pid_t owner;       /* that thread */
 };
 
-static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
+static int ring_setup(struct ring *r, unsigned entries, int single, char *err, int errlen)
 {
+    /* single (one thread submits and reaps): completions wait until that thread asks for
+     * them, and a wait for k completions wakes it once, not once per completion
+     * (DEFER_TASKRUN, 6.1+); else they are posted when the thread next enters the kernel
+     * rather than by interrupting it (COOP_TASKRUN, 5.19+). Older kernels refuse the flags:
+     * each is dropped in turn. */
+    static const unsigned flags[] = {
+        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_COOP_TASKRUN, 0,
+    };
     struct io_uring_params p;
     void *sq, *cq;
+    unsigned k;
 
     memset(r, 0, sizeof(*r));
-    memset(&p, 0, sizeof(p));
-    /* completions are posted to the ring when this thread next enters the kernel, not by
-     * interrupting it (kernels before 5.19 refuse the flag: set up without it) */
-    p.flags = IORING_SETUP_CQSIZE | IORING_SETUP_COOP_TASKRUN;
-    p.cq_entries = entries * 2;
-    r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
-    if (r->fd < 0 && errno == EINVAL) {
+    r->fd = -1;
+    for (k = single ? 0 : 1; k < sizeof(flags) / sizeof(flags[0]) && r->fd < 0; k++) {
         memset(&p, 0, sizeof(p));
-        p.flags = IORING_SETUP_CQSIZE;
+        p.flags = IORING_SETUP_CQSIZE | flags[k];
         p.cq_entries = entries * 2;
         r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+        if (r->fd < 0 && errno != EINVAL)
+            break;
+        r->single = r->fd >= 0 && k == 0;
     }
     if (r->fd < 0) {
         int e = errno;
@@ -210,6 +221,7 @@ static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
     r->cq_tail = (unsigned *)((char *)cq + p.cq_off.tail);
     r->cq_mask = (unsigned *)((char *)cq + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)((char *)cq + p.cq_off.cqes);
+    r->owner = (pid_t)syscall(__NR_gettid);
     return 0;
 fail:
     {
@@ -228,6 +240,8 @@ fail:
 
 static void ring_close(struct ring *r)
 {
+    if (r->fd < 0)
+        return;
     munmap(r->sqes, r->sqe_len);
     if (r->cq_map != r->sq_map)
         munmap(r->cq_map, r->cq_len);
@@ -261,7 +275,7 @@ static int ring_enter(struct ring *r, unsigned wait)
 {
     for (;;) {
         long ret = syscall(__NR_io_uring_enter, r->fd, r->pending, wait,
-                           wait ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+                           IORING_ENTER_GETEVENTS, NULL, 0);
         if (ret >= 0) {
             r->pending -= (unsigned)ret < r->pending ? (unsigned)ret : r->pending;
             return 0;
@@ -468,10 +482,47 @@ struct sio_engine {
     unsigned c_n, c_nslots;
 };
 
-/* The engine's submission queue: io_uring, or Linux AIO where io_uring is blocked. */
+static unsigned ring_ready(struct ring *r)
+{
+    return __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) - *r->cq_head;
+}
+
+/* The engine's submission queue: io_uring, or Linux AIO where io_uring is blocked. With
+ * SIO_OPT_POLL a wait polls for completions instead of sleeping (no wake-up to wait for on a
+ * host whose CPUs are all busy; costs this thread's CPU while the disk works). */
 static int q_enter(struct sio_engine *e, unsigned wait)
 {
-    return e->use_aio ? aio_q_enter(&e->aio, wait) : ring_enter(&e->ring, wait);
+    if (!wait || !(e->options & SIO_OPT_POLL))
+        return e->use_aio ? aio_q_enter(&e->aio, wait) : ring_enter(&e->ring, wait);
+    if (e->use_aio) {
+        struct timespec zero = { 0, 0 };
+        int r = aio_q_enter(&e->aio, 0);
+
+        if (r || e->aio.nev > e->aio.evpos)
+            return r;
+        for (;;) {
+            long ret = syscall(__NR_io_getevents, e->aio.ctx, 0L, (long)e->aio.cap, e->aio.ev,
+                               &zero);
+            if (ret > 0) {
+                e->aio.nev = (unsigned)ret;
+                e->aio.evpos = 0;
+                return 0;
+            }
+            if (ret < 0 && errno != EINTR)
+                return -errno;
+        }
+    }
+    for (;;) {
+        /* hand over what is pending and run the completions' task work, never sleeping */
+        long ret = syscall(__NR_io_uring_enter, e->ring.fd, e->ring.pending, 0,
+                           IORING_ENTER_GETEVENTS, NULL, 0);
+        if (ret < 0 && errno != EINTR)
+            return -errno;
+        if (ret > 0)
+            e->ring.pending -= (unsigned)ret < e->ring.pending ? (unsigned)ret : e->ring.pending;
+        if (ring_ready(&e->ring))
+            return 0;
+    }
 }
 
 static int q_peek(struct sio_engine *e, unsigned long long *data, int *res)
@@ -573,7 +624,9 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
                  "io_uring not used: P2PHUB_IO_URING is off");
         e->use_aio = 1;
     } else {
-        int rc = ring_setup(&e->ring, depth, NULL, 0);
+        /* one thread drives the ring unless CUDA loads read on a second one */
+        int single = !(options & SIO_OPT_POLL) && ((options & SIO_OPT_NO_IO_THREAD) || !stream);
+        int rc = ring_setup(&e->ring, depth, single, NULL, 0);
 
         if (rc) {
             uring_reason(e->path_reason, sizeof(e->path_reason), -rc);
@@ -1322,6 +1375,22 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     int rc;
 
     e->split_entries = 0;
+    if (!e->use_aio && e->ring.single && e->ring.owner != (pid_t)syscall(__NR_gettid)) {
+        /* a ring of one thread, driven now by another: set it up again for this one */
+        ring_close(&e->ring);
+        e->fixed = 0;
+        if (ring_setup(&e->ring, e->depth, 1, NULL, 0)) {
+            uring_reason(e->path_reason, sizeof(e->path_reason), errno);
+            e->use_aio = 1;
+            if (aio_q_setup(&e->aio, e->depth, e->nslots, err, errlen)) {
+                e->use_aio = 0;
+                e->ring.fd = -1;
+                return -1;
+            }
+        } else {
+            register_stage(e);
+        }
+    }
     rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
     st->aio = e->use_aio;
     st->split = e->split;
@@ -1350,7 +1419,7 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
     unsigned long long next = 0;
     int ret = 0;
 
-    ret = ring_setup(&r, depth, err, errlen);
+    ret = ring_setup(&r, depth, 1, err, errlen);
     if (ret)
         return ret;
     free_slots = calloc(depth, sizeof(unsigned));

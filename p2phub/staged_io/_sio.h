@@ -35,6 +35,7 @@ struct sio_stats {
 /* Options of an engine (sio_open), for measurement: the defaults are the fast ones. */
 #define SIO_OPT_NO_FIXED 1      /* do not register the staging memory with io_uring */
 #define SIO_OPT_NO_IO_THREAD 2  /* CUDA loads: one thread does the I/O and the copies */
+#define SIO_OPT_POLL 4          /* wait for completions by polling, not sleeping */
 
 /* A new engine: an io_uring of `depth` entries (a Linux AIO context where io_uring is
  * blocked), `nslots` staging slots of `slot_bytes`
