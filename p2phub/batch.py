@@ -535,8 +535,9 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     engine registering its staging memory with io_uring; `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
-    `split`: reads of twice this and up go in pieces of it (0: slot-sized pieces only; None:
-    the engine's default, 256 KiB), ``fence.stats["split_bytes"]`` and ``["split_entries"]``.
+    `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
+    only; None: the engine's default, 256 KiB), ``fence.stats["split_bytes"]`` and
+    ``["split_entries"]``.
     `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
     latency is not paid, a CPU is spent while the disk works)."""
     if not 1 <= depth <= 4096:

@@ -28,8 +28,8 @@
 #include <unistd.h>
 
 #define NEVENTS 64
-/* reads of twice this and up are cut into pieces of this size, so that a few large reads
- * still fill the queue (and the disk's parallel channels) as many small ones do */
+/* O_DIRECT reads of twice this and up are cut into pieces of this size, so that a few large
+ * reads still fill the queue (and the disk's parallel channels) as many small ones do */
 #define SIO_SPLIT_DEFAULT (256ULL << 10)
 /* a host load waits for 1/REAP_SHARE of the reads in flight at a time */
 #define REAP_SHARE 8
@@ -837,7 +837,9 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     skip = (flags[c->i] & SIO_DIRECT) ? start % SIO_ALIGN : 0;
     useful = len[c->i] - c->done;
     cap = e->slot_bytes - skip;
-    if (!write && e->split && len[c->i] >= 2 * e->split && e->split - skip < cap) {
+    /* O_DIRECT reads only: a buffered read's pieces each start their own readahead */
+    if (!write && e->split && (flags[c->i] & SIO_DIRECT) && len[c->i] >= 2 * e->split &&
+        e->split - skip < cap) {
         cap = e->split - skip;
         if (!c->done)
             e->split_entries++;

@@ -22,7 +22,7 @@ struct sio_stats {
                                         issued the CUDA copies */
     int aio;                         /* 1: submitted through Linux AIO (io_uring blocked),
                                         0: io_uring */
-    unsigned long long split;        /* reads of twice this and up went in pieces of it
+    unsigned long long split;        /* O_DIRECT reads of twice this and up went in pieces of it
                                         (0: slot-sized pieces only) */
     unsigned long long split_entries;/* entries cut into such pieces */
 };
@@ -60,7 +60,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             const unsigned long long *mem, const unsigned char *flags, long long *result,
             struct sio_stats *stats, char *err, int errlen);
 
-/* Reads of 2 x piece_bytes and up go in pieces of piece_bytes (rounded down to SIO_ALIGN;
+/* O_DIRECT reads of 2 x piece_bytes and up go in pieces of piece_bytes (rounded down to SIO_ALIGN;
  * 0: only slot-sized pieces), so that a few large reads fill the queue. The default is set
  * by sio_open. */
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes);

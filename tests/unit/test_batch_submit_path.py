@@ -31,8 +31,8 @@ def _hub(**opts) -> Hub:
 
 
 def _mixed_reads(hub: Hub, path: str, data: np.ndarray) -> tuple[object, mmap.mmap, list]:
-    """Aligned reads (in place), reads off a page boundary in memory (through a slot) and
-    large buffered reads, scattered; returns the fence, the memory and the entries."""
+    """O_DIRECT reads, scattered: aligned ones (in place), ones off a page boundary in memory
+    (through a slot), large ones (split); returns the fence, the memory and the entries."""
     n, slot = 64, 1 * MiB + 4096
     mem = mmap.mmap(-1, n * slot)
     reg = hub.register(mem)
@@ -41,7 +41,8 @@ def _mixed_reads(hub: Hub, path: str, data: np.ndarray) -> tuple[object, mmap.mm
     offs = np.array([rng.integers(0, (data.size - ln) // 4096) * 4096 for ln in lens])
     dst = rng.permutation(n) * slot
     dst[1::4] += 512
-    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst)
+    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst,
+                       direct=True)
     f.wait(60)
     m = np.frombuffer(mem, np.uint8)
     for o, ln, d in zip(offs, lens, dst):
@@ -101,8 +102,8 @@ def test_io_uring_by_default(data_file) -> None:
 
 @pytest.mark.parametrize("split", [0, 64 * KiB, None])
 def test_large_reads_split_into_pieces(data_file, split) -> None:
-    """Reads of twice the split size and up go in pieces of it (the default 256 KiB); 0 keeps
-    slot-sized pieces; the bytes are the same either way."""
+    """O_DIRECT reads of twice the split size and up go in pieces of it (the default 256 KiB);
+    0 keeps slot-sized pieces; the bytes are the same either way."""
     path, data = data_file
     h = _hub(split=split)
     try:
@@ -122,5 +123,25 @@ def test_split_must_be_a_multiple_of_4096() -> None:
     try:
         with pytest.raises(UsageError, match="split=1000"):
             batch.configure_batch(h, split=1000)
+    finally:
+        h.close()
+
+
+def test_buffered_reads_are_not_split(data_file) -> None:
+    """A read through the page cache stays whole: each piece would start its own readahead."""
+    path, data = data_file
+    h = _hub()
+    try:
+        mem = mmap.mmap(-1, 4 * MiB)
+        reg = h.register(mem)
+        f = h.load_batch([(path, 4096, 2 * MiB, reg, 0), (path, 8 * MiB, 1 * MiB, reg, 2 * MiB)],
+                         direct=False)
+        f.wait(60)
+        assert f.stats["split_entries"] == 0 and f.stats["pieces"] == 3   # 1 MiB slots
+        m = np.frombuffer(mem, np.uint8)
+        assert np.array_equal(m[:2 * MiB], data[4096:4096 + 2 * MiB])
+        assert np.array_equal(m[2 * MiB:3 * MiB], data[8 * MiB:9 * MiB])
+        del m
+        reg.close()
     finally:
         h.close()
