@@ -536,7 +536,7 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
     `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
-    only; None: the engine's default, 256 KiB), ``fence.stats["split_bytes"]`` and
+    only, the engine's default), ``fence.stats["split_bytes"]`` and
     ``["split_entries"]``.
     `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
     latency is not paid, a CPU is spent while the disk works)."""

@@ -180,7 +180,8 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
     staging slots, reads through the page cache; "dio": every read O_DIRECT; "nofixed": the
     staging memory not registered with io_uring; "onethread" (the default): one thread reads
     and issues the GPU copies; "iothread": a second thread reads while the first copies;
-    "split128K": reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized pieces;
+    "split128K": O_DIRECT reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized
+    pieces, the default;
     "poll": the engine polls for completions instead of sleeping)."""
     direct: bool | str = "auto"
     engine: dict[str, Any] = {"fixed_buffers": True, "io_thread": False}

@@ -58,7 +58,7 @@ def test_linux_aio_where_io_uring_is_blocked(data_file, monkeypatch, caplog) -> 
     through Linux AIO, says so in the stats and the log, and every byte arrives."""
     path, data = data_file
     monkeypatch.setenv("P2PHUB_IO_URING", "0")
-    h = _hub()
+    h = _hub(split=256 * KiB)
     try:
         with caplog.at_level(logging.INFO, logger="p2phub.batch"):
             f, _mem, _ = _mixed_reads(h, path, data)
@@ -100,15 +100,15 @@ def test_io_uring_by_default(data_file) -> None:
         h.close()
 
 
-@pytest.mark.parametrize("split", [0, 64 * KiB, None])
+@pytest.mark.parametrize("split", [0, 64 * KiB, 256 * KiB, None])
 def test_large_reads_split_into_pieces(data_file, split) -> None:
-    """O_DIRECT reads of twice the split size and up go in pieces of it (the default 256 KiB);
-    0 keeps slot-sized pieces; the bytes are the same either way."""
+    """O_DIRECT reads of twice the split size and up go in pieces of it; 0 (the default)
+    keeps slot-sized pieces; the bytes are the same either way."""
     path, data = data_file
     h = _hub(split=split)
     try:
         f, _mem, entries = _mixed_reads(h, path, data)
-        piece = 256 * KiB if split is None else split
+        piece = split or 0
         assert f.stats["split_bytes"] == piece
         big = [ln for _o, ln, _d in entries if piece and ln >= 2 * piece]
         assert f.stats["split_entries"] == len(big)
@@ -130,7 +130,7 @@ def test_split_must_be_a_multiple_of_4096() -> None:
 def test_buffered_reads_are_not_split(data_file) -> None:
     """A read through the page cache stays whole: each piece would start its own readahead."""
     path, data = data_file
-    h = _hub()
+    h = _hub(split=256 * KiB)
     try:
         mem = mmap.mmap(-1, 4 * MiB)
         reg = h.register(mem)
