@@ -78,7 +78,7 @@ DEFAULT_SLOTS = 256
 # measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
 # reads 1.1x to 1.4x slower buffered
 DEFAULT_BUFFERED_FROM = 1 << 20
-_OPT_NO_FIXED, _OPT_NO_IO_THREAD = 1, 2   # SIO_OPT_* of staged_io/_sio.h
+_OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
 
 
 class BatchFence(Fence):
@@ -430,12 +430,14 @@ class _Engine(Resource):
     and device of a hub; batches on it run one at a time on its worker thread."""
 
     def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
-                 options: int = 0) -> None:
+                 options: int = 0, split: int | None = None) -> None:
         from .staged_io import load as load_sio
         self.mod = load_sio()
         self.ops, self.device = ops, device
         self.depth, self.slot, self.slots = depth, slot, slots
         self.options = options
+        self.split = split          # None: the engine's default
+        self.path, self.path_reason = "", ""
         self.lock = threading.Lock()
         self.cuda = getattr(ops, "name", "") != "host"
         self._eng = None
@@ -456,6 +458,13 @@ class _Engine(Resource):
             if eng == ffi.NULL:
                 self._free()
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
+            reason = ffi.new("char[]", 160)
+            self.path = "aio" if lib.sio_submit_path(eng, reason, 160) else "io_uring"
+            self.path_reason = ffi.string(reason).decode()
+            log.info("staged I/O engine (device %d): %s (%s)", self.device, self.path,
+                     self.path_reason)
+            if self.split is not None:
+                lib.sio_set_split(eng, self.split)
             self._eng = eng
         return self._eng
 
@@ -490,6 +499,11 @@ class _Engine(Resource):
             stats["batch_copy_api"] = bool(st.batch_api)
             stats["fixed_buffers"] = bool(st.fixed)
             stats["io_thread"] = bool(st.io_thread)
+            stats["poll"] = bool(self.options & _OPT_POLL)
+            stats["submit_path"] = self.path
+            stats["submit_path_reason"] = self.path_reason
+            stats["split_bytes"] = int(st.split)
+            stats["split_entries"] = int(st.split_entries)
             if rc < 0:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
@@ -507,17 +521,23 @@ class _Engine(Resource):
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
                     slots: int = DEFAULT_SLOTS,
                     buffered_from: int = DEFAULT_BUFFERED_FROM, *,
-                    fixed_buffers: bool = True, io_thread: bool = False) -> None:
+                    fixed_buffers: bool = True, io_thread: bool = False,
+                    split: int | None = None, poll: bool = False) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
     bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
     engine registering its staging memory with io_uring; `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
-    H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran)."""
+    H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
+    `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
+    only, the engine's default), ``fence.stats["split_bytes"]`` and
+    ``["split_entries"]``.
+    `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
+    latency is not paid, a CPU is spent while the disk works)."""
     hub._check_open()
     hub.engines.configure_batch(depth, slot, slots, buffered_from, fixed_buffers=fixed_buffers,
-                                io_thread=io_thread)
+                                io_thread=io_thread, split=split, poll=poll)
 
 
 class Engines(Resource):
@@ -532,13 +552,15 @@ class Engines(Resource):
                                            "slots": DEFAULT_SLOTS,
                                            "buffered_from": DEFAULT_BUFFERED_FROM,
                                            "options": _OPT_NO_IO_THREAD}
+        self.batch_split: int | None = None
         self.staged_opts: dict[str, int] = {}
         self._batch: dict[tuple[str, int], _Engine] = {}
         self._stagers: dict[tuple[str, int], Stager] = {}
         self._worker: _Worker | None = None
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
-                        fixed_buffers: bool, io_thread: bool) -> None:
+                        fixed_buffers: bool, io_thread: bool, split: int | None = None,
+                        poll: bool = False) -> None:
         if not 1 <= depth <= 4096:
             raise UsageError(f"depth={depth}: want 1..4096")
         if slot <= 0 or slot % ALIGN:
@@ -547,12 +569,16 @@ class Engines(Resource):
             raise UsageError(f"slots={slots} must be positive")
         if buffered_from <= 0:
             raise UsageError(f"buffered_from={buffered_from} must be positive")
+        if split is not None and (split < 0 or split % ALIGN):
+            raise UsageError(f"split={split} must be 0 or a positive multiple of {ALIGN}")
         with self._lock:
             engines, self._batch = list(self._batch.values()), {}
             self.batch_opts = {"depth": depth, "slot": slot, "slots": slots,
                                "buffered_from": buffered_from,
                                "options": (0 if fixed_buffers else _OPT_NO_FIXED)
-                               | (0 if io_thread else _OPT_NO_IO_THREAD)}
+                               | (0 if io_thread else _OPT_NO_IO_THREAD)
+                               | (_OPT_POLL if poll else 0)}
+            self.batch_split = split
         _close_each(engines)   # each waits for the batch it runs
 
     def configure_staged(self, chunk: int, lanes: int) -> None:
@@ -570,7 +596,7 @@ class Engines(Resource):
             if eng is None:
                 o = self.batch_opts
                 eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
-                                                 o["options"])
+                                                 o["options"], self.batch_split)
             return eng
 
     def stager(self, ops: Any, device: int) -> Stager:
@@ -978,7 +1004,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                     np.ascontiguousarray(mem[sel]), np.ascontiguousarray(flags[sel]), out)
                 res[sub] = out
                 for key, v in st.items():
-                    stats[key] = (stats.get(key, 0) + v) if not isinstance(v, bool) else v
+                    stats[key] = v if isinstance(v, (bool, str)) else stats.get(key, 0) + v
             fence.stats.update(stats)
             if write and sync:
                 for f in p.files:

@@ -17,15 +17,21 @@ method):
                with the open left out)
   p2phub       hub.load_batch(storage=file, offsets=..., lengths=size, memory=reg,
                mem_offsets=...): one call, one fence
-  p2phub-load  hub.load(file, reg, offset, size, dest_offset) per request, the fences awaited
-               together
-  kvikio8/16   kvikio.CuFile(file).pread(view, size, offset) futures, its thread pool at 8 and
-               16 threads, awaited together
+  p2phub:perrequest
+               hub.load(file, reg, offset, size, dest_offset) per request, all issued, then
+               the fences awaited together (p2phub-load is the same method)
+  kvikioN      kvikio.CuFile(file).pread(view, size, offset) futures, its thread pool at N
+               threads (kvikio8, kvikio16, kvikio64), awaited together
+  nixl-posix   host memory only: the pip nixl package's POSIX plugin (DRAM <- FILE, one READ
+               of every request, the file O_DIRECT and registered inside the timed span),
+               libaio (its default); nixl-posix:uring its io_uring mode
   torch        O_DIRECT preads into two pinned buffers, each copied to the GPU on a stream while
                the next is read (double-buffered)
 
 Every byte of a sample of requests is checked on the destination (on the GPU for GPU
 memory) against the file's pattern. Figures are requests per second; medians over --runs.
+Large reads keep the batch's bytes under --max-bytes: a size gets min(--count, max-bytes /
+size) requests (the report's `count` per size).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_cac
                          make_file)
 
 SCHEMA = "p2phub.bench.restore/1"
-METHODS = "ceiling,p2phub,p2phub-load,kvikio8,kvikio16,torch"
+METHODS = "ceiling,p2phub,p2phub:perrequest,kvikio8,kvikio16,kvikio64,torch"
+KVIKIO = ("kvikio8", "kvikio16", "kvikio64")
+NIXL = ("nixl-posix", "nixl-posix:uring")
 
 
 
@@ -56,12 +64,16 @@ def add_parser(sub: Any) -> None:
                         "another size)")
     p.add_argument("--size", type=size_text, default="4G", help="file size (default 4G)")
     p.add_argument("--count", type=positive, default=4096, help="reads per batch (default 4096)")
-    p.add_argument("--sizes", type=comma_list(size_bytes), default="4K,64K,256K,1M", help="read sizes (default 4K,64K,256K,1M)")
+    p.add_argument("--sizes", type=comma_list(size_bytes), default="4K,64K,256K,1M",
+                   help="read sizes, up to 16M (default 4K,64K,256K,1M)")
     p.add_argument("--runs", type=positive, default=3, help="runs; medians are reported (default 3)")
     p.add_argument("--methods", default=METHODS, help=f"methods, in order (default {METHODS})")
     p.add_argument("--depths", type=comma_list(positive), default="64,128,256", help="queue depths of the ceiling")
-    p.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
+    p.add_argument("--memory", "--device", dest="device", choices=("auto", "cuda", "host"),
+                   default="auto",
                    help="destination memory (default: cuda where torch sees a GPU, else host)")
+    p.add_argument("--max-bytes", type=size_text, default="2G",
+                   help="bytes per batch at most: larger reads get fewer requests (default 2G)")
     p.add_argument("--sample", type=positive, default=64, help="requests checked per method and run")
     p.add_argument("--depth", type=positive, default=128, help="p2phub batch queue depth")
     p.add_argument("--slot", type=size_text, default="1M", help="p2phub batch staging slot size")
@@ -163,13 +175,16 @@ class Ceiling:
         return dt, t1 - t0
 
 
-def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, dict[str, bool]]:
+def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, dict[str, Any]]:
     """p2phub's batch with other settings: "p2phub:d256:s256K:buf" (queue depth 256, 256 KiB
     staging slots, reads through the page cache; "dio": every read O_DIRECT; "nofixed": the
     staging memory not registered with io_uring; "onethread" (the default): one thread reads
-    and issues the GPU copies; "iothread": a second thread reads while the first copies)."""
+    and issues the GPU copies; "iothread": a second thread reads while the first copies;
+    "split128K": O_DIRECT reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized
+    pieces, the default;
+    "poll": the engine polls for completions instead of sleeping)."""
     direct: bool | str = "auto"
-    engine = {"fixed_buffers": True, "io_thread": False}
+    engine: dict[str, Any] = {"fixed_buffers": True, "io_thread": False}
     for tok in name.split(":")[1:]:
         if tok in ("buf", "dio"):
             direct = tok == "dio"
@@ -177,19 +192,25 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
             engine["fixed_buffers"] = False
         elif tok in ("onethread", "iothread"):
             engine["io_thread"] = tok == "iothread"
+        elif tok == "poll":
+            engine["poll"] = True
+        elif tok == "nosplit":
+            engine["split"] = 0
+        elif tok.startswith("split"):
+            engine["split"] = _parse_size(tok[5:])
         elif tok[:1] == "d" and tok[1:].isdigit():
             depth = int(tok[1:])
         elif tok[:1] == "s":
             slot = _parse_size(tok[1:])
         else:
             raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf, dio, "
-                             "nofixed, onethread or iothread)")
+                             "nofixed, onethread, iothread, splitSIZE, nosplit or poll)")
     return depth, slot, direct, engine
 
 
 class P2PHubBatch(Resource):
     def __init__(self, dest: Dest, mode: str, depth: int, slot: int,
-                 direct: bool | str = "auto", engine: dict[str, bool] | None = None) -> None:
+                 direct: bool | str = "auto", engine: dict[str, Any] | None = None) -> None:
         from .. import batch
         from ..hub import Hub
         self.hub = Hub(mode=mode)
@@ -277,6 +298,70 @@ class Kvikio:
         return {"version": getattr(self.kvikio, "__version__", "?"), "threads": self.threads}
 
 
+def _nixl_api() -> Any:
+    """nixl's Python API: the `nixl` meta package, else the CUDA build installed."""
+    import importlib
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(mod)
+        except ImportError:
+            continue
+    raise RuntimeError("needs nixl (pip nixl / nixl-cu12)")
+
+
+class NixlPosix(Resource):
+    """The pip nixl package's POSIX plugin: DRAM <- FILE, every request in one READ transfer,
+    libaio (its default) or io_uring ("nixl-posix:uring"). Like every other method it opens
+    (O_DIRECT) and registers the file inside its timed span."""
+
+    def __init__(self, dest: Dest, mode: str) -> None:
+        if dest.kind != "host":
+            raise RuntimeError("needs host memory (--memory host): NIXL POSIX moves DRAM <-> FILE")
+        import logging
+        api = _nixl_api()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self.name = f"p2phub-bench-nixl-{mode}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[]))
+        self.mode = mode
+        params = {"use_uring": "true"} if mode == "uring" else {}
+        self.agent.create_backend("POSIX", params)
+        self.params = dict(self.agent.get_backend_params("POSIX") or {})
+        self.dest = dest
+        self.addr = dest.buf.ctypes.data
+        self.dram = self.agent.register_memory([(self.addr, dest.nbytes, 0, "")], "DRAM")
+
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        import numpy as np
+        n = offs.size
+        a = self.agent
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            freg = a.register_memory([(0, os.fstat(fd).st_size, fd, "")], "FILE")
+            loc = a.get_xfer_descs(np.stack([self.addr + dsts, np.full(n, size, np.int64),
+                                             np.zeros(n, np.int64)], 1), "DRAM")
+            rem = a.get_xfer_descs(np.stack([offs, np.full(n, size, np.int64),
+                                             np.full(n, fd, np.int64)], 1), "FILE")
+            h = a.initialize_xfer("READ", loc, rem, self.name)
+            state = a.transfer(h)
+            while state == "PROC":
+                state = a.check_xfer_state(h)
+            dt = time.perf_counter() - t0
+            a.release_xfer_handle(h)
+            a.deregister_memory(freg)
+        finally:
+            os.close(fd)
+        if state != "DONE":
+            raise RuntimeError(f"nixl POSIX transfer ended {state}")
+        return dt
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": self.mode, "backend_params": self.params}
+
+    def _close(self) -> None:
+        self.agent.deregister_memory(self.dram)
+
+
 class TorchDouble:
     """O_DIRECT preads into two pinned buffers, each copied on a stream while the next is read
     (bench load's torch method, one piece per request)."""
@@ -316,9 +401,15 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
             kind = "cuda" if torch.cuda.is_available() else "host"
         except ImportError:
             kind = "host"
+    if max(sizes) > 16 << 20:
+        raise ValueError(f"--sizes: {max(sizes)} bytes is over 16M")
+    if max(sizes) > file_size:
+        raise ValueError(f"--sizes: {max(sizes)} bytes is larger than the file ({file_size})")
+    max_bytes = _parse_size(args.max_bytes)
+    counts = {size: max(1, min(args.count, max_bytes // size)) for size in sizes}
     make_file(args.file, file_size)
     max_size = max(sizes)
-    dest = Dest(kind, args.count * max_size)
+    dest = Dest(kind, max(counts[s] * s for s in sizes))
     report: dict[str, Any] = {
         "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": _machine(), "file": args.file, "file_bytes": file_size, "count": args.count,
@@ -330,12 +421,14 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
         try:
             if name == "ceiling":
                 impl[name] = Ceiling(args.file, depths, max_size)
+            elif name in ("p2phub-load", "p2phub:perrequest"):
+                impl[name] = P2PHubLoad(dest, args.mode, args.depth, _parse_size(args.slot))
             elif name == "p2phub" or name.startswith("p2phub:"):
                 depth, slot, direct, engine = _variant(name, args.depth, _parse_size(args.slot))
                 impl[name] = P2PHubBatch(dest, args.mode, depth, slot, direct, engine)
-            elif name == "p2phub-load":
-                impl[name] = P2PHubLoad(dest, args.mode, args.depth, _parse_size(args.slot))
-            elif name.startswith("kvikio"):
+            elif name in NIXL:
+                impl[name] = NixlPosix(dest, "uring" if name.endswith(":uring") else "aio")
+            elif name.startswith("kvikio") and (name[6:] or "8").isdigit():
                 impl[name] = Kvikio(dest, int(name[6:] or 8))
             elif name == "torch":
                 impl[name] = TorchDouble(dest, max_size)
@@ -346,7 +439,8 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
             report["errors"][name] = msg
     cache = "?"
     for size in sizes:
-        row: dict[str, Any] = {"per_s": {}, "verified": {}}
+        count = counts[size]
+        row: dict[str, Any] = {"count": count, "per_s": {}, "verified": {}}
         report["sizes"][str(size)] = row
         for name, m in impl.items():
             if hasattr(m, "warm"):
@@ -356,10 +450,10 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
                     report["errors"][name] = f"warm-up: {type(exc).__name__}: {exc}"
         live = [n for n in methods if n in impl]
         for run in range(args.runs):
-            offs, dsts = _requests(args.seed * 1000 + run, file_size, args.count, size)
+            offs, dsts = _requests(args.seed * 1000 + run, file_size, count, size)
             rng = np.random.default_rng(run)
-            sample = np.unique(np.concatenate([[0, args.count - 1],
-                                               rng.integers(0, args.count, args.sample)]))
+            sample = np.unique(np.concatenate([[0, count - 1],
+                                               rng.integers(0, count, args.sample)]))
             order = live[run % len(live):] + live[:run % len(live)] if live else []
             for name in order:
                 m = impl.get(name)
@@ -373,42 +467,64 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
                         for d in depths:
                             cache = drop_caches(args.file)
                             dt, t_open = m.run(offs, size, d)
-                            rate = args.count / dt
+                            rate = count / dt
                             row["per_s"].setdefault(f"ceiling_qd{d}", []).append(rate)
                             row.setdefault("ceiling_open_ms", []).append(round(t_open * 1e3, 3))
                             best = max(best, rate)
-                            best_noopen = max(best_noopen, args.count / (dt - t_open))
+                            best_noopen = max(best_noopen, count / (dt - t_open))
                         row["per_s"].setdefault("ceiling", []).append(best)
                         row["per_s"].setdefault("ceiling_without_open", []).append(best_noopen)
                         continue
                     dest.clear()
                     cache = drop_caches(args.file)
+                    cpu0 = time.process_time()
                     dt = m.run(args.file, offs, dsts, size)
                     dest.sync()
+                    # CPU of the whole process (every thread a method started) per read: on
+                    # a host shared with other work, steadier than the wall clock
+                    row.setdefault("cpu_us_per_read", {}).setdefault(name, []).append(
+                        round((time.process_time() - cpu0) / count * 1e6, 2))
                     ok = dest.check(offs, dsts, size, sample)
                     row["verified"][name] = row["verified"].get(name, True) and ok
                     if not ok:
                         raise RuntimeError("the destination does not hold the file's bytes")
-                    row["per_s"].setdefault(name, []).append(args.count / dt)
+                    row["per_s"].setdefault(name, []).append(count / dt)
                 except Exception as exc:  # noqa: BLE001
                     report["errors"][name] = f"{size} B: {type(exc).__name__}: {exc}"
                     impl.pop(name, None)
                     if hasattr(m, "close"):
                         m.close()
         row["median_per_s"] = {k: round(statistics.median(v), 1) for k, v in row["per_s"].items()}
+        row["median_cpu_us_per_read"] = {k: round(statistics.median(v), 2)
+                                         for k, v in row.get("cpu_us_per_read", {}).items()}
+        # each run's p2phub against each run's best NIXL mode: the two ran minutes apart at
+        # most, so a host whose speed drifts moves both
+        nx = [row["per_s"].get(k) for k in NIXL if row["per_s"].get(k)]
+        if row["per_s"].get("p2phub") and nx:
+            paired = [p / max(x) for p, *x in zip(row["per_s"]["p2phub"], *nx)]
+            row["p2phub_vs_best_nixl_per_run"] = [round(r, 3) for r in paired]
+            row["p2phub_vs_best_nixl_per_run_median"] = round(statistics.median(paired), 3)
         if row.get("ceiling_open_ms"):
             row["ceiling_open_ms_median"] = round(statistics.median(row["ceiling_open_ms"]), 3)
         row["per_s"] = {k: [round(x, 1) for x in v] for k, v in row["per_s"].items()}
         med = row["median_per_s"]
         ratios: dict[str, float] = {}
         if "p2phub" in med:
-            for other in ("ceiling", "ceiling_without_open", "kvikio8", "kvikio16", "torch",
-                          "p2phub-load"):
+            for other in ("ceiling", "ceiling_without_open", *KVIKIO, "torch", "p2phub-load",
+                          "p2phub:perrequest", *NIXL):
                 if med.get(other):
                     ratios[f"p2phub_vs_{other}"] = round(med["p2phub"] / med[other], 3)
-            kv = [med[k] for k in ("kvikio8", "kvikio16") if med.get(k)]
+            for group, names in (("kvikio", KVIKIO), ("nixl", NIXL)):
+                best = [med[k] for k in names if med.get(k)]
+                if best:
+                    ratios[f"p2phub_vs_best_{group}"] = round(med["p2phub"] / max(best), 3)
+        per = med.get("p2phub:perrequest") or med.get("p2phub-load")
+        if per:
+            if med.get("p2phub"):
+                ratios["perrequest_vs_p2phub"] = round(per / med["p2phub"], 3)
+            kv = [med[k] for k in KVIKIO if med.get(k)]
             if kv:
-                ratios["p2phub_vs_best_kvikio"] = round(med["p2phub"] / max(kv), 3)
+                ratios["perrequest_vs_best_kvikio"] = round(per / max(kv), 3)
         row["ratios"] = ratios
         if "p2phub" in impl:
             row["p2phub_batch"] = impl["p2phub"].info()["last_batch"]
@@ -425,7 +541,7 @@ def render(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
     con = Console()
-    t = Table(title=f"p2phub bench restore: {report['count']} random reads of "
+    t = Table(title=f"p2phub bench restore: up to {report['count']} random reads of "
                     f"{report['file_bytes'] / GiB:.1f} GiB into {report['device']} memory, "
                     f"{report['runs']} runs, page cache {report.get('cache')} (reads/s, median)")
     names: list[str] = []
@@ -434,13 +550,15 @@ def render(report: dict) -> None:
             if k not in names:
                 names.append(k)
     t.add_column("method")
-    for s in report["sizes"]:
-        t.add_column(f"{int(s) >> 10} KiB", justify="right")
+    for s, row in report["sizes"].items():
+        t.add_column(f"{int(s) >> 10} KiB ({row.get('count', report['count'])})", justify="right")
     for n in names:
         t.add_row(n, *[f"{row['median_per_s'][n]:,.0f}" if n in row["median_per_s"] else ""
                        for row in report["sizes"].values()])
-    for key in ("p2phub_vs_ceiling", "p2phub_vs_ceiling_without_open", "p2phub_vs_best_kvikio",
-                "p2phub_vs_torch", "p2phub_vs_p2phub-load"):
+    keys: list[str] = []
+    for row in report["sizes"].values():
+        keys += [k for k in row["ratios"] if k not in keys]
+    for key in keys:
         t.add_row(key.replace("_vs_", " / "),
                   *[f"{row['ratios'][key]:.2f}x" if key in row["ratios"] else ""
                     for row in report["sizes"].values()])

@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <linux/aio_abi.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -21,10 +22,18 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
+#include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #define NEVENTS 64
+/* O_DIRECT reads of twice this and up may be cut into pieces of this size (sio_set_split),
+ * so that a few large reads still fill the queue as many small ones do. Off by default:
+ * slot-sized pieces (512 KiB-1 MiB) measured faster than 256 KiB ones on a virtio disk */
+#define SIO_SPLIT_DEFAULT 0ULL
+/* a host load waits for 1/REAP_SHARE of the reads in flight at a time */
+#define REAP_SHARE 8
 #define MAX_COPY_BATCH 512
 /* the kernel takes registered buffers of at most 1 GiB each */
 #define FIXED_MAX (1ULL << 30)
@@ -142,18 +151,35 @@ struct ring {
     void *sq_map, *cq_map;
     size_t sq_len, cq_len, sqe_len;
     unsigned pending;  /* SQEs written, not yet handed to the kernel */
+    int single;        /* only the creating thread may use it (SINGLE_ISSUER) */
+    pid_t owner;       /* that thread */
 };
 
-static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
+static int ring_setup(struct ring *r, unsigned entries, int single, char *err, int errlen)
 {
+    /* single (one thread submits and reaps): completions wait until that thread asks for
+     * them, and a wait for k completions wakes it once, not once per completion
+     * (DEFER_TASKRUN, 6.1+); else they are posted when the thread next enters the kernel
+     * rather than by interrupting it (COOP_TASKRUN, 5.19+). Older kernels refuse the flags:
+     * each is dropped in turn. */
+    static const unsigned flags[] = {
+        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_COOP_TASKRUN, 0,
+    };
     struct io_uring_params p;
     void *sq, *cq;
+    unsigned k;
 
     memset(r, 0, sizeof(*r));
-    memset(&p, 0, sizeof(p));
-    p.flags = IORING_SETUP_CQSIZE;
-    p.cq_entries = entries * 2;
-    r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+    r->fd = -1;
+    for (k = single ? 0 : 1; k < sizeof(flags) / sizeof(flags[0]) && r->fd < 0; k++) {
+        memset(&p, 0, sizeof(p));
+        p.flags = IORING_SETUP_CQSIZE | flags[k];
+        p.cq_entries = entries * 2;
+        r->fd = (int)syscall(__NR_io_uring_setup, entries, &p);
+        if (r->fd < 0 && errno != EINVAL)
+            break;
+        r->single = r->fd >= 0 && k == 0;
+    }
     if (r->fd < 0) {
         int e = errno;
         say(err, errlen, "io_uring_setup(%u): %s", entries, strerror(e));
@@ -196,6 +222,7 @@ static int ring_setup(struct ring *r, unsigned entries, char *err, int errlen)
     r->cq_tail = (unsigned *)((char *)cq + p.cq_off.tail);
     r->cq_mask = (unsigned *)((char *)cq + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)((char *)cq + p.cq_off.cqes);
+    r->owner = (pid_t)syscall(__NR_gettid);
     return 0;
 fail:
     {
@@ -214,6 +241,8 @@ fail:
 
 static void ring_close(struct ring *r)
 {
+    if (r->fd < 0)
+        return;
     munmap(r->sqes, r->sqe_len);
     if (r->cq_map != r->sq_map)
         munmap(r->cq_map, r->cq_len);
@@ -247,7 +276,7 @@ static int ring_enter(struct ring *r, unsigned wait)
 {
     for (;;) {
         long ret = syscall(__NR_io_uring_enter, r->fd, r->pending, wait,
-                           wait ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+                           IORING_ENTER_GETEVENTS, NULL, 0);
         if (ret >= 0) {
             r->pending -= (unsigned)ret < r->pending ? (unsigned)ret : r->pending;
             return 0;
@@ -271,6 +300,143 @@ static int ring_peek(struct ring *r, unsigned long long *data, int *res)
     return 1;
 }
 
+/* ------------------------------------------------------------------ Linux AIO
+ *
+ * Where io_uring is blocked (io_uring_setup refused: containers under Docker's default seccomp
+ * profile, kernel.io_uring_disabled), the engine submits through Linux AIO instead: the same
+ * O_DIRECT reads and writes, without registered buffers. One iocb per slot (a slot has at most
+ * one I/O in flight); reaped events wait in `ev` until taken. */
+
+struct aio_q {
+    aio_context_t ctx;
+    struct iocb *cbs;           /* one per slot */
+    struct iocb **pend;         /* built, not yet submitted */
+    unsigned npend;
+    struct io_event *ev;        /* reaped, not yet taken */
+    unsigned nev, evpos, cap;
+};
+
+static int aio_q_setup(struct aio_q *a, unsigned depth, unsigned nslots, char *err, int errlen)
+{
+    memset(a, 0, sizeof(*a));
+    a->cap = depth;
+    a->cbs = calloc(nslots, sizeof(*a->cbs));
+    a->pend = calloc(nslots, sizeof(*a->pend));
+    a->ev = calloc(depth, sizeof(*a->ev));
+    if (!a->cbs || !a->pend || !a->ev) {
+        free(a->cbs), free(a->pend), free(a->ev);
+        say(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    if (syscall(__NR_io_setup, depth, &a->ctx) < 0) {
+        int e = errno;
+        say(err, errlen, "io_setup(%u): %s", depth, strerror(e));
+        free(a->cbs), free(a->pend), free(a->ev);
+        return -e;
+    }
+    return 0;
+}
+
+static void aio_q_close(struct aio_q *a)
+{
+    syscall(__NR_io_destroy, a->ctx);
+    free(a->cbs), free(a->pend), free(a->ev);
+}
+
+static void aio_q_push(struct aio_q *a, int write, int fd, void *addr, unsigned len,
+                       unsigned long long off, unsigned slot)
+{
+    struct iocb *cb = &a->cbs[slot];
+
+    memset(cb, 0, sizeof(*cb));
+    cb->aio_lio_opcode = write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+    cb->aio_fildes = (unsigned)fd;
+    cb->aio_buf = (unsigned long long)(uintptr_t)addr;
+    cb->aio_nbytes = len;
+    cb->aio_offset = (long long)off;
+    cb->aio_data = slot;
+    a->pend[a->npend++] = cb;
+}
+
+/* Submit what is pending; with `wait`, reap at least one completion (every one ready). An
+ * iocb the kernel refuses completes at once with its error, as io_uring's would. */
+static int aio_q_enter(struct aio_q *a, unsigned wait)
+{
+    unsigned done = 0;
+
+    while (done < a->npend) {
+        long ret = syscall(__NR_io_submit, a->ctx, (long)(a->npend - done), a->pend + done);
+
+        if (ret > 0) {
+            done += (unsigned)ret;
+            continue;
+        }
+        if (ret < 0 && errno == EINTR)
+            continue;
+        if (ret < 0 && errno == EAGAIN)
+            break;          /* the context is full: submit the rest after reaping */
+        if (a->nev - a->evpos == 0)
+            a->nev = a->evpos = 0;
+        if (a->nev >= a->cap)
+            break;
+        a->ev[a->nev].data = a->pend[done]->aio_data;
+        a->ev[a->nev].res = ret < 0 ? -errno : -EIO;
+        a->nev++;
+        done++;
+    }
+    memmove(a->pend, a->pend + done, (a->npend - done) * sizeof(*a->pend));
+    a->npend -= done;
+    if (!wait || a->nev > a->evpos)
+        return 0;
+    for (;;) {
+        long ret = syscall(__NR_io_getevents, a->ctx, (long)wait, (long)a->cap, a->ev, NULL);
+
+        if (ret >= 0) {
+            a->nev = (unsigned)ret;
+            a->evpos = 0;
+            return 0;
+        }
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
+static int aio_q_peek(struct aio_q *a, unsigned long long *data, int *res)
+{
+    if (a->evpos >= a->nev)
+        return 0;
+    *data = a->ev[a->evpos].data;
+    *res = (int)a->ev[a->evpos].res;
+    a->evpos++;
+    return 1;
+}
+
+/* 1 when io_uring must not be used: P2PHUB_IO_URING=0 (as where it is blocked). */
+static int uring_refused(void)
+{
+    const char *v = getenv("P2PHUB_IO_URING");
+
+    return v && (!strcmp(v, "0") || !strcmp(v, "off") || !strcmp(v, "no"));
+}
+
+/* Why io_uring_setup failed, with kernel.io_uring_disabled where it is set. */
+static void uring_reason(char *buf, int len, int e)
+{
+    char v[8] = "";
+    FILE *f = fopen("/proc/sys/kernel/io_uring_disabled", "r");
+
+    if (f) {
+        if (!fgets(v, sizeof(v), f))
+            v[0] = 0;
+        fclose(f);
+        v[strcspn(v, "\n")] = 0;
+    }
+    if (v[0] && strcmp(v, "0"))
+        snprintf(buf, len, "io_uring_setup: %s (kernel.io_uring_disabled=%s)", strerror(e), v);
+    else
+        snprintf(buf, len, "io_uring_setup: %s", strerror(e));
+}
+
 /* ------------------------------------------------------------------ the engine */
 
 struct slot {
@@ -288,6 +454,11 @@ struct slot {
 
 struct sio_engine {
     struct ring ring;
+    struct aio_q aio;
+    int use_aio;                /* 1: Linux AIO submits (io_uring blocked) */
+    char path_reason[160];      /* why this submission path */
+    unsigned long long split;   /* reads of 2 x split bytes and up go in pieces of split */
+    unsigned long long split_entries;   /* this batch: entries cut into split pieces */
     unsigned options;           /* SIO_OPT_* */
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
@@ -311,6 +482,64 @@ struct sio_engine {
     unsigned *c_slots;
     unsigned c_n, c_nslots;
 };
+
+static unsigned ring_ready(struct ring *r)
+{
+    return __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) - *r->cq_head;
+}
+
+/* The engine's submission queue: io_uring, or Linux AIO where io_uring is blocked. With
+ * SIO_OPT_POLL a wait polls for completions instead of sleeping (no wake-up to wait for on a
+ * host whose CPUs are all busy; costs this thread's CPU while the disk works). */
+static int q_enter(struct sio_engine *e, unsigned wait)
+{
+    if (!wait || !(e->options & SIO_OPT_POLL))
+        return e->use_aio ? aio_q_enter(&e->aio, wait) : ring_enter(&e->ring, wait);
+    if (e->use_aio) {
+        struct timespec zero = { 0, 0 };
+        int r = aio_q_enter(&e->aio, 0);
+
+        if (r || e->aio.nev > e->aio.evpos)
+            return r;
+        for (;;) {
+            long ret = syscall(__NR_io_getevents, e->aio.ctx, 0L, (long)e->aio.cap, e->aio.ev,
+                               &zero);
+            if (ret > 0) {
+                e->aio.nev = (unsigned)ret;
+                e->aio.evpos = 0;
+                return 0;
+            }
+            if (ret < 0 && errno != EINTR)
+                return -errno;
+        }
+    }
+    for (;;) {
+        /* hand over what is pending and run the completions' task work, never sleeping */
+        long ret = syscall(__NR_io_uring_enter, e->ring.fd, e->ring.pending, 0,
+                           IORING_ENTER_GETEVENTS, NULL, 0);
+        if (ret < 0 && errno != EINTR)
+            return -errno;
+        if (ret > 0)
+            e->ring.pending -= (unsigned)ret < e->ring.pending ? (unsigned)ret : e->ring.pending;
+        if (ring_ready(&e->ring))
+            return 0;
+    }
+}
+
+static int q_peek(struct sio_engine *e, unsigned long long *data, int *res)
+{
+    return e->use_aio ? aio_q_peek(&e->aio, data, res) : ring_peek(&e->ring, data, res);
+}
+
+static const char *q_call(struct sio_engine *e)
+{
+    return e->use_aio ? "io_submit/io_getevents" : "io_uring_enter";
+}
+
+static unsigned q_pending(struct sio_engine *e)
+{
+    return e->use_aio ? e->aio.npend : e->ring.pending;
+}
 
 /* Register the staging memory with the ring as fixed buffers (no page pinning per I/O):
  * one buffer per FIXED_MAX bytes of whole slots. Where the kernel refuses (memlock limit,
@@ -390,9 +619,29 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
             e->nevents++;
         }
     }
-    if (ring_setup(&e->ring, depth, err, errlen))
-        goto fail;
-    register_stage(e);
+    e->split = SIO_SPLIT_DEFAULT;
+    if (uring_refused()) {
+        snprintf(e->path_reason, sizeof(e->path_reason),
+                 "io_uring not used: P2PHUB_IO_URING is off");
+        e->use_aio = 1;
+    } else {
+        /* one thread drives the ring unless CUDA loads read on a second one */
+        int single = !(options & SIO_OPT_POLL) && ((options & SIO_OPT_NO_IO_THREAD) || !stream);
+        int rc = ring_setup(&e->ring, depth, single, NULL, 0);
+
+        if (rc) {
+            uring_reason(e->path_reason, sizeof(e->path_reason), -rc);
+            e->use_aio = 1;
+        }
+    }
+    if (e->use_aio) {
+        if (aio_q_setup(&e->aio, depth, nslots, err, errlen))
+            goto fail;
+    } else {
+        register_stage(e);
+        snprintf(e->path_reason, sizeof(e->path_reason), "io_uring_setup succeeded%s",
+                 e->fixed ? ", staging registered" : ", staging not registered");
+    }
     return e;
 fail:
     for (i = 0; i < (unsigned)e->nevents; i++)
@@ -413,7 +662,10 @@ void sio_close(struct sio_engine *e)
         cu.stream_sync(e->stream);
     for (i = 0; i < e->nevents; i++)
         cu.ev_destroy(e->events[i]);
-    ring_close(&e->ring);
+    if (e->use_aio)
+        aio_q_close(&e->aio);
+    else
+        ring_close(&e->ring);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
     free(e);
@@ -574,7 +826,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
                       const unsigned long long *mem, const unsigned char *flags,
                       const long long *result, struct slot *p)
 {
-    unsigned long long start, skip, useful;
+    unsigned long long start, skip, useful, cap;
 
     while (c->i < n && (c->done >= len[c->i] || result[c->i] < 0)) {
         c->i++;
@@ -585,8 +837,16 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     start = off[c->i] + c->done;
     skip = (flags[c->i] & SIO_DIRECT) ? start % SIO_ALIGN : 0;
     useful = len[c->i] - c->done;
-    if (useful > e->slot_bytes - skip)
-        useful = e->slot_bytes - skip;
+    cap = e->slot_bytes - skip;
+    /* O_DIRECT reads only: a buffered read's pieces each start their own readahead */
+    if (!write && e->split && (flags[c->i] & SIO_DIRECT) && len[c->i] >= 2 * e->split &&
+        e->split - skip < cap) {
+        cap = e->split - skip;
+        if (!c->done)
+            e->split_entries++;
+    }
+    if (useful > cap)
+        useful = cap;
     p->entry = c->i;
     p->pos = start - skip;
     p->skip = skip;
@@ -611,19 +871,22 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
 {
     struct slot *p = &e->slots[s];
     int op = write ? IORING_OP_WRITE : IORING_OP_READ;
+    char *addr = p->to_mem ? (char *)(uintptr_t)p->mem + p->done : slot_buf(e, s) + p->done;
+    unsigned len = (unsigned)(p->io_len - p->done);
 
+    st->pieces++;
+    if (e->use_aio) {
+        aio_q_push(&e->aio, write, fd[p->entry], addr, len, p->pos + p->done, s);
+        return;
+    }
     if (p->to_mem) {
-        ring_push(&e->ring, op, fd[p->entry], (char *)(uintptr_t)p->mem + p->done,
-                  (unsigned)(p->io_len - p->done), p->pos + p->done, s, -1);
-        st->pieces++;
+        ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s, -1);
         return;
     }
     if (e->fixed)
         op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
-    ring_push(&e->ring, op, fd[p->entry], slot_buf(e, s) + p->done,
-              (unsigned)(p->io_len - p->done), p->pos + p->done, s,
+    ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s,
               e->fixed ? (int)(s / e->fixed_slots) : -1);
-    st->pieces++;
 }
 
 /* The kernel could not pin the memory of a read in place (a mapping without struct pages,
@@ -739,14 +1002,14 @@ static void *io_main(void *arg)
         if (!inflight)
             continue;   /* every slot is with the copies: wait for one (step 1) */
         /* 3. hand the reads over and wait for at least one */
-        res = ring_enter(&e->ring, 1);
+        res = q_enter(e, 1);
         if (res) {
-            snprintf(x->io_err, sizeof(x->io_err), "io_uring_enter: %s", strerror(-res));
+            snprintf(x->io_err, sizeof(x->io_err), "%s: %s", q_call(e), strerror(-res));
             x->io_ret = -1;
             break;
         }
         /* 4. reap: host pieces are copied here, CUDA pieces go to the copy side */
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             unsigned s = (unsigned)data;
             struct slot *p = &e->slots[s];
 
@@ -792,9 +1055,9 @@ static void *io_main(void *arg)
         unsigned long long data;
         int res;
 
-        if (ring_enter(&e->ring, 1))
+        if (q_enter(e, 1))
             break;
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             inflight--;
             lfree[nlf++] = (unsigned)data;
         }
@@ -937,10 +1200,10 @@ static void reset_slots(struct sio_engine *e)
         e->free_list[i] = (unsigned)(e->nslots - 1 - i);
 }
 
-int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
-            const unsigned long long *off, const unsigned long long *len,
-            const unsigned long long *mem, const unsigned char *flags, long long *result,
-            struct sio_stats *st, char *err, int errlen)
+static int run_batch(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+                     const unsigned long long *off, const unsigned long long *len,
+                     const unsigned long long *mem, const unsigned char *flags,
+                     long long *result, struct sio_stats *st, char *err, int errlen)
 {
     struct cursor cur = { 0, 0 };
     unsigned inflight = 0;
@@ -1008,10 +1271,10 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         /* load: the reads just queued go to the disk first, then the last round's copies
          * are issued while the disk works on them */
         if (!write && e->c_nslots) {
-            int r = e->ring.pending ? ring_enter(&e->ring, 0) : 0;
+            int r = q_pending(e) ? q_enter(e, 0) : 0;
             if (r || flush_copies(e, 0, st, err, errlen)) {
                 if (r)
-                    say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                    say(err, errlen, "%s: %s", q_call(e), strerror(-r));
                 ret = -1;
                 break;
             }
@@ -1033,15 +1296,21 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             /* load: step 1 submitted all it could, and the GPU finishes the copies on its
              * own, so hand over the new reads and wait in the same system call */
             int wait = write ? inflight && !progressed && !e->held_count : inflight > 0;
-            int r = ring_enter(&e->ring, wait ? 1 : 0);
+            unsigned want = 1;
+            /* a host load with entries still to start: sleep until an eighth of the queue
+             * completed, not after each read (fewer wake-ups on a busy host; the other
+             * seven eighths keep the disk busy meanwhile) */
+            if (wait && !write && !need_cuda && more && inflight >= 2 * REAP_SHARE)
+                want = inflight / REAP_SHARE;
+            int r = q_enter(e, wait ? want : 0);
             if (r) {
-                say(err, errlen, "io_uring_enter: %s", strerror(-r));
+                say(err, errlen, "%s: %s", q_call(e), strerror(-r));
                 ret = -1;
                 break;
             }
         }
         /* 3. reap */
-        while (ring_peek(&e->ring, &data, &res)) {
+        while (q_peek(e, &data, &res)) {
             unsigned s = (unsigned)data;
             struct slot *p = &e->slots[s];
 
@@ -1090,15 +1359,57 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         while (inflight) {
             unsigned long long data;
             int res;
-            if (ring_enter(&e->ring, 1))
+            if (q_enter(e, 1))
                 break;
-            while (ring_peek(&e->ring, &data, &res))
+            while (q_peek(e, &data, &res))
                 inflight--;
         }
         reset_slots(e);
     }
     free(rd.slot);
     return ret < 0 ? -1 : failed;
+}
+
+int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
+            const unsigned long long *off, const unsigned long long *len,
+            const unsigned long long *mem, const unsigned char *flags, long long *result,
+            struct sio_stats *st, char *err, int errlen)
+{
+    int rc;
+
+    e->split_entries = 0;
+    if (!e->use_aio && e->ring.single && e->ring.owner != (pid_t)syscall(__NR_gettid)) {
+        /* a ring of one thread, driven now by another: set it up again for this one */
+        ring_close(&e->ring);
+        e->fixed = 0;
+        if (ring_setup(&e->ring, e->depth, 1, NULL, 0)) {
+            uring_reason(e->path_reason, sizeof(e->path_reason), errno);
+            e->use_aio = 1;
+            if (aio_q_setup(&e->aio, e->depth, e->nslots, err, errlen)) {
+                e->use_aio = 0;
+                e->ring.fd = -1;
+                return -1;
+            }
+        } else {
+            register_stage(e);
+        }
+    }
+    rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
+    st->aio = e->use_aio;
+    st->split = e->split;
+    st->split_entries = e->split_entries;
+    return rc;
+}
+
+void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes)
+{
+    e->split = piece_bytes / SIO_ALIGN * SIO_ALIGN;
+}
+
+int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen)
+{
+    say(reason, reasonlen, "%s", e->path_reason);
+    return e->use_aio;
 }
 
 int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
@@ -1111,7 +1422,7 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
     unsigned long long next = 0;
     int ret = 0;
 
-    ret = ring_setup(&r, depth, err, errlen);
+    ret = ring_setup(&r, depth, 1, err, errlen);
     if (ret)
         return ret;
     free_slots = calloc(depth, sizeof(unsigned));

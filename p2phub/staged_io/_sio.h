@@ -20,6 +20,11 @@ struct sio_stats {
     int fixed;                       /* 1: reads (writes) went to registered staging buffers */
     int io_thread;                   /* 1: a second thread drove io_uring while this one
                                         issued the CUDA copies */
+    int aio;                         /* 1: submitted through Linux AIO (io_uring blocked),
+                                        0: io_uring */
+    unsigned long long split;        /* O_DIRECT reads of twice this and up went in pieces of it
+                                        (0: slot-sized pieces only) */
+    unsigned long long split_entries;/* entries cut into such pieces */
 };
 
 /* Flags of one entry. */
@@ -30,8 +35,10 @@ struct sio_stats {
 /* Options of an engine (sio_open), for measurement: the defaults are the fast ones. */
 #define SIO_OPT_NO_FIXED 1      /* do not register the staging memory with io_uring */
 #define SIO_OPT_NO_IO_THREAD 2  /* CUDA loads: one thread does the I/O and the copies */
+#define SIO_OPT_POLL 4          /* wait for completions by polling, not sleeping */
 
-/* A new engine: an io_uring of `depth` entries, `nslots` staging slots of `slot_bytes`
+/* A new engine: an io_uring of `depth` entries (a Linux AIO context where io_uring is
+ * blocked), `nslots` staging slots of `slot_bytes`
  * (a multiple of SIO_ALIGN) at `stage` (SIO_ALIGN-aligned, slot_bytes * nslots bytes,
  * pinned where CUDA copies use it), copies on CUDA stream `stream` (0: host copies only),
  * `options` a mask of SIO_OPT_* (0: the defaults). The staging memory is registered with
@@ -52,6 +59,15 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             const unsigned long long *off, const unsigned long long *len,
             const unsigned long long *mem, const unsigned char *flags, long long *result,
             struct sio_stats *stats, char *err, int errlen);
+
+/* O_DIRECT reads of 2 x piece_bytes and up go in pieces of piece_bytes (rounded down to SIO_ALIGN;
+ * 0: only slot-sized pieces), so that a few large reads fill the queue. The default is set
+ * by sio_open. */
+void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes);
+
+/* The submission path: 0 io_uring, 1 Linux AIO (io_uring_setup refused, or P2PHUB_IO_URING=0
+ * in the environment); `reason` gets why, for the log. */
+int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen);
 
 /* The host-only ceiling: n reads (fd O_DIRECT or not) of len[i] bytes at off[i], `depth` in
  * flight, each into its own slot of `buf` (depth slots of slot_bytes). Returns 0, or -errno. */

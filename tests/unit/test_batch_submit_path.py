@@ -1,0 +1,147 @@
+"""The batch engine's submission path (io_uring, or Linux AIO where io_uring is blocked) and
+its split of large reads: the bytes that arrive, and what fence.stats and the log say."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+import pytest
+
+from p2phub import batch
+from p2phub.errors import UsageError
+from p2phub.hub import Hub
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    p = tmp_path / "data.bin"
+    data = np.random.default_rng(5).integers(0, 256, 16 * MiB + 512, dtype=np.uint8)
+    data.tofile(p)
+    return str(p), data
+
+
+def _hub(**opts) -> Hub:
+    h = Hub(mode="staged")
+    batch.configure_batch(h, depth=32, slot=1 * MiB, slots=40, **opts)
+    return h
+
+
+def _mixed_reads(hub: Hub, path: str, data: np.ndarray) -> tuple[object, mmap.mmap, list]:
+    """O_DIRECT reads, scattered: aligned ones (in place), ones off a page boundary in memory
+    (through a slot), large ones (split); returns the fence, the memory and the entries."""
+    n, slot = 64, 1 * MiB + 4096
+    mem = mmap.mmap(-1, n * slot)
+    reg = hub.register(mem)
+    rng = np.random.default_rng(9)
+    lens = rng.choice([4 * KiB, 64 * KiB, 300 * KiB, 1 * MiB], n)
+    offs = np.array([rng.integers(0, (data.size - ln) // 4096) * 4096 for ln in lens])
+    dst = rng.permutation(n) * slot
+    dst[1::4] += 512
+    f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg, mem_offsets=dst,
+                       direct=True)
+    f.wait(60)
+    m = np.frombuffer(mem, np.uint8)
+    for o, ln, d in zip(offs, lens, dst):
+        assert np.array_equal(m[d:d + ln], data[o:o + ln]), (o, ln, d)
+    assert list(f.results) == list(lens)
+    del m
+    reg.close()
+    return f, mem, list(zip(offs, lens, dst))
+
+
+def test_linux_aio_where_io_uring_is_blocked(data_file, monkeypatch, caplog) -> None:
+    """P2PHUB_IO_URING=0 stands for a host that refuses io_uring_setup: the engine submits
+    through Linux AIO, says so in the stats and the log, and every byte arrives."""
+    path, data = data_file
+    monkeypatch.setenv("P2PHUB_IO_URING", "0")
+    h = _hub(split=256 * KiB)
+    try:
+        with caplog.at_level(logging.INFO, logger="p2phub.batch"):
+            f, _mem, _ = _mixed_reads(h, path, data)
+        assert f.stats["submit_path"] == "aio"
+        assert "P2PHUB_IO_URING" in f.stats["submit_path_reason"]
+        assert f.stats["fixed_buffers"] is False
+        assert f.stats["in_place"] > 0 and f.stats["split_entries"] > 0
+        assert any("aio" in r.getMessage() and "P2PHUB_IO_URING" in r.getMessage()
+                   for r in caplog.records)
+        # writes through AIO too: read back from the file, not through p2phub
+        src = mmap.mmap(-1, 1 * MiB)
+        np.frombuffer(src, np.uint8)[:] = np.arange(1 * MiB, dtype=np.uint64).astype(np.uint8)
+        reg = h.register(src)
+        out = path + ".out"
+        w = h.save_batch(storage=out, offsets=[0, 512 * KiB], lengths=256 * KiB, memory=reg,
+                         mem_offsets=[256 * KiB, 0])
+        w.wait(60)
+        assert w.stats["submit_path"] == "aio"
+        got = np.fromfile(out, np.uint8)
+        s = np.frombuffer(src, np.uint8)
+        assert np.array_equal(got[:256 * KiB], s[256 * KiB:512 * KiB])
+        assert np.array_equal(got[512 * KiB:768 * KiB], s[:256 * KiB])
+        del s
+        reg.close()
+    finally:
+        h.close()
+
+
+def test_io_uring_by_default(data_file) -> None:
+    path, data = data_file
+    h = _hub()
+    try:
+        f, _mem, _ = _mixed_reads(h, path, data)
+        if f.stats["submit_path"] == "aio":   # a host (container) that blocks io_uring
+            assert f.stats["submit_path_reason"].startswith("io_uring_setup: ")
+        else:
+            assert f.stats["submit_path"] == "io_uring"
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("split", [0, 64 * KiB, 256 * KiB, None])
+def test_large_reads_split_into_pieces(data_file, split) -> None:
+    """O_DIRECT reads of twice the split size and up go in pieces of it; 0 (the default)
+    keeps slot-sized pieces; the bytes are the same either way."""
+    path, data = data_file
+    h = _hub(split=split)
+    try:
+        f, _mem, entries = _mixed_reads(h, path, data)
+        piece = split or 0
+        assert f.stats["split_bytes"] == piece
+        big = [ln for _o, ln, _d in entries if piece and ln >= 2 * piece]
+        assert f.stats["split_entries"] == len(big)
+        if piece:
+            assert f.stats["pieces"] >= sum(-(-ln // piece) for ln in big)
+    finally:
+        h.close()
+
+
+def test_split_must_be_a_multiple_of_4096() -> None:
+    h = Hub(mode="staged")
+    try:
+        with pytest.raises(UsageError, match="split=1000"):
+            batch.configure_batch(h, split=1000)
+    finally:
+        h.close()
+
+
+def test_buffered_reads_are_not_split(data_file) -> None:
+    """A read through the page cache stays whole: each piece would start its own readahead."""
+    path, data = data_file
+    h = _hub(split=256 * KiB)
+    try:
+        mem = mmap.mmap(-1, 4 * MiB)
+        reg = h.register(mem)
+        f = h.load_batch([(path, 4096, 2 * MiB, reg, 0), (path, 8 * MiB, 1 * MiB, reg, 2 * MiB)],
+                         direct=False)
+        f.wait(60)
+        assert f.stats["split_entries"] == 0 and f.stats["pieces"] == 3   # 1 MiB slots
+        m = np.frombuffer(mem, np.uint8)
+        assert np.array_equal(m[:2 * MiB], data[4096:4096 + 2 * MiB])
+        assert np.array_equal(m[2 * MiB:3 * MiB], data[8 * MiB:9 * MiB])
+        del m
+        reg.close()
+    finally:
+        h.close()
