@@ -107,7 +107,11 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
     """The public batch API and the engine's C loop, chunk by chunk in turn, at each QD."""
     from ..hub import Hub
 
-    out: dict[str, Any] = {"public": {}, "c_loop": {}, "interleaved": True}
+    from .. import metrics
+
+    # metrics: whether the public path fed Prometheus (prometheus_client installed), as a user's would
+    out: dict[str, Any] = {"public": {}, "c_loop": {}, "public_vs_c_loop": {}, "interleaved": True,
+                           "metrics": metrics.ENABLED}
     with Hub() as hub:
         ctrl = hub.nvme(bdf, io_queues=1, queue_depth=max(64, 2 * max(qds)))
         reg = None
@@ -145,6 +149,8 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
                 for side, (total, elapsed, samples) in got.items():
                     out[side][f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed,
                                             **_percentiles(samples)}
+                key = f"qd{qd}"
+                out["public_vs_c_loop"][key] = out["public"][key]["iops"] / out["c_loop"][key]["iops"]
             stats = qp.stats()
             out["public"]["gate"] = {"refused": stats["refused"],
                                      "registration_inflight_after": ctrl.inflight(reg)}
@@ -251,6 +257,8 @@ def render(report: dict) -> None:
                       f"{row.get('p50_us', 0):.0f} us", f"{row.get('p99_us', 0):.0f} us",
                       f"{row.get('p99.9_us', 0):.0f} us")
     Console().print(t)
+    for qd, r in report.get("engine", {}).get("public_vs_c_loop", {}).items():
+        Console().print(f"{qd} public: IOPS x{r:.2f} vs the C loop")
     for qd, c in report.get("comparison", {}).items():
         for side, r in c.items():
             Console().print(f"{qd} {side}: IOPS x{r['iops_ratio']:.2f} vs io_uring, "

@@ -519,6 +519,15 @@ static int p2h_batch_submit(struct p2h_qp *q, struct p2h_batch *b)
 		k = (int)q->ntrk;
 	if (b->ios) {
 		src = b->ios + b->next;
+	} else if (b->lbas) {
+		if (k > 64)
+			k = 64;
+		for (i = 0; i < k; i++) {
+			local[i] = *b->tmpl;
+			local[i].slba = b->lbas[b->next + (uint32_t)i];
+			local[i].buf_off = b->offs[b->next + (uint32_t)i];
+		}
+		src = local;
 	} else {
 		if (k > 64)
 			k = 64;
@@ -603,7 +612,7 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 	*bad = -1;
 	*why = 0;
 	for (i = 0; i < n; i++) {
-		struct p2h_io *io = &ios[i];
+		struct p2h_io *io;
 
 		if (lbas[i] >= blocks || nlb > blocks - lbas[i]) {
 			*why = 1;
@@ -617,6 +626,13 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 			*why = 3;
 			goto bad;
 		}
+		if (offs[i] < lo)
+			lo = offs[i];
+		if (offs[i] + nbytes > hi)
+			hi = offs[i] + nbytes;
+		if (!ios)
+			continue;
+		io = &ios[i];
 		memset(io, 0, sizeof(*io));
 		io->opc = opc;
 		io->nsid = nsid;
@@ -628,10 +644,6 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		io->npages = npages;
 		io->slot = slot;
 		io->gen = gen;
-		if (offs[i] < lo)
-			lo = offs[i];
-		if (offs[i] + nbytes > hi)
-			hi = offs[i] + nbytes;
 	}
 	span[0] = lo;		/* the bytes of the buffer the batch touches */
 	span[1] = hi;
@@ -760,6 +772,39 @@ int p2h_fill_ops(struct p2h_io *ios, uint32_t max_ios, uint32_t n,
 bad:
 	*bad = (int)i;
 	return -EINVAL;
+}
+
+int p2h_lat_buckets(const uint32_t *lat, uint32_t n, const uint64_t *bounds,
+		     uint32_t nb, uint64_t *counts, uint64_t *sum)
+{
+	uint64_t total = 0, run = 0;
+	uint32_t i, j, lo, hi;
+	uint64_t per[64];
+
+	if (nb > 64)
+		return -EINVAL;
+	memset(per, 0, sizeof(per));
+	for (i = 0; i < n; i++) {
+		/* the first bound at or above lat[i]; nb: above every bound */
+		lo = 0;
+		hi = nb;
+		while (lo < hi) {
+			j = (lo + hi) / 2;
+			if (bounds[j] < lat[i])
+				lo = j + 1;
+			else
+				hi = j;
+		}
+		if (lo < nb)
+			per[lo]++;
+		total += lat[i];
+	}
+	for (j = 0; j < nb; j++) {
+		run += per[j];
+		counts[j] += run;
+	}
+	*sum += total;
+	return 0;
 }
 
 int p2h_batch_run(struct p2h_qp *q, struct p2h_batch *b, uint64_t timeout_ns)

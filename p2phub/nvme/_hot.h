@@ -54,9 +54,12 @@ struct p2h_io {
 
 /*
  * A batch of requests driven by the pump (p2h_pump): explicit requests
- * (ios), or generated ones (ios NULL: tmpl at uniformly random aligned LBAs
- * below span_blocks, request i at buffer offset (i % nslots) * tmpl->nbytes;
- * the benchmark). Completions are recorded here, not handed back one by one.
+ * (ios); or same-sized ones from a template (ios NULL, tmpl set), request i
+ * at LBA lbas[i] and buffer offset offs[i] when lbas is set (the batch API:
+ * each command is encoded as it is submitted, no per-request struct), else
+ * generated at uniformly random aligned LBAs below span_blocks and buffer
+ * offset (i % nslots) * tmpl->nbytes (the benchmark). Completions are
+ * recorded here, not handed back one by one.
  */
 struct p2h_batch {
 	const struct p2h_io *ios;	/* n requests (their tags are ignored) */
@@ -89,6 +92,8 @@ struct p2h_batch {
 	uint32_t *op_done;
 	uint32_t nops_done;
 	uint32_t _pad2;
+	const uint64_t *lbas;		/* with tmpl: per request, its LBA */
+	const uint64_t *offs;		/* with tmpl and lbas: its buffer offset */
 };
 
 /* Per-command tracker, indexed by the low 12 bits of the command id. */
@@ -211,10 +216,11 @@ uint64_t p2h_now_ns(void);
  * request i reads/writes nbytes at LBA lbas[i], buffer offset offs[i] of the
  * page list (pages, npages; status page slot and gen). Each is checked: LBA
  * range inside blocks, buffer range inside npages * 4096, offset dword
- * aligned. Return: 0, with span[0] the lowest offset and span[1] the end of
- * the highest request (the bytes of the buffer the batch touches); or -22
- * (EINVAL) with *bad the first bad request and *why 1 (LBA range) or 2
- * (buffer range) or 3 (alignment).
+ * aligned. With ios NULL only checks (a batch with a template and the two
+ * arrays is encoded by the pump). Return: 0, with span[0] the lowest offset
+ * and span[1] the end of the highest request (the bytes of the buffer the
+ * batch touches); or -22 (EINVAL) with *bad the first bad request and *why 1
+ * (LBA range) or 2 (buffer range) or 3 (alignment).
  */
 int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
@@ -253,3 +259,12 @@ int p2h_fill_ops(struct p2h_io *ios, uint32_t max_ios, uint32_t n,
  * detach. Return: requests completed.
  */
 int p2h_batch_run(struct p2h_qp *q, struct p2h_batch *b, uint64_t timeout_ns);
+
+/*
+ * Latencies into histogram buckets in one pass: counts[j] += how many of
+ * lat[0..n) are at most bounds[j] (bounds ascending, nb of them; cumulative,
+ * as a Prometheus histogram counts), *sum += their total. Return: 0, or -22
+ * (EINVAL, nothing counted) for more than 64 bounds.
+ */
+int p2h_lat_buckets(const uint32_t *lat, uint32_t n, const uint64_t *bounds,
+		     uint32_t nb, uint64_t *counts, uint64_t *sum);

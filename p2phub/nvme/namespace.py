@@ -35,7 +35,7 @@ from ..errors import UsageError
 from ..ordering import nvme as ordering
 from . import prp, spec
 from .errors import NvmeError, RegistrationRevokedError
-from .queue import NO_SLOT, BatchFuture, OpFuture, OpTable, QueuePair
+from .queue import NO_SLOT, BatchFuture, OpFuture, OpTable, QueuePair, SameSizeRequests
 
 if TYPE_CHECKING:
     from .buffers import RegMapping
@@ -368,11 +368,12 @@ class Namespace:
         pl, mapping = ctx.resolve(buf)
         c_lbas = _u64(ffi, lbas)
         c_offs = _u64(ffi, offsets)
-        ios = ffi.new("struct p2h_io[]", n)
         bad, why, span = ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t[2]")
         slot = mapping.slot if mapping is not None else NO_SLOT
         gen = mapping.generation if mapping is not None else 0
-        if lib.p2h_fill_rw(ios, n, KINDS[kind], self.nsid, self._lba_shift, nbytes, c_lbas, c_offs,
+        # Checked here in one C pass; the pump encodes each command from the template and the
+        # two arrays as it submits it (no per-request struct, as in the engine's own loop).
+        if lib.p2h_fill_rw(ffi.NULL, n, KINDS[kind], self.nsid, self._lba_shift, nbytes, c_lbas, c_offs,
                            pl.addrs, pl.npages, slot, gen, self.blocks, span, bad, why):
             k = bad[0]
             reason = {1: f"LBA range lba={lbas[k]} nblocks={nbytes // self.lba_size} is outside namespace "
@@ -382,6 +383,10 @@ class Namespace:
                       3: f"offset={offsets[k]} must be a multiple of 4 (PRP dword alignment)"}[why[0]]
             raise UsageError(f"{kind} batch request {k}: {reason}")
         lo, hi = int(span[0]), int(span[1])
+        tmpl = ffi.new("struct p2h_io *", {"opc": KINDS[kind], "nsid": self.nsid, "nlb": nbytes >> self._lba_shift,
+                                          "nbytes": nbytes, "pages": pl.addrs, "npages": pl.npages,
+                                          "slot": slot, "gen": gen})
+        ios = SameSizeRequests(ffi, tmpl, c_lbas, c_offs)
         fut = BatchFuture(qp, ios, n, qd=qd or qp.ntrk, keep=(pl, mapping, c_lbas, c_offs, buf),
                           what=f"{kind} batch of {n} x {nbytes} B nsid={self.nsid}", latencies=latencies)
         fut.mapping = mapping

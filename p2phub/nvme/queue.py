@@ -28,7 +28,7 @@ import select
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 from .._resource import Resource
 from ..errors import UsageError
@@ -216,7 +216,10 @@ class BatchFuture(_FutureBase):
         self._lat = ffi.new("uint32_t[]", max(n, 1)) if latencies else ffi.NULL
         self._lat_list: list[int] | None = None
         b = self._b = ffi.new("struct p2h_batch *")
-        b.ios = ios
+        if isinstance(ios, SameSizeRequests):
+            b.tmpl, b.lbas, b.offs = ios.tmpl, ios.lbas, ios.offs
+        else:
+            b.ios = ios
         b.status = self._status
         b.lat_ns = self._lat
         b.n = n
@@ -273,6 +276,14 @@ class BatchFuture(_FutureBase):
                 return lat
             self._lat_list = lat
         return self._lat_list
+
+    def latency_histogram(self, bounds_ns: "Sequence[int]") -> tuple[list[int], int, int]:
+        """The latencies of a done batch asked for them, bucketed in C: (per bound of
+        bounds_ns, ascending, how many took at most that long; how many; their sum in ns).
+        Every request of the batch: for a batch that completed them all."""
+        if self._lat == self.qp.hot.ffi.NULL or not self.done():
+            return [0] * len(bounds_ns), 0, 0
+        return bucket_latencies(self.qp.hot, self._lat, self.n, bounds_ns)
 
     def op_futures(self) -> list["OpFuture"]:
         """One future per request of a batch of requests (made once; done with the batch)."""
@@ -401,6 +412,33 @@ class BatchFuture(_FutureBase):
         if self._exc is not None:
             raise self._exc
         return self.requests
+
+
+class SameSizeRequests:
+    """Same-sized reads or writes of a batch: one command template and two uint64 arrays
+    (LBA, buffer offset per request), checked beforehand (p2h_fill_rw). The pump encodes each
+    command from them as it submits it, so no per-request struct is built; ``[k]`` gives
+    request k's command (for error messages)."""
+
+    def __init__(self, ffi: Any, tmpl: Any, lbas: Any, offs: Any) -> None:
+        self._ffi = ffi
+        self.tmpl, self.lbas, self.offs = tmpl, lbas, offs
+
+    def __getitem__(self, k: int) -> Any:
+        io = self._ffi.new("struct p2h_io *", self.tmpl[0])
+        io.slba, io.buf_off = self.lbas[k], self.offs[k]
+        return io
+
+
+def bucket_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]") -> tuple[list[int], int, int]:
+    """Latencies lat[0:n] (uint32_t[], ns) into cumulative buckets in one C pass: (per bound
+    of bounds_ns, ascending, how many are at most it; n; their sum)."""
+    ffi = hot.ffi
+    nb = len(bounds_ns)
+    counts, total = ffi.new("uint64_t[]", max(nb, 1)), ffi.new("uint64_t *")
+    if hot.lib.p2h_lat_buckets(lat, n, ffi.new("uint64_t[]", list(bounds_ns)), nb, counts, total):
+        raise UsageError(f"{nb} histogram bounds: at most 64")
+    return list(counts[0:nb]), n, int(total[0])
 
 
 @dataclass

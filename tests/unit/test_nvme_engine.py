@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import bisect
+import random
 import time
 
 import pytest
@@ -71,6 +73,41 @@ def test_batch_api_moves_the_right_bytes(rig) -> None:
     fut.result(timeout=10)
     assert bytes(dev.ns[1].data[4096 * 512:4096 * 513]) == bytes([63]) * 4096
     assert c.inflight(reg) == 0 and c.holds(reg)
+
+
+def test_a_batch_of_many_rounds_puts_each_block_where_its_request_says(rig) -> None:
+    """More requests than the pump encodes per round (64) and than the queue holds: each one
+    still reads its own LBA into its own offset."""
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub, 300 * 4096)
+    data = dev.ns[1].data
+    for i in range(1000):
+        data[i * 4096:(i + 1) * 4096] = i.to_bytes(2, "little") * 2048
+    order = random.Random(5).sample(range(1000), 300)
+    slots = random.Random(6).sample(range(300), 300)
+    fut = ns.read_batch(reg, [8 * i for i in order], [4096 * k for k in slots], 4096, qd=32)
+    assert fut.result(timeout=30) == 300 and fut.statuses() == [0] * 300
+    for i, k in zip(order, slots):
+        assert bytes(reg.mem[4096 * k:4096 * (k + 1)]) == i.to_bytes(2, "little") * 2048
+    assert c.inflight(reg) == 0
+
+
+def test_batch_latencies_bucketed_in_c_match_the_list(rig) -> None:
+    c, dev, hub = rig
+    ns = c.namespace(1)
+    reg = _reg(dev, hub)
+    fut = ns.read_batch(reg, [8 * i for i in range(100)], [4096 * (i % 64) for i in range(100)], 4096,
+                        latencies=True)
+    fut.result(timeout=10)
+    lat = sorted(fut.latencies_ns())
+    bounds = [0, lat[0], lat[50], lat[50] + 1, lat[-1], 10**12]
+    assert fut.latency_histogram(bounds) == ([bisect.bisect_right(lat, b) for b in bounds], 100, sum(lat))
+    with pytest.raises(UsageError, match="65 histogram bounds: at most 64"):
+        fut.latency_histogram(list(range(65)))
+    plain = ns.read_batch(reg, [0], [0], 4096)
+    plain.result(timeout=10)
+    assert plain.latency_histogram(bounds) == ([0] * len(bounds), 0, 0)   # none asked for
 
 
 def test_batch_bad_request_refuses_the_whole_batch(rig) -> None:
