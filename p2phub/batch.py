@@ -79,6 +79,7 @@ DEFAULT_SLOTS = 256
 # reads 1.1x to 1.4x slower buffered
 DEFAULT_BUFFERED_FROM = 1 << 20
 _OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
+_MAX_OPEN_FILES = 64     # paths whose open file the engines keep for per-request loads
 
 
 class BatchFence(Fence):
@@ -557,6 +558,11 @@ class Engines(Resource):
         self._batch: dict[tuple[str, int], _Engine] = {}
         self._stagers: dict[tuple[str, int], Stager] = {}
         self._worker: _Worker | None = None
+        # per-request loads and saves by path reuse one open file per (path, direction,
+        # O_DIRECT) while the path names the same inode: a stat per request instead of an
+        # open, an fstat and a close (fds replaced by a rename are closed with the engines)
+        self._files: dict[tuple[str, bool, bool], tuple[int, int, int, bool]] = {}
+        self._stale_fds: list[int] = []
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
                         fixed_buffers: bool, io_thread: bool, split: int | None = None,
@@ -608,6 +614,34 @@ class Engines(Resource):
                 st = self._stagers[key] = Stager(ops, device, **self.staged_opts)
             return st
 
+    def open_file(self, name: str, write: bool, direct: bool) -> tuple[int, bool, int] | None:
+        """(fd, O_DIRECT in use, size) of a regular file `name` from the engines' open files,
+        opened on first use; None where the caller should open it itself (not a regular file
+        yet, or the table is full)."""
+        try:
+            st = os.stat(name)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        key = (name, write, direct)
+        ent = self._files.get(key)
+        if ent is not None and ent[1] == st.st_dev and ent[2] == st.st_ino:
+            return ent[0], ent[3], st.st_size
+        if ent is None and len(self._files) >= _MAX_OPEN_FILES:
+            return None
+        fd, is_direct, _owned, _ = staged.open_target(name, write, direct)
+        fst = os.fstat(fd)
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                self._check_open()
+            old = self._files.get(key)
+            if old is not None:
+                self._stale_fds.append(old[0])   # requests in flight may still read it
+            self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct)
+        return fd, is_direct, fst.st_size
+
     def worker(self) -> "_Worker":
         w = self._worker
         if w is not None:       # every request asks: no lock once the thread runs
@@ -627,7 +661,11 @@ class Engines(Resource):
             self._closed = True
             owned: list[Resource] = [*self._batch.values(), *self._stagers.values()]
             self._batch, self._stagers = {}, {}
+            fds = [e[0] for e in self._files.values()] + self._stale_fds
+            self._files, self._stale_fds = {}, []
         _close_each(owned)
+        for fd in fds:
+            os.close(fd)
 
 
 def _close_each(objs: list[Any]) -> None:
@@ -825,9 +863,17 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     if staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     tgt = staged.copy_target(reg)
-    fd, is_direct, owned, name = staged.open_target(source, False, direct)
+    cached = None
+    if isinstance(source, str) and _engine_copies(tgt.ops):
+        cached = hub.engines.open_file(source, False, direct)
+    if cached is not None:
+        fd, is_direct, total = cached
+        owned, name = False, source
+    else:
+        fd, is_direct, owned, name = staged.open_target(source, False, direct)
     try:
-        total = staged.size_of(fd, name)
+        if cached is None:
+            total = staged.size_of(fd, name)
         if nbytes is None:
             nbytes = total - offset
         if offset < 0 or nbytes <= 0 or offset + nbytes > total:

@@ -128,3 +128,31 @@ def test_hub_close_leaves_no_thread_fd_or_locked_memory(fake_libcuda, tmp_path) 
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["ok"]
+
+
+@pytest.mark.unit
+def test_per_request_loads_follow_a_path_replaced_by_rename(tmp_path) -> None:
+    """hub.load by path keeps one open file per path, but a path renamed over reads the new
+    file, and every fd the engines kept is closed with the Hub."""
+    from p2phub.hub import Hub
+
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"\x11" * 8192)
+    before = set(os.listdir("/proc/self/fd"))
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(8192)
+        view = memoryview(mem.mmap())
+        hub.load(str(path), mem, 0, 4096, 0).wait()
+        hub.load(str(path), mem, 4096, 4096, 4096).wait()
+        assert bytes(view[:8192]) == b"\x11" * 8192
+        new = tmp_path / "blocks.new"
+        new.write_bytes(b"\x22" * 8192)
+        os.rename(new, path)
+        hub.load(str(path), mem, 0, 4096, 0).wait()
+        assert bytes(view[:4096]) == b"\x22" * 4096
+        assert bytes(view[4096:8192]) == b"\x11" * 4096
+        view.release()
+        mem.close()
+    left = set(os.listdir("/proc/self/fd")) - before
+    assert not [f for f in left if os.path.exists(f"/proc/self/fd/{f}")
+                and str(tmp_path) in os.readlink(f"/proc/self/fd/{f}")]
