@@ -84,10 +84,14 @@ if ENABLED:
 
         def observe_ns(self, labels: tuple[str, ...], lat_ns: Iterable[int]) -> None:
             lat = sorted(lat_ns)
-            if not lat:
+            if lat:
+                self.observe_buckets(labels, [bisect.bisect_right(lat, b) for b in self._bounds_ns],
+                                     len(lat), sum(lat))
+
+        def observe_buckets(self, labels: tuple[str, ...], below: list[int], n: int, total_ns: int) -> None:
+            """n latencies already bucketed: below[i] of them at most bounds_ns[i]; total_ns their sum."""
+            if not n:
                 return
-            below = [bisect.bisect_right(lat, b) for b in self._bounds_ns]
-            total = sum(lat)
             with self._lock:
                 s = self._series.get(labels)
                 if s is None:
@@ -95,8 +99,12 @@ if ENABLED:
                 counts = s[0]
                 for i, c in enumerate(below):
                     counts[i] += c
-                s[1] += len(lat)
-                s[2] += total
+                s[1] += n
+                s[2] += total_ns
+
+        @property
+        def bounds_ns(self) -> list[int]:
+            return self._bounds_ns
 
         def observe(self, labels: tuple[str, ...], seconds: float) -> None:
             self.observe_ns(labels, (int(seconds * 1e9),))
@@ -235,7 +243,9 @@ def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
         if f.error is not None:
             NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
         NVME_BATCH_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
-        if ok > 0:
+        if ok == n:  # every request: bucketed in C over the batch's latency array
+            NVME_SECONDS.observe_buckets((bdf, kind), *f.latency_histogram(NVME_SECONDS.bounds_ns))
+        elif ok > 0:
             NVME_SECONDS.observe_ns((bdf, kind), f.latencies_ns()[:ok])
     fut.add_done_callback(done)
 
