@@ -1,12 +1,13 @@
 """Real NIXL (the pip nixl_cu12) with p2phub's plugin, one backend name per run:
 
     python nixl_plugin_script.py --plugin-dir DIR --name P2PHUB|GDS_MT|POSIX --dir TMP [--n N]
+                                 [--mem DRAM|VRAM]
 
 NIXL_PLUGIN_DIR=DIR is set before NIXL loads. Prints one JSON line with what each case saw;
 the test judges those (real NIXL may crash at exit, so the exit status says nothing).
 
 Cases: the plugin list and parameters; an unknown parameter refused; READ of N scattered
-4 KiB blocks from an O_DIRECT file into 4 KiB-aligned DRAM (initialize_xfer), WRITE of N
+4 KiB blocks from an O_DIRECT file into 4 KiB-aligned memory (initialize_xfer), WRITE of N
 blocks to other scattered places (prep_xfer_dlist + make_prepped_xfer), each checked against
 an independent read of the file; a READ with one descriptor past the end of the file, whose
 memory must stay untouched; a path-mode FILE registration ("rw,create:/path"), written and
@@ -50,12 +51,14 @@ def main() -> int:
     ap.add_argument("--name", required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--mem", choices=("DRAM", "VRAM"), default="DRAM",
+                    help="VRAM: the memory is registered as device 0's (under a stand-in libcuda)")
     args = ap.parse_args()
     os.environ["NIXL_PLUGIN_DIR"] = args.plugin_dir
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
     out: dict = {}
-    name, n = args.name, args.n
+    name, n, mem = args.name, args.n, args.mem
     tmp = Path(args.dir)
     rnd = random.Random(29)
 
@@ -79,12 +82,12 @@ def main() -> int:
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     buf = mmap.mmap(-1, n * BLOCK)  # page-aligned, as O_DIRECT wants
     base = addr_of(buf)
-    mreg = agent.register_memory([(base, n * BLOCK, 0, "")], "DRAM")
+    mreg = agent.register_memory([(base, n * BLOCK, 0, "")], mem)
     freg = agent.register_memory([(0, 2 * n * BLOCK, fd, "")], "FILE")
 
     # READ: block i of memory <- file block src[i]
     src = rnd.sample(range(2 * n), n)
-    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(n)], "DRAM")
+    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(n)], mem)
     rem = agent.get_xfer_descs([(b * BLOCK, BLOCK, fd) for b in src], "FILE")
     h = agent.initialize_xfer("READ", loc, rem, "store")
     out["read_state"] = wait(agent, h)
@@ -96,7 +99,7 @@ def main() -> int:
     fresh = rnd.randbytes(n * BLOCK)
     buf[:] = fresh
     dst = rnd.sample(range(2 * n), n)
-    mem_h = agent.prep_xfer_dlist("", [(base + i * BLOCK, BLOCK, 0) for i in range(n)], "DRAM")
+    mem_h = agent.prep_xfer_dlist("", [(base + i * BLOCK, BLOCK, 0) for i in range(n)], mem)
     file_h = agent.prep_xfer_dlist("store", [(b * BLOCK, BLOCK, fd) for b in range(2 * n)], "FILE")
     h = agent.make_prepped_xfer("WRITE", mem_h, list(range(n)), file_h, dst)
     out["write_state"] = wait(agent, h)
@@ -112,7 +115,7 @@ def main() -> int:
     # a READ whose last descriptor lies past the end of the file: ERR, memory untouched
     buf[:] = b"\xee" * (n * BLOCK)
     k = min(n, 64)
-    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(k)], "DRAM")
+    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(k)], mem)
     offs = [b * BLOCK for b in src[:k - 1]] + [2 * n * BLOCK]  # past the registration too
     rem = agent.get_xfer_descs([(o, BLOCK, fd) for o in offs], "FILE")
     try:
@@ -140,7 +143,7 @@ def main() -> int:
     ppath.parent.mkdir()
     preg = agent.register_memory([(0, 16 * BLOCK, 7, f"rw,create:{ppath}")], "FILE")
     buf[:16 * BLOCK] = fresh[:16 * BLOCK]
-    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(16)], "DRAM")
+    loc = agent.get_xfer_descs([(base + i * BLOCK, BLOCK, 0) for i in range(16)], mem)
     rem = agent.get_xfer_descs([((15 - i) * BLOCK, BLOCK, 7) for i in range(16)], "FILE")
     h = agent.initialize_xfer("WRITE", loc, rem, "store")
     out["path_write_state"] = wait(agent, h)

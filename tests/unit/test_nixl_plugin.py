@@ -108,3 +108,62 @@ def test_nixl_storage_example_runs_unchanged_as_gds(build: Path, tmp_path: Path)
                 env={"NIXL_PLUGIN_DIR": str(build / "alias"), "NIXL_LOG_LEVEL": "INFO"})
     assert "Test Complete." in text, text[-3000:]
     assert target.read_bytes() == b"\xba" * (16 * 4096)
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stand-in libcuda.so.1 (fake_libcuda.c and the context calls of fake_libcuda_ctx.c):
+    device 0's memory is host memory, copies run only when their event is waited for."""
+    d = tmp_path_factory.mktemp("fakecuda")
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"),
+                    str(HERE / "fake_libcuda.c"), str(HERE / "fake_libcuda_ctx.c")], check=True)
+    return d
+
+
+@needs_nixl
+def test_vram_goes_through_the_engines_cuda_path(build: Path, fake_libcuda: Path,
+                                                 tmp_path: Path) -> None:
+    """The same cases with the memory registered as VRAM: the plugin opens the (stand-in)
+    driver, a context, a stream and pinned staging memory, and the engine's CUDA copies."""
+    text = _run([str(HERE / "nixl_plugin_script.py"), "--plugin-dir", str(build / "alias"),
+                 "--name", "P2PHUB", "--dir", str(tmp_path), "--n", "1024", "--mem", "VRAM"],
+                env={"LD_LIBRARY_PATH": str(fake_libcuda)})
+    out = _last_json(text)
+    assert (out["read_state"], out["read_bad_blocks"]) == ("DONE", 0), text
+    assert (out["write_state"], out["write_bad_blocks"]) == ("DONE", 0), text
+    assert out["eof_inside_registration_state"] in ("ERR", "EXC:nixlBackendError"), text
+    assert out["eof_inside_registration_untouched"]
+    assert (out["path_read_state"], out["path_read_ok"]) == ("DONE", True), text
+
+
+VRAM_WITHOUT_CUDA = """
+import mmap, os, sys
+os.environ["NIXL_PLUGIN_DIR"] = sys.argv[1]
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+a = nixl_agent("me", nixl_agent_config(backends=[]))
+a.create_backend("P2PHUB")
+try:
+    a.register_memory([(0x7f0000000000, 4096, 0, "")], "VRAM")
+    print("VRAM registered")
+except Exception as exc:
+    print("refused:", type(exc).__name__)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@needs_nixl
+def test_vram_without_a_cuda_driver_is_refused_by_name(build: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "nolibcuda"
+    empty.mkdir()
+    text = _run(["-c", VRAM_WITHOUT_CUDA, str(build / "alias")],
+                env={"LD_LIBRARY_PATH": str(empty)})
+    try:
+        import ctypes
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has a CUDA driver")
+    except OSError:
+        pass
+    # NIXL reports a backend's failed registration as its own backend error
+    assert "refused: nixlBackendError" in text, text
+    assert "VRAM registration: dlopen libcuda.so.1" in text, text
