@@ -1,7 +1,7 @@
 """Real NIXL (the pip nixl_cu12) with p2phub's plugin, one backend name per run:
 
     python nixl_plugin_script.py --plugin-dir DIR --name P2PHUB|GDS_MT|POSIX --dir TMP [--n N]
-                                 [--mem DRAM|VRAM]
+                                 [--mem DRAM|VRAM [--cuda]]
 
 NIXL_PLUGIN_DIR=DIR is set before NIXL loads. Prints one JSON line with what each case saw;
 the test judges those (real NIXL may crash at exit, so the exit status says nothing).
@@ -29,8 +29,33 @@ from pathlib import Path
 BLOCK = 4096
 
 
-def addr_of(buf: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+class Mem:
+    """The transfers' memory, sliced like bytes: page-aligned host memory (mmap), or with
+    cuda=True a CUDA tensor (device 0) whose bytes are copied in and out to be checked."""
+
+    def __init__(self, nbytes: int, cuda: bool) -> None:
+        self.cuda = cuda
+        if cuda:
+            import torch
+            self.torch = torch
+            self.t = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+            self.addr = self.t.data_ptr()
+        else:
+            self.m = mmap.mmap(-1, nbytes)
+            self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.m))
+
+    def __getitem__(self, sl: slice) -> bytes:
+        if self.cuda:
+            return self.t[sl].cpu().numpy().tobytes()
+        return self.m[sl]
+
+    def __setitem__(self, sl: slice, data: bytes) -> None:
+        if self.cuda:
+            src = self.torch.frombuffer(bytearray(data), dtype=self.torch.uint8)
+            self.t[sl].copy_(src)
+            self.torch.cuda.synchronize()
+        else:
+            self.m[sl] = data
 
 
 def wait(agent, h, timeout: float = 60) -> str:
@@ -52,10 +77,16 @@ def main() -> int:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--mem", choices=("DRAM", "VRAM"), default="DRAM",
-                    help="VRAM: the memory is registered as device 0's (under a stand-in libcuda)")
+                    help="VRAM: the memory is registered as device 0's")
+    ap.add_argument("--cuda", action="store_true",
+                    help="with --mem VRAM: real GPU memory (a torch CUDA tensor); without it "
+                    "the VRAM is host memory, for a stand-in libcuda")
     args = ap.parse_args()
     os.environ["NIXL_PLUGIN_DIR"] = args.plugin_dir
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:  # a CUDA 13 machine carries nixl_cu13
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     out: dict = {}
     name, n, mem = args.name, args.n, args.mem
@@ -80,8 +111,8 @@ def main() -> int:
     content = rnd.randbytes(2 * n * BLOCK)
     path.write_bytes(content)
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    buf = mmap.mmap(-1, n * BLOCK)  # page-aligned, as O_DIRECT wants
-    base = addr_of(buf)
+    buf = Mem(n * BLOCK, args.cuda)  # page-aligned, as O_DIRECT wants
+    base = buf.addr
     mreg = agent.register_memory([(base, n * BLOCK, 0, "")], mem)
     freg = agent.register_memory([(0, 2 * n * BLOCK, fd, "")], "FILE")
 
@@ -92,8 +123,9 @@ def main() -> int:
     h = agent.initialize_xfer("READ", loc, rem, "store")
     out["read_state"] = wait(agent, h)
     agent.release_xfer_handle(h)
+    got = buf[:]
     out["read_bad_blocks"] = sum(
-        buf[i * BLOCK:(i + 1) * BLOCK] != content[b * BLOCK:(b + 1) * BLOCK] for i, b in enumerate(src))
+        got[i * BLOCK:(i + 1) * BLOCK] != content[b * BLOCK:(b + 1) * BLOCK] for i, b in enumerate(src))
 
     # WRITE (prepped): memory block i -> file block dst[i]
     fresh = rnd.randbytes(n * BLOCK)

@@ -30,15 +30,18 @@ def _nixl_missing() -> str | None:
 needs_nixl = pytest.mark.skipif(_nixl_missing() is not None, reason=str(_nixl_missing()))
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The plugin built by its Makefile into a private directory; its alias/ subdirectory
-    holds it as libplugin_{P2PHUB,GDS_MT,GDS,POSIX}.so."""
-    out = tmp_path_factory.mktemp("plugin")
+def build_plugin(out: Path) -> Path:
+    """The plugin built by its Makefile into `out`; its alias/ subdirectory holds it as
+    libplugin_{P2PHUB,GDS_MT,GDS,POSIX}.so."""
     p = subprocess.run(["make", "-s", "-j2", "-C", str(PLUGIN), f"OUT={out}", "aliases"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"make -C {PLUGIN} failed (needs g++ and make):\n{p.stderr}"
     return out
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_plugin(tmp_path_factory.mktemp("plugin"))
 
 
 def _run(args: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> str:
