@@ -16,7 +16,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 TOP = HERE.parent.parent
 PLUGIN = TOP / "p2phub" / "nixl" / "plugin"
-EXAMPLE = PLUGIN / "third_party" / "nixl" / "examples" / "nixl_gds_example.py"
+EXAMPLE = HERE / "nixl_examples" / "nixl_gds_example.py"  # NIXL's, unmodified (ORIGIN there)
 
 
 def _nixl_missing() -> str | None:
@@ -30,18 +30,19 @@ def _nixl_missing() -> str | None:
 needs_nixl = pytest.mark.skipif(_nixl_missing() is not None, reason=str(_nixl_missing()))
 
 
-def build_plugin(out: Path) -> Path:
-    """The plugin built by its Makefile into `out`; its alias/ subdirectory holds it as
+def build_plugin() -> Path:
+    """The plugin built in the tree by its Makefile (tools/setup built it already; make redoes
+    only what changed): PLUGIN/build, whose alias/ subdirectory holds it as
     libplugin_{P2PHUB,GDS_MT,GDS,POSIX}.so."""
-    p = subprocess.run(["make", "-s", "-j2", "-C", str(PLUGIN), f"OUT={out}", "aliases"],
+    p = subprocess.run(["make", "-s", "-j2", "-C", str(PLUGIN), "aliases"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"make -C {PLUGIN} failed (needs g++ and make):\n{p.stderr}"
-    return out
+    return PLUGIN / "build"
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_plugin(tmp_path_factory.mktemp("plugin"))
+def build() -> Path:
+    return build_plugin()
 
 
 def _run(args: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> str:
@@ -60,7 +61,7 @@ def _last_json(text: str) -> dict:
 def test_backend_vtable_matches_the_wheel(build: Path) -> None:
     """The plugin's engine has the 27 virtual slots NIXL 1.5.1's plugins have, and exports
     NIXL's entry points only."""
-    p = subprocess.run(["make", "-s", "-C", str(PLUGIN), f"OUT={build}", "check-abi"],
+    p = subprocess.run(["make", "-s", "-C", str(PLUGIN), "check-abi"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     exported = subprocess.run(["nm", "-D", "--defined-only", str(build / "libplugin_P2PHUB.so")],

@@ -39,6 +39,8 @@ namespace {
 
 const char *const kName = "P2PHUB";
 const char *const kVersion = "0.1";
+/* the longest a checkXfer waits for a request still running */
+constexpr int kPollWaitUs = 200;
 
 /* the engine's own parameters and their defaults (those of hub.load_batch) */
 const nixl_b_params_t kDefaults = {
@@ -376,6 +378,13 @@ public:
 
     nixl_status_t checkXfer(nixlBackendReqH *handle) const override {
         const Request *r = static_cast<const Request *>(handle);
+        if (r->state.load() == kQueued) {
+            /* callers poll in a tight loop: wait a little here rather than take the CPU
+             * from the worker that does the I/O */
+            std::unique_lock<std::mutex> g(m_);
+            doneCv_.wait_for(g, std::chrono::microseconds(kPollWaitUs),
+                             [r] { return r->state.load() != kQueued; });
+        }
         switch (r->state.load()) {
         case kQueued:
             return NIXL_IN_PROG;
