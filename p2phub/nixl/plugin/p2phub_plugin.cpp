@@ -1,0 +1,599 @@
+/* libplugin_P2PHUB.so: a NIXL backend plugin whose FILE transfers run on p2phub's staged I/O
+ * engine (p2phub/staged_io/_sio.c, compiled into this library: the engine hub.load_batch uses).
+ *
+ * Memory: DRAM and VRAM (local), FILE (a registration's devId is an open fd, or its metaInfo
+ * names a path "ro|rw[,direct|sync|noatime|create]:/path" that the backend opens and closes).
+ * Transfers: READ (file -> memory) and WRITE (memory -> file) with the agent itself as the
+ * remote. postXfer queues the request to one worker thread per engine, which owns the I/O
+ * engines (one for host memory, one per CUDA device) and their staging memory; checkXfer
+ * reads the request's state. Every descriptor is checked before any byte moves, so a request
+ * that names a range past the end of its file (READ) or a misaligned O_DIRECT write ends in
+ * NIXL_ERR_BACKEND with nothing read or written.
+ *
+ * CUDA is opened with dlopen when VRAM is first registered, so the library builds and loads
+ * on a host without it. NIXL takes the backend's name from the file it loaded
+ * (libplugin_<NAME>.so), so the same library serves as GDS, GDS_MT or POSIX through a link
+ * of that name; it then accepts that backend's documented parameters (and ignores them). */
+#include "backend/backend_engine.h"
+#include "backend/backend_plugin.h"
+
+extern "C" {
+#include "_sio.h"
+}
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace {
+
+const char *const kName = "P2PHUB";
+const char *const kVersion = "0.1";
+/* the longest a checkXfer waits for a request still running */
+constexpr int kPollWaitUs = 200;
+
+/* the engine's own parameters and their defaults (those of hub.load_batch) */
+const nixl_b_params_t kDefaults = {
+    {"depth", "128"},          /* I/Os in flight, 1..4096 */
+    {"slot_bytes", "524288"},  /* staging slot size, a multiple of 4096 */
+    {"slots", "256"},          /* staging slots (slot_bytes x slots of staging memory) */
+};
+
+/* parameters of the backends this library may stand in for: accepted, without effect */
+const std::map<std::string, std::set<std::string>> kAliasParams = {
+    {"GDS_MT", {"thread_count"}},
+    {"GDS", {"batch_pool_size", "batch_limit", "max_request_size", "mode", "thread_count"}},
+    {"POSIX", {"use_aio", "use_uring", "use_posix_aio", "ios_pool_size", "kernel_queue_size"}},
+};
+
+void say(const std::string &msg) { std::cerr << "p2phub nixl plugin: " << msg << std::endl; }
+
+/* ------------------------------------------------------------------ CUDA driver, by dlopen */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+
+struct {
+    std::once_flag once;
+    bool ok = false;
+    std::string why;
+    CUresult (*init)(unsigned);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*primary_retain)(CUcontext *, CUdevice);
+    CUresult (*primary_release)(CUdevice);
+    CUresult (*ctx_set_current)(CUcontext);
+    CUresult (*stream_create)(CUstream *, unsigned);
+    CUresult (*stream_destroy)(CUstream);
+    CUresult (*host_alloc)(void **, size_t, unsigned);
+    CUresult (*host_free)(void *);
+} cu;
+
+bool cudaOpen(std::string &why) {
+    std::call_once(cu.once, [] {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        if (!h) {
+            cu.why = std::string("dlopen libcuda.so.1: ") + dlerror();
+            return;
+        }
+#define SYM(field, name) (*(void **)&cu.field = dlsym(h, name))
+        bool all = SYM(init, "cuInit") && SYM(device_get, "cuDeviceGet") &&
+                   SYM(primary_retain, "cuDevicePrimaryCtxRetain") &&
+                   SYM(primary_release, "cuDevicePrimaryCtxRelease_v2") &&
+                   SYM(ctx_set_current, "cuCtxSetCurrent") &&
+                   SYM(stream_create, "cuStreamCreate") &&
+                   SYM(stream_destroy, "cuStreamDestroy_v2") &&
+                   SYM(host_alloc, "cuMemHostAlloc") && SYM(host_free, "cuMemFreeHost");
+#undef SYM
+        if (!all) {
+            cu.why = "libcuda.so.1 lacks the context, stream or host-memory calls";
+            return;
+        }
+        if (CUresult r = cu.init(0)) {
+            cu.why = "cuInit failed: CUresult " + std::to_string(r);
+            return;
+        }
+        cu.ok = true;
+    });
+    why = cu.why;
+    return cu.ok;
+}
+
+/* ------------------------------------------------------------------ metadata and requests */
+
+struct MemMD : nixlBackendMD {
+    nixl_mem_t type;
+    int device = -1;     /* VRAM: the CUDA device */
+    int fd = -1;         /* FILE: the fd transfers use */
+    bool ownsFd = false; /* path mode: opened here, closed at deregistration */
+    bool direct = false; /* FILE: the fd is O_DIRECT */
+
+    explicit MemMD(nixl_mem_t t) : nixlBackendMD(true), type(t) {}
+    ~MemMD() override {
+        if (ownsFd)
+            close(fd);
+    }
+};
+
+enum ReqState { kIdle = 0, kQueued, kDone, kFailed };
+
+struct Request : nixlBackendReqH {
+    int write = 0;
+    int device = -1; /* -1: host memory only */
+    std::vector<int> fd;
+    std::vector<unsigned long long> off, len, mem;
+    std::vector<unsigned char> flags;
+    std::vector<long long> result;
+    std::atomic<int> state{kIdle};
+    std::string error;
+};
+
+/* One staged I/O engine and its staging memory (pinned for a CUDA device). */
+struct IoEngine {
+    sio_engine *eng = nullptr;
+    void *stage = nullptr;
+    size_t stageBytes = 0;
+    CUstream stream = nullptr;
+    CUcontext ctx = nullptr; /* the device's primary context, retained */
+    int device = -1;
+};
+
+bool parseMode(const std::string &meta, std::string &path, int &flags) {
+    /* "ro|rw[,direct|sync|noatime|create]:/path" */
+    const size_t colon = meta.find(':');
+    if (colon == std::string::npos || colon + 1 >= meta.size() || meta[colon + 1] != '/')
+        return false;
+    int f = -1, extra = 0;
+    size_t pos = 0;
+    const std::string mode = meta.substr(0, colon);
+    while (pos <= mode.size()) {
+        const size_t comma = std::min(mode.find(',', pos), mode.size());
+        const std::string word = mode.substr(pos, comma - pos);
+        if (word == "ro")
+            f = O_RDONLY;
+        else if (word == "rw")
+            f = O_RDWR;
+        else if (word == "direct")
+            extra |= O_DIRECT;
+        else if (word == "sync")
+            extra |= O_SYNC;
+        else if (word == "noatime")
+            extra |= O_NOATIME;
+        else if (word == "create")
+            extra |= O_CREAT;
+        else
+            return false;
+        pos = comma + 1;
+    }
+    if (f < 0)
+        return false;
+    path = meta.substr(colon + 1);
+    flags = f | extra | O_CLOEXEC;
+    return true;
+}
+
+/* ------------------------------------------------------------------ the engine */
+
+class P2phubEngine : public nixlBackendEngine {
+public:
+    explicit P2phubEngine(const nixlBackendInitParams *init) : nixlBackendEngine(init) {
+        const nixl_b_params_t &given = getCustomParams();
+        auto alias = kAliasParams.find(getType());
+        for (const auto &[key, value] : given) {
+            if (kDefaults.count(key))
+                continue;
+            if (alias != kAliasParams.end() && alias->second.count(key))
+                continue;
+            say("backend " + getType() + ": unknown parameter '" + key + "'");
+            initErr = true;
+            return;
+        }
+        if (!number(given, "depth", 1, 4096, depth_) ||
+            !number(given, "slot_bytes", SIO_ALIGN, 1ULL << 30, slotBytes_) ||
+            !number(given, "slots", 1, 65536, slots_)) {
+            initErr = true;
+            return;
+        }
+        if (slotBytes_ % SIO_ALIGN) {
+            say("slot_bytes=" + std::to_string(slotBytes_) + " is not a multiple of 4096");
+            initErr = true;
+            return;
+        }
+        worker_ = std::thread([this] { work(); });
+    }
+
+    ~P2phubEngine() override {
+        {
+            std::lock_guard<std::mutex> g(m_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        if (worker_.joinable())
+            worker_.join();
+    }
+
+    bool supportsRemote() const override { return false; }
+    bool supportsLocal() const override { return true; }
+    bool supportsNotif() const override { return false; }
+    nixl_mem_list_t getSupportedMems() const override { return {DRAM_SEG, VRAM_SEG, FILE_SEG}; }
+
+    nixl_status_t connect(const std::string &) override { return NIXL_SUCCESS; }
+    nixl_status_t disconnect(const std::string &) override { return NIXL_SUCCESS; }
+    nixl_status_t unloadMD(nixlBackendMD *) override { return NIXL_SUCCESS; }
+    nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) override {
+        output = input;
+        return NIXL_SUCCESS;
+    }
+
+    nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &type,
+                              nixlBackendMD *&out) override {
+        std::unique_ptr<MemMD> md(new MemMD(type));
+        switch (type) {
+        case DRAM_SEG:
+            break;
+        case VRAM_SEG: {
+            std::string why;
+            if (!cudaOpen(why)) {
+                say("VRAM registration: " + why);
+                return NIXL_ERR_NOT_SUPPORTED;
+            }
+            md->device = (int)mem.devId;
+            break;
+        }
+        case FILE_SEG: {
+            std::string path;
+            int flags = 0;
+            if (parseMode(mem.metaInfo, path, flags)) {
+                md->fd = open(path.c_str(), flags, 0644);
+                if (md->fd < 0) {
+                    say("FILE " + path + ": " + strerror(errno));
+                    return NIXL_ERR_BACKEND;
+                }
+                md->ownsFd = true;
+            } else {
+                md->fd = (int)mem.devId;
+            }
+            const int fl = fcntl(md->fd, F_GETFL);
+            if (fl < 0) {
+                say("FILE devId " + std::to_string(mem.devId) + " is not an open fd");
+                return NIXL_ERR_INVALID_PARAM;
+            }
+            md->direct = (fl & O_DIRECT) != 0;
+            break;
+        }
+        default:
+            return NIXL_ERR_NOT_SUPPORTED;
+        }
+        out = md.release();
+        return NIXL_SUCCESS;
+    }
+
+    nixl_status_t deregisterMem(nixlBackendMD *meta) override {
+        delete static_cast<MemMD *>(meta);
+        return NIXL_SUCCESS;
+    }
+
+    nixl_status_t queryMem(const nixl_reg_dlist_t &descs,
+                           std::vector<nixl_query_resp_t> &resp) const override {
+        resp.clear();
+        for (int i = 0; i < descs.descCount(); i++) {
+            std::string path = descs[i].metaInfo;
+            int flags;
+            if (parseMode(path, path, flags) || !path.empty()) {
+                struct stat st;
+                if (stat(path.c_str(), &st) == 0) {
+                    resp.emplace_back(nixl_b_params_t{{"size", std::to_string(st.st_size)}});
+                    continue;
+                }
+            }
+            resp.emplace_back(std::nullopt);
+        }
+        return NIXL_SUCCESS;
+    }
+
+    nixl_status_t prepXfer(const nixl_xfer_op_t &op, const nixl_meta_dlist_t &local,
+                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                           nixlBackendReqH *&handle,
+                           const nixl_opt_b_args_t * = nullptr) const override {
+        if (remote_agent != localAgent) {
+            say("transfers run within agent " + localAgent + " only, not to " + remote_agent);
+            return NIXL_ERR_NOT_SUPPORTED;
+        }
+        if (local.getType() == FILE_SEG || remote.getType() != FILE_SEG) {
+            say("a transfer moves DRAM or VRAM (local) to or from FILE (remote)");
+            return NIXL_ERR_NOT_SUPPORTED;
+        }
+        const int n = local.descCount();
+        if (n != remote.descCount()) {
+            say("local and remote lists differ in length");
+            return NIXL_ERR_MISMATCH;
+        }
+        std::unique_ptr<Request> r(new Request);
+        r->write = op == NIXL_WRITE;
+        r->fd.resize(n);
+        r->off.resize(n);
+        r->len.resize(n);
+        r->mem.resize(n);
+        r->flags.resize(n);
+        r->result.resize(n);
+        for (int i = 0; i < n; i++) {
+            const nixlMetaDesc &l = local[i], &f = remote[i];
+            const MemMD *lm = static_cast<const MemMD *>(l.metadataP);
+            const MemMD *fm = static_cast<const MemMD *>(f.metadataP);
+            if (!lm || !fm || fm->type != FILE_SEG) {
+                say("descriptor " + std::to_string(i) + " is not registered with this backend");
+                return NIXL_ERR_INVALID_PARAM;
+            }
+            if (l.len != f.len) {
+                say("descriptor " + std::to_string(i) + ": lengths differ");
+                return NIXL_ERR_MISMATCH;
+            }
+            unsigned char fl = fm->direct ? SIO_DIRECT : 0;
+            if (lm->type == VRAM_SEG) {
+                if (r->device >= 0 && r->device != lm->device) {
+                    say("one transfer's VRAM must be on one device");
+                    return NIXL_ERR_NOT_SUPPORTED;
+                }
+                r->device = lm->device;
+                fl |= SIO_CUDA;
+            }
+            r->fd[i] = fm->fd;
+            r->off[i] = f.addr;
+            r->len[i] = l.len;
+            r->mem[i] = l.addr;
+            r->flags[i] = fl;
+        }
+        handle = r.release();
+        return NIXL_SUCCESS;
+    }
+
+    nixl_status_t postXfer(const nixl_xfer_op_t &op, const nixl_meta_dlist_t &,
+                           const nixl_meta_dlist_t &, const std::string &,
+                           nixlBackendReqH *&handle,
+                           const nixl_opt_b_args_t * = nullptr) const override {
+        Request *r = static_cast<Request *>(handle);
+        if (r->state.load() == kQueued)
+            return NIXL_ERR_REPOST_ACTIVE;
+        r->write = op == NIXL_WRITE;
+        r->error.clear();
+        r->state.store(kQueued);
+        {
+            std::lock_guard<std::mutex> g(m_);
+            queue_.push_back(r);
+        }
+        cv_.notify_one();
+        return NIXL_IN_PROG;
+    }
+
+    nixl_status_t checkXfer(nixlBackendReqH *handle) const override {
+        const Request *r = static_cast<const Request *>(handle);
+        if (r->state.load() == kQueued) {
+            /* callers poll in a tight loop: wait a little here rather than take the CPU
+             * from the worker that does the I/O */
+            std::unique_lock<std::mutex> g(m_);
+            doneCv_.wait_for(g, std::chrono::microseconds(kPollWaitUs),
+                             [r] { return r->state.load() != kQueued; });
+        }
+        switch (r->state.load()) {
+        case kQueued:
+            return NIXL_IN_PROG;
+        case kDone:
+            return NIXL_SUCCESS;
+        case kFailed:
+            return NIXL_ERR_BACKEND;
+        default:
+            return NIXL_ERR_NOT_POSTED;
+        }
+    }
+
+    nixl_status_t releaseReqH(nixlBackendReqH *handle) const override {
+        Request *r = static_cast<Request *>(handle);
+        std::unique_lock<std::mutex> g(m_);
+        /* the worker may still own it: wait until it let go */
+        doneCv_.wait(g, [r] { return r->state.load() != kQueued; });
+        g.unlock();
+        delete r;
+        return NIXL_SUCCESS;
+    }
+
+private:
+    static bool number(const nixl_b_params_t &p, const char *key, unsigned long long lo,
+                       unsigned long long hi, unsigned long long &out) {
+        auto it = p.find(key);
+        const std::string &s = it != p.end() ? it->second : kDefaults.at(key);
+        char *end = nullptr;
+        errno = 0;
+        const unsigned long long v = strtoull(s.c_str(), &end, 10);
+        if (s.empty() || *end || errno || v < lo || v > hi) {
+            say(std::string(key) + "=" + s + ": want an integer in " + std::to_string(lo) +
+                ".." + std::to_string(hi));
+            return false;
+        }
+        out = v;
+        return true;
+    }
+
+    /* every range inside its file (READ), every O_DIRECT write aligned: else nothing runs */
+    static bool validate(Request *r) {
+        std::map<int, long long> sizes;
+        for (size_t i = 0; i < r->fd.size(); i++) {
+            if (r->write) {
+                if ((r->flags[i] & SIO_DIRECT) && (r->off[i] | r->len[i]) % SIO_ALIGN) {
+                    r->error = "descriptor " + std::to_string(i) +
+                               ": an O_DIRECT write needs offset and length aligned to 4096";
+                    return false;
+                }
+                continue;
+            }
+            auto it = sizes.find(r->fd[i]);
+            if (it == sizes.end()) {
+                struct stat st;
+                if (fstat(r->fd[i], &st)) {
+                    r->error = "fd " + std::to_string(r->fd[i]) + ": " + strerror(errno);
+                    return false;
+                }
+                it = sizes.emplace(r->fd[i], (long long)st.st_size).first;
+            }
+            if (r->off[i] + r->len[i] < r->off[i] ||
+                (long long)(r->off[i] + r->len[i]) > it->second) {
+                r->error = "descriptor " + std::to_string(i) + ": bytes " +
+                           std::to_string(r->off[i]) + ".." + std::to_string(r->off[i] + r->len[i]) +
+                           " lie past the end of fd " + std::to_string(r->fd[i]) + " (" +
+                           std::to_string(it->second) + " bytes)";
+                return false;
+            }
+        }
+        return true;
+    }
+
+    IoEngine *engineFor(int device, std::string &why) {
+        auto it = engines_.find(device);
+        if (it != engines_.end())
+            return &it->second;
+        IoEngine e;
+        e.device = device;
+        e.stageBytes = slotBytes_ * slots_;
+        char err[256] = "";
+        if (device >= 0) {
+            CUdevice dev;
+            if (!cudaOpen(why))
+                return nullptr;
+            if (cu.device_get(&dev, device) || cu.primary_retain(&e.ctx, dev) ||
+                cu.ctx_set_current(e.ctx)) {
+                why = "CUDA device " + std::to_string(device) + ": no context";
+                return nullptr;
+            }
+            if (cu.stream_create(&e.stream, 1 /* non-blocking */) ||
+                cu.host_alloc(&e.stage, e.stageBytes, 0)) {
+                why = "CUDA device " + std::to_string(device) + ": stream or pinned memory";
+                if (e.stream)
+                    cu.stream_destroy(e.stream);
+                cu.primary_release(dev);
+                return nullptr;
+            }
+        } else {
+            e.stage = mmap(nullptr, e.stageBytes, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (e.stage == MAP_FAILED) {
+                why = std::string("staging memory: ") + strerror(errno);
+                return nullptr;
+            }
+        }
+        /* as hub.load_batch: one thread does the I/O and the copies */
+        e.eng = sio_open((unsigned)depth_, slotBytes_, (unsigned)slots_, e.stage,
+                         (unsigned long long)(uintptr_t)e.stream, SIO_OPT_NO_IO_THREAD, err,
+                         sizeof(err));
+        if (!e.eng) {
+            why = std::string("staged I/O engine: ") + err;
+            freeEngine(e);
+            return nullptr;
+        }
+        return &engines_.emplace(device, e).first->second;
+    }
+
+    static void freeEngine(IoEngine &e) {
+        if (e.ctx)
+            cu.ctx_set_current(e.ctx);
+        if (e.eng)
+            sio_close(e.eng);
+        if (e.device >= 0) {
+            if (e.stream)
+                cu.stream_destroy(e.stream);
+            if (e.stage)
+                cu.host_free(e.stage);
+            CUdevice dev;
+            if (e.ctx && !cu.device_get(&dev, e.device))
+                cu.primary_release(dev);
+        } else if (e.stage && e.stage != MAP_FAILED) {
+            munmap(e.stage, e.stageBytes);
+        }
+    }
+
+    void run(Request *r) {
+        if (!validate(r)) {
+            say(r->error);
+            r->state.store(kFailed);
+            return;
+        }
+        std::string why;
+        IoEngine *e = engineFor(r->device, why);
+        if (!e) {
+            r->error = why;
+            say(why);
+            r->state.store(kFailed);
+            return;
+        }
+        if (e->ctx)
+            cu.ctx_set_current(e->ctx);
+        sio_stats st;
+        char err[256] = "";
+        memset(&st, 0, sizeof(st));
+        const int rc = sio_run(e->eng, r->write, r->fd.size(), r->fd.data(), r->off.data(),
+                               r->len.data(), r->mem.data(), r->flags.data(), r->result.data(),
+                               &st, err, sizeof(err));
+        if (rc != 0) {
+            if (rc < 0) {
+                r->error = std::string("staged I/O engine: ") + err;
+            } else {
+                for (size_t i = 0; i < r->result.size(); i++)
+                    if (r->result[i] < 0) {
+                        r->error = std::to_string(rc) + " descriptors failed, the first (" +
+                                   std::to_string(i) + "): " + strerror((int)-r->result[i]);
+                        break;
+                    }
+            }
+            say(r->error);
+            r->state.store(kFailed);
+            return;
+        }
+        r->state.store(kDone);
+    }
+
+    void work() {
+        std::unique_lock<std::mutex> g(m_);
+        for (;;) {
+            cv_.wait(g, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty())
+                break; /* stopping, nothing left */
+            Request *r = queue_.front();
+            queue_.pop_front();
+            g.unlock();
+            run(r);
+            g.lock();
+            doneCv_.notify_all();
+        }
+        g.unlock();
+        for (auto &kv : engines_)
+            freeEngine(kv.second);
+        engines_.clear();
+    }
+
+    unsigned long long depth_ = 0, slotBytes_ = 0, slots_ = 0;
+    std::map<int, IoEngine> engines_; /* worker thread only */
+    mutable std::mutex m_;
+    mutable std::condition_variable cv_, doneCv_;
+    mutable std::deque<Request *> queue_;
+    bool stop_ = false;
+    std::thread worker_;
+};
+
+} // namespace
+
+extern "C" NIXL_PLUGIN_EXPORT nixlBackendPlugin *nixl_plugin_init() {
+    return nixlBackendPluginCreator<P2phubEngine>::create(NIXL_PLUGIN_API_VERSION, kName,
+                                                         kVersion, kDefaults,
+                                                         {DRAM_SEG, VRAM_SEG, FILE_SEG});
+}
+
+extern "C" NIXL_PLUGIN_EXPORT void nixl_plugin_fini() {}
