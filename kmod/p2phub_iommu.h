@@ -10,6 +10,7 @@
 #include <linux/types.h>
 
 struct device;
+struct iommu_group;
 
 /* Whether an IOMMU paging domain translates @dev's DMA. */
 bool p2phub_dev_translated(struct device *dev);
@@ -18,5 +19,14 @@ bool p2phub_dev_translated(struct device *dev);
  * domain (DMA-FQ) clears the page tables at unmap but flushes the IOTLB later.
  */
 void p2phub_flush_iotlb(struct device *dev);
+/*
+ * DMA ownership of @dev's IOMMU group (@group) for @owner, as VFIO takes it:
+ * while held, the kernel refuses the probe of every driver in the group that
+ * uses the DMA API, and VFIO's and iommufd's claims. The group sits in the
+ * blocking domain until the owner attaches one.
+ */
+int p2phub_iommu_claim_dma(struct device *dev, struct iommu_group *group,
+			   void *owner);
+void p2phub_iommu_release_dma(struct device *dev, struct iommu_group *group);
 
 #endif /* _P2PHUB_IOMMU_H */

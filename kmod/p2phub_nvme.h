@@ -110,10 +110,22 @@ struct p2phub_nvme_ctrl {
 	resource_size_t bar0_mmap_len;	/* up to the MSI-X table / PBA page */
 	int nr_irqs;
 	struct p2phub_nvme_irq *irqs;	/* nr_irqs entries */
-	struct mutex lock;		/* owner, dying */
+	struct mutex lock;		/* owner, dying, dma_domain, reset_due */
 	struct p2phub_nvme_handle *owner;
 	bool dying;
-	/* AER recovery under way: RESUME waits for its resume() (device lock). */
+	/*
+	 * The group's DMA API domain, attached again under p2phub's DMA
+	 * ownership of the group while the controller is owned; NULL when
+	 * the group is not claimed (see p2phub_nvme_group_claim()).
+	 */
+	struct iommu_domain *dma_domain;
+	/* An owner had the controller since its last function reset. */
+	bool reset_due;
+	/*
+	 * AER recovery under way: RESUME waits for its resume(). Under the
+	 * device lock; OPEN clears what a recovery that never reached
+	 * resume() left.
+	 */
 	bool in_recovery;
 	/* Done while nobody owns the controller (remove() waits for it). */
 	struct completion released;
@@ -206,7 +218,7 @@ static inline int p2phub_nvme_lock_live(struct p2phub_nvme_handle *h)
 /* p2phub_nvme_pci.c */
 void p2phub_nvme_ctrl_put(struct p2phub_nvme_ctrl *ctrl);
 void p2phub_nvme_quiesce(struct p2phub_nvme_ctrl *ctrl);
-void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
+bool p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
 				struct p2phub_nvme_handle *h);
 void p2phub_nvme_reset_locked(struct p2phub_nvme_ctrl *ctrl);
 
@@ -214,6 +226,7 @@ void p2phub_nvme_reset_locked(struct p2phub_nvme_ctrl *ctrl);
 int p2phub_nvme_confine_init(void);
 void p2phub_nvme_confine_exit(void);
 void p2phub_nvme_take_back(struct p2phub_nvme_ctrl *ctrl, int err);
+void p2phub_nvme_group_unclaim(struct p2phub_nvme_ctrl *ctrl);
 
 /* p2phub_nvme_fd.c */
 extern const struct file_operations p2phub_nvme_handle_fops;

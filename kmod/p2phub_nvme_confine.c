@@ -40,24 +40,70 @@ DEFINE_MUTEX(p2phub_nvme_ctrls_lock);
 LIST_HEAD(p2phub_nvme_ctrls);
 
 /*
- * Drivers that may hold a device of an owned controller's IOMMU group: they
- * make no DMA mappings of their own in the group's domain (vfio-pci cannot
- * claim the group while p2phub-nvme uses its default domain; a p2phub-nvme
- * sibling cannot be owned meanwhile, see p2phub_nvme_group_owned()).
+ * Drivers that may hold a device of an owned controller's IOMMU group: PCI
+ * drivers that make no DMA API mappings of their own (driver_managed_dma:
+ * vfio-pci and its variants, pci-stub, pcieport, p2phub-nvme itself). The
+ * kernel lets them probe while p2phub holds the group's DMA ownership; a
+ * VFIO user of one still cannot claim the group, and a p2phub-nvme sibling
+ * cannot be owned meanwhile (p2phub_nvme_group_owned()).
  */
-static bool p2phub_nvme_driver_allowed(const struct device_driver *drv)
+static bool p2phub_nvme_driver_allowed(struct device_driver *drv)
 {
-	static const char * const allowed[] = {
-		P2PHUB_NVME_DRV_NAME, "vfio-pci", "pci-stub", "pcieport",
-	};
-	int i;
-
 	if (!drv)
 		return true;
-	for (i = 0; i < ARRAY_SIZE(allowed); i++)
-		if (!strcmp(drv->name, allowed[i]))
-			return true;
-	return false;
+	return drv->bus == &pci_bus_type && to_pci_driver(drv)->driver_managed_dma;
+}
+
+/*
+ * Make the kernel itself keep every other DMA user out of the controller's
+ * IOMMU group while it is owned, as VFIO does: take the group's DMA
+ * ownership (p2phub-nvme is driver_managed_dma, so it may). The kernel then
+ * refuses the probe of any DMA API driver in the group (PCI or not) and
+ * VFIO's and iommufd's claims. Taking it puts the group in the blocking
+ * domain; the DMA API domain the controller's buffers and page lists are
+ * mapped in is attached again at once, for the owner. Caller holds the
+ * device lock (before OPEN's reset and bus mastering) and ctrl->lock.
+ */
+static int p2phub_nvme_group_claim(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct device *dev = &ctrl->pdev->dev;
+	struct iommu_domain *domain = iommu_get_domain_for_dev(dev);
+	int ret;
+
+	device_lock_assert(dev);
+	lockdep_assert_held(&ctrl->lock);
+	ret = p2phub_iommu_claim_dma(dev, ctrl->group, ctrl);
+	if (ret) {
+		pci_info_ratelimited(ctrl->pdev, "not handed to user space: the DMA ownership of its IOMMU group is taken (%d): a kernel driver, VFIO or iommufd uses the group\n",
+				     ret);
+		return -EXDEV;
+	}
+	ret = iommu_attach_group(domain, ctrl->group);
+	if (ret) {
+		p2phub_iommu_release_dma(dev, ctrl->group);
+		pci_warn(ctrl->pdev, "not handed to user space: the kernel refused to attach its DMA API domain again under p2phub's DMA ownership of the group (%d)\n",
+			 ret);
+		return -EXDEV;
+	}
+	ctrl->dma_domain = domain;
+	return 0;
+}
+
+/*
+ * Give the group's DMA ownership back, once the controller is stopped and
+ * nothing of its owner is mapped: the group returns to its DMA API domain
+ * and other drivers may probe in it again. Caller holds ctrl->lock.
+ */
+void p2phub_nvme_group_unclaim(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct device *dev = &ctrl->pdev->dev;
+
+	lockdep_assert_held(&ctrl->lock);
+	if (!ctrl->dma_domain)
+		return;
+	iommu_detach_group(ctrl->dma_domain, ctrl->group);
+	p2phub_iommu_release_dma(dev, ctrl->group);
+	ctrl->dma_domain = NULL;
 }
 
 static int p2phub_nvme_group_dev_ok(struct device *dev, void *owned)
@@ -207,25 +253,40 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 		goto err_free_handle;
 	}
 	ctrl = pci_get_drvdata(pdev);
+	/*
+	 * A PCI error recovery that never reached resume() (a device of the
+	 * hierarchy could not recover) must not hold every later owner's
+	 * RESUME for good. One still under way keeps the channel offline.
+	 */
+	if (ctrl->in_recovery) {
+		if (pci_channel_offline(pdev)) {
+			device_unlock(&pdev->dev);
+			ret = -EIO;
+			goto err_free_handle;
+		}
+		ctrl->in_recovery = false;
+	}
 	mutex_lock(&p2phub_nvme_ctrls_lock);
 	why = p2phub_nvme_unconfined(pdev);
 	if (why && !allow_unsafe_noiommu) {
-		mutex_unlock(&p2phub_nvme_ctrls_lock);
-		device_unlock(&pdev->dev);
 		pci_info_ratelimited(pdev, "not handed to user space: %s (allow_unsafe_noiommu=1 overrides, tainting the kernel)\n",
 				     why);
 		ret = -EXDEV;
-		goto err_free_handle;
+		goto err_unlock_list;
 	}
 	mutex_lock(&ctrl->lock);
 	if (ctrl->owner || ctrl->dying || p2phub_nvme_group_owned(ctrl)) {
-		mutex_unlock(&ctrl->lock);
-		mutex_unlock(&p2phub_nvme_ctrls_lock);
-		device_unlock(&pdev->dev);
 		ret = -EBUSY;
-		goto err_free_handle;
+		goto err_unlock_ctrl;
+	}
+	/* Confined (a translated domain, so a group): claim the group. */
+	if (!why) {
+		ret = p2phub_nvme_group_claim(ctrl);
+		if (ret)
+			goto err_unlock_ctrl;
 	}
 	ctrl->owner = h;
+	ctrl->reset_due = true;
 	kref_get(&ctrl->ref);
 	reinit_completion(&ctrl->released);
 	h->ctrl = ctrl;
@@ -283,11 +344,19 @@ err_disown:
 	mutex_lock(&ctrl->lock);
 	if (ctrl->owner == h) {
 		pci_clear_master(pdev);
+		p2phub_nvme_group_unclaim(ctrl);
 		ctrl->owner = NULL;
 		complete_all(&ctrl->released);
 	}
 	mutex_unlock(&ctrl->lock);
 	p2phub_nvme_ctrl_put(ctrl);
+	goto err_free_handle;
+
+err_unlock_ctrl:
+	mutex_unlock(&ctrl->lock);
+err_unlock_list:
+	mutex_unlock(&p2phub_nvme_ctrls_lock);
+	device_unlock(&pdev->dev);
 err_free_handle:
 	p2phub_nvme_handle_free(h);
 err_put_pdev:
@@ -299,9 +368,11 @@ err_put_pdev:
  * A driver is about to probe @dev (BUS_NOTIFY_BIND_DRIVER: dev->driver is
  * set, probe has not run). If @dev shares the IOMMU group of an owned
  * controller, that driver's DMA mappings would go into the domain the
- * controller's owner programs DMA in: take the controller back first. The
- * notifier cannot refuse the bind; VFIO's group ownership claim (which
- * could) would detach the DMA API domain that p2phub's page lists come from.
+ * controller's owner programs DMA in: take the controller back first.
+ * A second line only: while the controller is owned, p2phub holds the
+ * group's DMA ownership and the kernel refuses such a driver before this
+ * (its dma_configure fails with -EBUSY); this still covers a controller
+ * owned without that claim (allow_unsafe_noiommu).
  */
 static int p2phub_nvme_bus_notify(struct notifier_block *nb,
 				  unsigned long action, void *data)
@@ -367,6 +438,8 @@ void p2phub_nvme_take_back(struct p2phub_nvme_ctrl *ctrl, int err)
 		p2phub_nvme_drop_all(h);
 	}
 	mutex_unlock(&h->lock);
+	/* Stopped, nothing of the owner's mapped: the group may go back. */
+	p2phub_nvme_group_unclaim(ctrl);
 	ctrl->owner = NULL;
 	complete_all(&ctrl->released);
 	atomic_inc(&p2phub_nvme_taken_back);

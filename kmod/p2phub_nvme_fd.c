@@ -152,7 +152,7 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
 	struct pci_dev *pdev = h->pdev;
 	struct file *pfile = h->pfile;
-	bool was_owner;
+	bool was_owner, reset;
 
 	/*
 	 * No VMA is left (each holds the file), so only the device can still
@@ -167,10 +167,12 @@ static int p2phub_nvme_release(struct inode *inode, struct file *file)
 
 	if (was_owner) {
 		/* Stopped and holding no memory: clear what this owner left. */
-		p2phub_nvme_reset_function(ctrl, h);
+		reset = p2phub_nvme_reset_function(ctrl, h);
 		/* Hand the controller back; remove() may be waiting for this. */
 		mutex_lock(&ctrl->lock);
 		if (ctrl->owner == h) {
+			p2phub_nvme_group_unclaim(ctrl);
+			ctrl->reset_due = !reset;
 			ctrl->owner = NULL;
 			complete_all(&ctrl->released);
 		}

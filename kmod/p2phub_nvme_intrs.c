@@ -25,7 +25,7 @@
  * Atomic context is fine.
  */
 void p2phub_nvme_signal(struct p2phub_nvme_handle *h, u32 bits,
-			       bool stop)
+			bool stop)
 {
 	unsigned long flags;
 
@@ -41,7 +41,7 @@ void p2phub_nvme_signal(struct p2phub_nvme_handle *h, u32 bits,
 
 /* Tell the controller's owner, if any; stop its DMA either way if asked. */
 void p2phub_nvme_request(struct p2phub_nvme_ctrl *ctrl, u32 bits,
-				bool stop)
+			 bool stop)
 {
 	mutex_lock(&ctrl->lock);
 	if (ctrl->owner)
@@ -61,7 +61,7 @@ static irqreturn_t p2phub_nvme_irq_handler(int irq, void *data)
 
 /* Caller holds h->lock. */
 void p2phub_nvme_irq_detach(struct p2phub_nvme_handle *h,
-				   struct p2phub_nvme_irq *v)
+			    struct p2phub_nvme_irq *v)
 {
 	lockdep_assert_held(&h->lock);
 	if (!v->trigger)
@@ -72,7 +72,7 @@ void p2phub_nvme_irq_detach(struct p2phub_nvme_handle *h,
 }
 
 long p2phub_nvme_ioctl_irq_set(struct p2phub_nvme_handle *h,
-				      void __user *uarg)
+			       void __user *uarg)
 {
 	struct p2phub_nvme_ctrl *ctrl = h->ctrl;
 	struct p2phub_nvme_irq_set arg;
@@ -121,7 +121,7 @@ out_unlock:
 }
 
 long p2phub_nvme_ioctl_req_set(struct p2phub_nvme_handle *h,
-				      void __user *uarg)
+			       void __user *uarg)
 {
 	struct eventfd_ctx *trigger = NULL, *old;
 	struct p2phub_nvme_req_set arg;

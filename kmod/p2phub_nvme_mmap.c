@@ -31,7 +31,7 @@
  * survives it and none after it sees the old state.
  */
 void p2phub_nvme_zap(struct p2phub_nvme_handle *h, bool block,
-			    bool gone)
+		     bool gone)
 {
 	mutex_lock(&h->mmio_lock);
 	if (block)
@@ -98,9 +98,12 @@ static vm_fault_t p2phub_nvme_bar0_fault(struct vm_fault *vmf)
 {
 	struct vm_area_struct *vma = vmf->vma;
 	struct p2phub_nvme_handle *h = vma->vm_file->private_data;
-	unsigned long pgoff = (vmf->address - vma->vm_start) >> PAGE_SHIFT;
+	/* From vm_pgoff, which a partial munmap of the front moves on. */
+	unsigned long pgoff = vmf->pgoff - (P2PHUB_NVME_MMAP_BAR0 >> PAGE_SHIFT);
 	vm_fault_t ret;
 
+	if (pgoff >= h->bar0_mmap_len >> PAGE_SHIFT)
+		return VM_FAULT_SIGBUS;
 	if (!p2phub_nvme_mmio_lock(h, true))
 		return VM_FAULT_SIGBUS;
 	ret = vmf_insert_pfn(vma, vmf->address, h->bar0_pfn + pgoff);
@@ -131,7 +134,9 @@ static vm_fault_t p2phub_nvme_buf_fault(struct vm_fault *vmf)
 	struct vm_area_struct *vma = vmf->vma;
 	struct p2phub_nvme_handle *h = vma->vm_file->private_data;
 	struct p2phub_nvme_buf *b = vma->vm_private_data;
-	unsigned long pgoff = (vmf->address - vma->vm_start) >> PAGE_SHIFT;
+	/* From vm_pgoff, which a partial munmap of the front moves on. */
+	unsigned long pgoff = vmf->pgoff -
+			      (P2PHUB_NVME_MMAP_DMA(b->id) >> PAGE_SHIFT);
 	vm_fault_t ret = VM_FAULT_SIGBUS;
 
 	if (!p2phub_nvme_mmio_lock(h, false))

@@ -95,20 +95,21 @@ void p2phub_nvme_quiesce(struct p2phub_nvme_ctrl *ctrl)
  * an owner left in it (features, host memory buffer settings, a security
  * state such as an unlocked Opal range) must not reach the next owner or the
  * kernel's nvme driver. Only a trylock of the device: remove() holds the
- * device lock while it waits for this release, and must not wait for us.
- * Under that lock the controller is still p2phub's and still @h's, or the
- * reset is not ours to do.
+ * device lock while it waits for this release, and must not wait for us
+ * (it resets the function itself once released, see reset_due). Under that
+ * lock the controller is still p2phub's and still @h's, or the reset is not
+ * ours to do. True when the function was reset.
  */
-void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
-				       struct p2phub_nvme_handle *h)
+bool p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
+				struct p2phub_nvme_handle *h)
 {
 	struct pci_dev *pdev = ctrl->pdev;
 	bool ours;
 	int ret;
 
 	if (!device_trylock(&pdev->dev)) {
-		pci_info_ratelimited(pdev, "no function reset before the next owner (device busy): controller state carries over\n");
-		return;
+		pci_info_ratelimited(pdev, "no function reset at release (device busy): done when the controller is handed back or opened again\n");
+		return false;
 	}
 	mutex_lock(&ctrl->lock);
 	ours = pdev->dev.driver == &p2phub_nvme_driver.driver &&
@@ -117,9 +118,38 @@ void p2phub_nvme_reset_function(struct p2phub_nvme_ctrl *ctrl,
 	ret = ours ? pci_reset_function_locked(pdev) : 0;
 	device_unlock(&pdev->dev);
 	if (!ours)
-		return;
+		return false;
 	if (ret) {
 		pci_info_ratelimited(pdev, "no function reset before the next owner (%d): controller state carries over\n",
+				     ret);
+		return false;
+	}
+	atomic_inc(&p2phub_nvme_function_resets);
+	return true;
+}
+
+/*
+ * remove() hands the controller back to the PCI core, and so to the next
+ * driver: reset what the last owner left, unless its release did. remove()
+ * holds the device lock; the reset's reset_prepare and reset_done find no
+ * owner.
+ */
+static void p2phub_nvme_reset_handback(struct p2phub_nvme_ctrl *ctrl)
+{
+	struct pci_dev *pdev = ctrl->pdev;
+	bool due;
+	int ret;
+
+	device_lock_assert(&pdev->dev);
+	mutex_lock(&ctrl->lock);
+	due = ctrl->reset_due;
+	ctrl->reset_due = false;
+	mutex_unlock(&ctrl->lock);
+	if (!due)
+		return;
+	ret = pci_reset_function_locked(pdev);
+	if (ret) {
+		pci_info_ratelimited(pdev, "no function reset before the controller is handed back (%d): controller state carries over\n",
 				     ret);
 		return;
 	}
@@ -317,6 +347,7 @@ static void p2phub_nvme_remove(struct pci_dev *pdev)
 		p2phub_nvme_take_back(ctrl, -ENODEV);
 	}
 	mutex_unlock(&ctrl->lock);
+	p2phub_nvme_reset_handback(ctrl);
 
 	mutex_lock(&p2phub_nvme_ctrls_lock);
 	list_del_init(&ctrl->node);
@@ -397,6 +428,11 @@ struct pci_driver p2phub_nvme_driver = {
 	.probe		= p2phub_nvme_probe,
 	.remove		= p2phub_nvme_remove,
 	.err_handler	= &p2phub_nvme_err_handler,
+	/*
+	 * Its DMA is the owner's, confined by p2phub's DMA ownership of the
+	 * group (p2phub_nvme_group_claim()), not the DMA API's sharing of it.
+	 */
+	.driver_managed_dma = true,
 };
 
 int p2phub_nvme_init(void)
