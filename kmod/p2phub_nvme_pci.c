@@ -145,7 +145,8 @@ static void p2phub_nvme_reset_handback(struct p2phub_nvme_ctrl *ctrl)
 	due = ctrl->reset_due;
 	ctrl->reset_due = false;
 	mutex_unlock(&ctrl->lock);
-	if (!due)
+	/* A device that is gone (surprise removal) answers no reset. */
+	if (!due || pci_channel_offline(pdev))
 		return;
 	ret = pci_reset_function_locked(pdev);
 	if (ret) {

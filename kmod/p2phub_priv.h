@@ -56,6 +56,8 @@ bool p2phub_all_zero(const void *p, size_t len);
  *   device_lock(any pci_dev) -> p2phub_nvme_ctrls_lock -> p2phub_nvme_ctrl.lock
  *     -> p2phub_nvme_handle.lock -> p2phub_nvme_handle.mmio_lock -> i_mmap_rwsem
  *   p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   p2phub_nvme_ctrl.lock -> the IOMMU group's mutex (DMA ownership, OPEN
+ *     and give-back)
  *   mmap_lock -> p2phub_nvme_handle.lock, p2phub_nvme_handle.mmio_lock (mmap, faults)
  *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
  *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)
