@@ -23,6 +23,7 @@
 #include <linux/uidgid.h>
 #include <linux/xarray.h>
 
+#include "p2phub_iommu.h"
 #include "p2phub_uargs.h"
 #include "uapi/p2phub.h"
 
@@ -40,8 +41,6 @@ struct p2phub_file {
 u64 p2phub_max_reg_bytes(void);
 
 bool p2phub_all_zero(const void *p, size_t len);
-/* Whether an IOMMU paging domain translates @dev's DMA (p2phub_nvme.c). */
-bool p2phub_dev_translated(struct device *dev);
 /*
  * The UAPI's one rule for outputs: they must come in as 0 (a later ABI may
  * give them an input meaning). True when fields @first..@last of *@p are 0.
@@ -52,11 +51,13 @@ bool p2phub_dev_translated(struct device *dev);
 			offsetof(typeof(*(p)), first))
 
 /*
- * NVMe controller ownership (p2phub_nvme.c). A controller fd owns one
- * struct p2phub_nvme_ctrl. Lock order there (outer first):
+ * NVMe controller ownership (p2phub_nvme_*.c, see p2phub_nvme.h). A
+ * controller fd owns one struct p2phub_nvme_ctrl. Lock order there (outer first):
  *   device_lock(any pci_dev) -> p2phub_nvme_ctrls_lock -> p2phub_nvme_ctrl.lock
  *     -> p2phub_nvme_handle.lock -> p2phub_nvme_handle.mmio_lock -> i_mmap_rwsem
  *   p2phub_nvme_ctrl.lock -> p2phub_nvme_handle.status_lock
+ *   p2phub_nvme_ctrl.lock -> the IOMMU group's mutex (DMA ownership, OPEN
+ *     and give-back)
  *   mmap_lock -> p2phub_nvme_handle.lock, p2phub_nvme_handle.mmio_lock (mmap, faults)
  *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
  *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)

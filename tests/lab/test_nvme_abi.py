@@ -258,3 +258,69 @@ def test_open_resets_the_function(bdf: str, dev: Device) -> None:
             bar.close()
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------- faults after a partial munmap (S8)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _addr(m: mmap.mmap) -> int:
+    buf = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf
+
+
+def _drop_first_page(m: mmap.mmap) -> int:
+    """munmap the first page of `m` (the VMA's vm_pgoff moves on); the address of what is left."""
+    base = _addr(m)
+    assert _libc.munmap(base, mmap.PAGESIZE) == 0, os.strerror(ctypes.get_errno())
+    return base + mmap.PAGESIZE
+
+
+def test_dma_buffer_faults_follow_a_partial_munmap(handle: int) -> None:
+    """After the front of a DMA-buffer mapping is unmapped, the rest still maps its own pages:
+    page 1 of the buffer faults in at page 1's address, not page 0."""
+    n = 3
+    a = uapi.NvmeDmaAlloc.new(size=n * mmap.PAGESIZE)
+    assert _errno_of(handle, uapi.NVME_DMA_ALLOC, a) == 0
+    writer = mmap.mmap(handle, n * mmap.PAGESIZE, mmap.MAP_SHARED, offset=a.out_mmap_offset)
+    # A second mapping, not touched before the munmap: its pages fault in after it.
+    reader = mmap.mmap(handle, n * mmap.PAGESIZE, mmap.MAP_SHARED, offset=a.out_mmap_offset)
+    try:
+        for i in range(n):
+            writer[i * mmap.PAGESIZE:i * mmap.PAGESIZE + 8] = b"page%04d" % i
+        rest = _drop_first_page(reader)
+        got = [ctypes.string_at(rest + i * mmap.PAGESIZE, 8) for i in range(n - 1)]
+        assert got == [b"page%04d" % (i + 1) for i in range(n - 1)], \
+            f"after munmap of page 0 the mapping shows {got} (the buffer's pages from 0, not 1)"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_bar0_faults_follow_a_partial_munmap(bdf: str, dev: Device) -> None:
+    """The same for BAR0: page 1 (the doorbells) after the register page is unmapped."""
+    arg = _open_arg(bdf)
+    fd = fcntl.ioctl(dev.fd, uapi.NVME_OPEN, arg, True)
+    try:
+        size = 2 * mmap.PAGESIZE
+        assert arg.out_bar0_mmap_size >= size
+        whole = mmap.mmap(fd, size, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        cut = mmap.mmap(fd, size, mmap.MAP_SHARED, offset=uapi.NVME_MMAP_BAR0)
+        try:
+            cap = ctypes.c_uint32.from_address(_addr(whole)).value
+            page1 = ctypes.c_uint32.from_address(_addr(whole) + mmap.PAGESIZE).value
+            assert cap != page1, f"CAP {cap:#x} and BAR0 page 1 {page1:#x} read the same"
+            rest = _drop_first_page(cut)
+            got = ctypes.c_uint32.from_address(rest).value
+            assert got == page1, f"BAR0 page 1 reads {got:#x} after munmap of page 0, want {page1:#x} " \
+                f"(CAP is {cap:#x})"
+        finally:
+            cut.close()
+            whole.close()
+    finally:
+        os.close(fd)

@@ -6,8 +6,10 @@ registrations, frees its DMA memory and zaps its BAR0 and buffer mappings itself
 the owner's later ioctls fail with ENODEV and its mapped BAR0 raises SIGBUS. An owner that unbinds
 its own controller gets its write back. A kernel driver bound to another device of an owned
 controller's IOMMU group (lab topology `bridge`: two more controllers behind one PCI bridge) takes the
-controller back the same way (EXDEV) before that driver probes. A reset zaps the owner's BAR0
-mapping, which faults back in after it.
+controller is refused by the kernel while the controller is owned (p2phub holds the group's DMA
+ownership), and VFIO cannot claim the group; the bus notifier that takes the controller back (EXDEV)
+stays as a second line. Unbind resets the function before the controller is handed back. A reset
+zaps the owner's BAR0 mapping, which faults back in after it.
 
 Each test checks from outside the fd: the driver link in sysfs, the command register's bus master
 bit, the p2phub debugfs counters, the page table (/proc/self/pagemap), a forked child's signal.
@@ -272,32 +274,127 @@ def test_open_is_refused_while_a_group_sibling_has_a_driver(pair: tuple[str, str
         os.close(fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(b), True))
 
 
-def test_binding_a_group_sibling_takes_the_controller_back(lab: dict[str, str], pair: tuple[str, str]) -> None:
-    """nvme bound to the sibling while the controller is owned: the owner loses it (its DMA stopped,
-    its mappings gone) before nvme's probe, so nvme's mappings never share a domain with an owned
-    controller; then nvme works on the sibling and OPEN is refused again."""
+VFIO_GROUP_GET_STATUS = 0x3B67        # _IO(';', 100 + 3)
+VFIO_GROUP_SET_CONTAINER = 0x3B68     # _IO(';', 100 + 4)
+VFIO_GROUP_FLAGS_VIABLE = 1
+
+
+def _vfio_claim_errno(bdf: str) -> tuple[bool, int] | None:
+    """Bind `bdf` to vfio-pci and try to claim its IOMMU group as a VFIO user does (the group's
+    status, then SET_CONTAINER): (viable, errno of the claim, 0 when it succeeded), or None
+    without vfio-pci and the legacy container in this kernel."""
+    if subprocess.run(["modprobe", "vfio-pci"], capture_output=True).returncode != 0 \
+            or not Path("/dev/vfio/vfio").exists():
+        return None
+    (PCI / bdf / "driver_override").write_text("vfio-pci")
+    try:
+        Path("/sys/bus/pci/drivers_probe").write_text(bdf)
+        assert _driver(bdf) == "vfio-pci", f"vfio-pci did not bind {bdf}"
+        container = os.open("/dev/vfio/vfio", os.O_RDWR)
+        group = os.open(f"/dev/vfio/{_group(bdf)}", os.O_RDWR)
+        try:
+            status = bytearray(8)
+            status[0] = 8
+            fcntl.ioctl(group, VFIO_GROUP_GET_STATUS, status, True)
+            viable = bool(int.from_bytes(status[4:8], "little") & VFIO_GROUP_FLAGS_VIABLE)
+            try:
+                fcntl.ioctl(group, VFIO_GROUP_SET_CONTAINER, ctypes.c_int32(container), True)
+                return viable, 0
+            except OSError as exc:
+                return viable, exc.errno or 0
+        finally:
+            os.close(group)
+            os.close(container)
+    finally:
+        (PCI / bdf / "driver_override").write_text("\n")
+        if _driver(bdf) == "vfio-pci":
+            (PCI / bdf / "driver" / "unbind").write_text(bdf)
+
+
+def test_the_kernel_refuses_a_dma_api_driver_in_an_owned_group(lab: dict[str, str],
+                                                                 pair: tuple[str, str]) -> None:
+    """While the controller is owned, p2phub holds its IOMMU group's DMA ownership: binding nvme
+    (a DMA API driver) to the sibling is refused by the kernel itself (EBUSY), and the owner keeps
+    its controller, its mappings and its registration; VFIO cannot claim the group either. Once
+    the owner closes its fd, nvme binds the sibling and brings its namespace up."""
     b, sibling = pair
     bind.bind(b)
     if _driver(sibling) is not None:
         (PCI / sibling / "driver" / "unbind").write_text(sibling)
-    taken = _nvme_counter("taken_back") if (NVME_DEBUGFS / "taken_back").exists() else 0
+    taken = _nvme_counter("taken_back")
     with _params(lab):
         o = _Owner(b)
         try:
             assert regutil.counters()["dev_maps"] == 1 and _bus_master(b)
-            Path("/sys/bus/pci/drivers/nvme/bind").write_text(sibling)
-            assert _driver(sibling) == "nvme"
-            _assert_taken_back(o, b, errno.EXDEV)
-            assert _nvme_counter("taken_back") == taken + 1
-            assert _driver(b) == "p2phub-nvme"      # still bound: only the owner lost it
-            with Device() as dev:
-                assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
+            with pytest.raises(OSError) as exc:
+                Path("/sys/bus/pci/drivers/nvme/bind").write_text(sibling)
+            assert exc.value.errno == errno.EBUSY, f"nvme's bind of the sibling: {exc.value}"
+            assert _driver(sibling) is None
+            # Nothing was taken back: the owner still has everything.
+            assert o.state == 0, hex(o.state)
+            assert _nvme_counter("taken_back") == taken
+            assert _bus_master(b) and regutil.counters()["dev_maps"] == 1
+            assert _errno_of(o.fd, uapi.NVME_MAP_REG, uapi.NvmeMapReg.new(handle=o.handle)) == 0
+            assert _load32(o.bar0) == o.cap and o.buf[:4] == b"p2ph"
+            claim = _vfio_claim_errno(sibling)
+            if claim is None:
+                print("vfio-pci or /dev/vfio/vfio not in this kernel: the VFIO claim was not tried")
+            else:
+                viable, err = claim
+                assert not viable and err in (errno.EPERM, errno.EBUSY), \
+                    f"VFIO's claim of the owned group: viable={viable}, errno {err}"
+                assert o.state == 0 and _nvme_counter("taken_back") == taken
         finally:
             o.close()
+    # The group's DMA ownership went with the fd: the kernel lets nvme in again.
+    Path("/sys/bus/pci/drivers/nvme/bind").write_text(sibling)
+    assert _driver(sibling) == "nvme"
     bind._wait_namespaces(sibling, 30)
     assert bind.block_devices(sibling), "nvme did not bring up the sibling's namespace"
+    with Device() as dev:
+        assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
     assert _nvme_counter("live_handles") == 0
     assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+# ------------------------------------------------------------- the function reset at hand-back (S3)
+
+@pytest.mark.parametrize("how", ["grace_period", "closed_during_unbind"])
+def test_the_controller_is_reset_before_it_is_handed_back(lab: dict[str, str], how: str) -> None:
+    """Unbind of an owned controller resets the function before the PCI core gets it back, both
+    when the kernel takes it back after the grace period and when the owner closes its fd while
+    the unbind waits (its release cannot take the device lock, which the unbind holds)."""
+    b = lab["nvme_target"]
+    if not (PCI / b / "reset_method").exists() or not (PCI / b / "reset_method").read_text().split():
+        pytest.skip("the controller offers no reset method")
+    bind.bind(b)
+    with _params(lab):
+        o = _Owner(b)
+        closed = False
+        try:
+            before = _nvme_counter("function_resets")      # after OPEN's own reset
+            t, out = _unbind_thread(b)
+            if how == "closed_during_unbind":
+                deadline = time.monotonic() + MARGIN_S
+                while not o.state & uapi.NVME_ST_REMOVING and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert o.state & uapi.NVME_ST_REMOVING, "the unbind did not ask the owner"
+                o.close()
+                closed = True
+            t.join(timeout=GRACE_MS / 1000 + MARGIN_S)
+            assert not t.is_alive(), "unbind did not return"
+            assert _driver(b) is None
+            resets = _nvme_counter("function_resets") - before
+            assert resets == 1, f"{resets} function resets between the owner and the hand-back ({how})"
+        finally:
+            if not closed:
+                o.close()
+            t = locals().get("t")
+            if t is not None:
+                t.join(timeout=60)
+    assert _nvme_counter("live_handles") == 0
+    bind.unbind(b)
+    assert _driver(b) == "nvme"
 
 
 # Last: on a module that waits for ever, the owner stays in D state and keeps the controller.

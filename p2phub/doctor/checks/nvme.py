@@ -68,8 +68,10 @@ def _nvme_safety(ctx: Context) -> CheckResult:
 
 
 
-# The drivers a device sharing the controller's IOMMU group may have, as p2phub.ko's gate allows
-# (kmod/p2phub_nvme.c: p2phub_nvme_group_dev_ok); a driverless device is fine too.
+# The drivers a device sharing the controller's IOMMU group may have: p2phub.ko's gate allows PCI
+# drivers that do no DMA API mappings (driver_managed_dma, which sysfs does not show; these are
+# the upstream ones; kmod/p2phub_nvme_confine.c: p2phub_nvme_group_dev_ok); a driverless device
+# is fine too.
 GROUP_OK_DRIVERS = ("p2phub-nvme", "vfio-pci", "pci-stub", "pcieport")
 UNSAFE_PARAM = "/sys/module/p2phub/parameters/allow_unsafe_noiommu"
 TAINT_USER = 1 << 6
@@ -92,7 +94,7 @@ def msi_isolation(ctx: Context) -> tuple[bool | None, str]:
 
 def unconfined_reasons(ctx: Context, bdf: str) -> tuple[list[str], list[str]]:
     """(why the IOMMU does not confine this controller's DMA, what is unknown), in the order of
-    p2phub.ko's own gate (kmod/p2phub_nvme.c: p2phub_nvme_unconfined)."""
+    p2phub.ko's own gate (kmod/p2phub_nvme_confine.c: p2phub_nvme_unconfined)."""
     d = ctx.top.pci.get(bdf)
     if d is None or d.iommu_group is None:
         return ["no IOMMU translates its DMA (no IOMMU group)"], []
