@@ -1,4 +1,4 @@
-/* p2phub's stand-in for NIXL's logging header (which needs Abseil): the NIXL headers the plugin
+/* p2phub's replacement for NIXL's logging header (which needs Abseil): the NIXL headers the plugin
  * compiles against name only these macros, and the plugin logs to stderr itself. */
 #ifndef P2PHUB_NIXL_LOG_SHIM_H
 #define P2PHUB_NIXL_LOG_SHIM_H
