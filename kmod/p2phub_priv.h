@@ -39,7 +39,6 @@ struct p2phub_file {
 /* Per-file cap on registered bytes (module parameter max_reg_gib). */
 u64 p2phub_max_reg_bytes(void);
 
-bool p2phub_all_zero(const void *p, size_t len);
 /* Whether an IOMMU paging domain translates @dev's DMA (p2phub_nvme.c). */
 bool p2phub_dev_translated(struct device *dev);
 /*
@@ -70,8 +69,8 @@ void p2phub_nvme_exit(void);
 long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
 
 /*
- * Registrations (p2phub_reg.c, p2phub_dmabuf.c, p2phub_nvp2p.c,
- * p2phub_export.c).
+ * Registrations (p2phub_reg.c, p2phub_regmap.c, p2phub_reg_ioctl.c,
+ * p2phub_dmabuf.c, p2phub_nvp2p.c, p2phub_export.c).
  *
  * A struct p2phub_reg is made by P2PHUB_REGISTER and lives in its file's
  * p2phub_file.regs (one reference). Every exported dma-buf holds another,

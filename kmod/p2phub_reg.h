@@ -211,6 +211,17 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
 
+/*
+ * Registration lifetime (p2phub_reg.c), for the ioctls: a registration is
+ * allocated (one reference, tracked), charged, set up by its provider,
+ * published; p2phub_reg_kill() marks it dead unless @force and someone
+ * uses it (false then); p2phub_reg_teardown() releases the pin once.
+ */
+struct p2phub_reg *p2phub_reg_alloc(void);
+int p2phub_reg_charge(struct p2phub_reg *reg);
+bool p2phub_reg_kill(struct p2phub_reg *reg, bool force);
+void p2phub_reg_teardown(struct p2phub_reg *reg);
+
 /* p2phub_dmabuf.c */
 extern const struct p2phub_provider p2phub_dmabuf_provider;
 int p2phub_dmabuf_setup(struct p2phub_reg *reg, int fd, u64 offset, u64 length);
