@@ -459,18 +459,39 @@ static enum p2phub_dmabuf_cache p2phub_dmabuf_vaddr_cache(const void *p)
 }
 
 /*
+ * Whether the page cache behind @dmabuf's pages belongs to its exporter
+ * alone for as long as the buffer lives. A DRM PRIME export's GEM object
+ * keeps its shmem file private, and drm-shmem never purges an exported
+ * object. Other exporters' page-cache pages may belong to a file user space
+ * still holds: udmabuf's memfd can have a hole punched in it, or be closed
+ * and evicted, while the dma-buf keeps only pins. Truncation then removes
+ * the folios from the page cache while a PTE p2phub inserted (with a file
+ * rmap, in its own VMA, which that file's truncation cannot find) still
+ * maps them: "Bad page" reports and leaked pages.
+ */
+static bool p2phub_dmabuf_cache_private(const struct dma_buf *dmabuf)
+{
+	return dmabuf->exp_name && !strcmp(dmabuf->exp_name, "drm");
+}
+
+/*
  * Whether p2phub may put @page into a user mapping of its own with the
  * caching *@cache (all pages alike): an order-0 page that is not hugetlb
  * (the exporter's vmap may name a large folio's head for each of its
- * pages, and tail pages need the exporter's own accounting).
+ * pages, and tail pages need the exporter's own accounting), and either in
+ * no page cache or anonymous mapping at all, or in one that only the
+ * exporter can truncate (@cache_private).
  */
 static bool p2phub_dmabuf_page_mappable(struct page *page, const void *p,
 					enum p2phub_dmabuf_cache *cache,
-					bool first)
+					bool first, bool cache_private)
 {
+	struct folio *folio = page_folio(page);
 	enum p2phub_dmabuf_cache c;
 
-	if (PageHuge(page) || folio_test_large(page_folio(page)))
+	if (PageHuge(page) || folio_test_large(folio))
+		return false;
+	if (READ_ONCE(folio->mapping) && !cache_private)
 		return false;
 	c = p2phub_dmabuf_vaddr_cache(p);
 	if (c == P2PHUB_CACHE_OTHER || (!first && c != *cache))
@@ -486,13 +507,15 @@ static bool p2phub_dmabuf_page_mappable(struct page *page, const void *p,
  * sg_table, whose page links belong to the exporter (CONFIG_DMABUF_DEBUG
  * scrambles them). Called with reg->lock held. -ENODEV: the exporter gives
  * no vmap, or one of I/O memory (a GPU BAR); -EREMOTE: pages p2phub cannot
- * map itself (see p2phub_dmabuf_page_mappable()); nothing is kept then.
+ * map itself (see p2phub_dmabuf_page_mappable(): large folios, another
+ * file's page cache); nothing is kept then.
  */
 static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 				   struct page ***pages, bool *wc)
 {
 	struct p2phub_reg_map *map = reg->db.cpu;
 	enum p2phub_dmabuf_cache cache = P2PHUB_CACHE_WB;
+	bool cache_private = p2phub_dmabuf_cache_private(reg->db.dmabuf);
 	u8 *vaddr;
 	u64 i;
 	int ret;
@@ -531,7 +554,7 @@ static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
 		if (!map->db.pages[i] || !pfn_valid(page_to_pfn(map->db.pages[i])))
 			goto err_vunmap;
 		if (!p2phub_dmabuf_page_mappable(map->db.pages[i], p, &cache,
-						 !i)) {
+						 !i, cache_private)) {
 			ret = -EREMOTE;
 			goto err_vunmap_quiet;
 		}

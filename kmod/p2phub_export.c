@@ -35,7 +35,8 @@
  * VMA, with the caching of the exporter's own kernel mapping (vgem's is
  * write-combined: a write-back alias would break x86 PAT). Pages p2phub
  * cannot map itself (large folios, whose pages the exporter's vmap may not
- * name one by one; hugetlb; a caching it cannot read or reproduce) are
+ * name one by one; hugetlb; a caching it cannot read or reproduce; the page
+ * cache of a file user space may truncate, such as udmabuf's memfd) are
  * mapped by the source exporter instead (dma_buf_mmap() of the window):
  * that VMA is the exporter's, as if the source fd had been mapped, and is
  * neither counted nor zapped by p2phub. Memory without pages (a GPU BAR
