@@ -105,6 +105,8 @@ static void p2phub_dmabuf_unmap_all(struct p2phub_reg *reg)
 		dma_buf_unmap_attachment(map->db.attach, map->db.sgt,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
+		/* Before the fence lets the exporter move the memory. */
+		p2phub_reg_flush_iotlb(map->pdev);
 	}
 }
 
@@ -183,6 +185,7 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		dma_buf_unmap_attachment(attach, map->db.sgt,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
+		p2phub_reg_flush_iotlb(map->pdev);
 		return;
 	}
 	if (reg->db.revoke)
@@ -375,6 +378,7 @@ err_unlock:
 	return ret;
 }
 
+/* The device's addresses go; the core flushes the IOTLB before unpin. */
 static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 				struct p2phub_reg_map *map)
 {
@@ -386,12 +390,22 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
 	}
+	dma_resv_unlock(dmabuf->resv);
+}
+
+/* Then the exporter may move the memory again: unpin and detach. */
+static void p2phub_dmabuf_unpin(struct p2phub_reg *reg,
+				struct p2phub_reg_map *map)
+{
+	struct dma_buf *dmabuf = reg->db.dmabuf;
+
 	if (map->db.pinned) {
+		dma_resv_lock(dmabuf->resv, NULL);
 		dma_buf_unpin(map->db.attach);
+		dma_resv_unlock(dmabuf->resv);
 		atomic_dec(&p2phub_stats.dmabuf_pins);
 		map->db.pinned = false;
 	}
-	dma_resv_unlock(dmabuf->resv);
 	dma_buf_detach(dmabuf, map->db.attach);
 	atomic_dec(&p2phub_stats.dmabuf_attachments);
 	map->db.attach = NULL;
@@ -400,14 +414,6 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 static bool p2phub_dmabuf_mapped(const struct p2phub_reg_map *map)
 {
 	return READ_ONCE(map->db.sgt);
-}
-
-/* The device is being removed (or let go of): detach from the source now. */
-static void p2phub_dmabuf_unmap_removed(struct p2phub_reg *reg,
-					struct p2phub_reg_map *map)
-{
-	lockdep_assert_held(&reg->lock);
-	p2phub_dmabuf_unmap(reg, map);
 }
 
 static void p2phub_dmabuf_cpu_map_free(struct p2phub_reg_map *map)
@@ -613,9 +619,16 @@ static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 {
 	struct p2phub_reg_map *map;
 
+	/* Every address gone and flushed before any pin is dropped. */
 	list_for_each_entry(map, maps, node) {
 		if (!map->removed)	/* else unmapped at its removal */
 			p2phub_dmabuf_unmap(reg, map);
+	}
+	list_for_each_entry(map, maps, node) {
+		if (!map->removed) {
+			p2phub_reg_flush_iotlb(map->pdev);
+			p2phub_dmabuf_unpin(reg, map);
+		}
 	}
 	p2phub_reg_maps_free(maps);
 	/* No export is mapped any more: each mapping holds a reference. */
@@ -632,7 +645,8 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.id	= P2PHUB_PROVIDER_DMABUF,
 	.name	= "dma-buf",
 	.map	= p2phub_dmabuf_map,
-	.unmap	= p2phub_dmabuf_unmap_removed,
+	.unmap	= p2phub_dmabuf_unmap,
+	.unpin	= p2phub_dmabuf_unpin,
 	.mapped	= p2phub_dmabuf_mapped,
 	.cpu_pages = p2phub_dmabuf_cpu_pages,
 	.mmap	= p2phub_dmabuf_mmap,

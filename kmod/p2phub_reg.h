@@ -82,10 +82,16 @@ struct p2phub_provider {
 	 */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/*
-	 * Undo map() for one device, which is being hot-removed; release()
-	 * then skips it. Called with reg->lock held.
+	 * Undo map() for one device before teardown (its last user let go,
+	 * its driver left, it is being removed): its addresses go from the
+	 * IOMMU's page tables. The core then flushes the device's IOTLB and
+	 * only then calls unpin(), if any, which gives the memory back to its
+	 * exporter: a lazily flushed IOTLB entry never reaches memory that
+	 * was given back. release() then skips the map. Both are called with
+	 * reg->lock held.
 	 */
 	void (*unmap)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	void (*unpin)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/* Whether the device can still reach the memory through @map. */
 	bool (*mapped)(const struct p2phub_reg_map *map);
 	/*
@@ -105,9 +111,10 @@ struct p2phub_provider {
 	 */
 	int (*mmap)(struct p2phub_reg *reg, struct vm_area_struct *vma);
 	/*
-	 * Release the pin and every mapping on @maps (already off reg->maps);
-	 * no callback of the provider runs for @reg afterwards. Called once,
-	 * without reg->lock.
+	 * Release the pin and every mapping on @maps (already off reg->maps):
+	 * all of them unmapped and their IOTLBs flushed before anything is
+	 * unpinned; no callback of the provider runs for @reg afterwards.
+	 * Called once, without reg->lock.
 	 */
 	void (*release)(struct p2phub_reg *reg, struct list_head *maps);
 };
@@ -210,6 +217,12 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 			bool unmap);
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
+/*
+ * Make what was just unmapped for @pdev unreachable now: a lazily flushing
+ * domain (DMA-FQ) clears the page tables at unmap but flushes its IOTLB up
+ * to 10 ms later. Takes only the IOMMU driver's spinlocks.
+ */
+void p2phub_reg_flush_iotlb(struct pci_dev *pdev);
 
 /*
  * Registration lifetime (p2phub_reg.c), for the ioctls: a registration is

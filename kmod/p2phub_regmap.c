@@ -6,6 +6,7 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/iommu.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
 
@@ -40,6 +41,25 @@ static void p2phub_reg_map_free(struct p2phub_reg_map *map)
 	kvfree(map->addrs);
 	kfree(map);
 	atomic_dec(&p2phub_stats.dev_maps);
+}
+
+void p2phub_reg_flush_iotlb(struct pci_dev *pdev)
+{
+	struct iommu_domain *domain = iommu_get_domain_for_dev(&pdev->dev);
+
+	if (domain && (domain->type & __IOMMU_DOMAIN_PAGING))
+		iommu_flush_iotlb_all(domain);
+}
+
+/* Unmap, flush, then give the memory back (see p2phub_provider.unmap). */
+static void p2phub_regmap_unmap(struct p2phub_reg *reg,
+				struct p2phub_reg_map *map)
+{
+	lockdep_assert_held(&reg->lock);
+	reg->provider->unmap(reg, map);
+	p2phub_reg_flush_iotlb(map->pdev);
+	if (reg->provider->unpin)
+		reg->provider->unpin(reg, map);
 }
 
 /* ------------------------------------------------------- device removal */
@@ -102,7 +122,7 @@ static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
 		list_for_each_entry_safe(map, tmp, &reg->maps, node) {
 			if (map->pdev != pdev || map->removed)
 				continue;
-			reg->provider->unmap(reg, map);
+			p2phub_regmap_unmap(reg, map);
 			reg->nr_maps--;
 			n++;
 			spin_lock(&reg->state_lock);
@@ -218,7 +238,7 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	 * its driver (whose UNBOUND_DRIVER unmap may have passed this one).
 	 */
 	if (p2phub_dev_removing(pdev) || !READ_ONCE(pdev->dev.driver)) {
-		reg->provider->unmap(reg, map);
+		p2phub_regmap_unmap(reg, map);
 		ret = -ENODEV;
 		goto err_free_map;
 	}
@@ -254,7 +274,7 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 	if (unmap && last && !map->removed) {
 		list_del(&map->node);
 		reg->nr_maps--;
-		reg->provider->unmap(reg, map);
+		p2phub_regmap_unmap(reg, map);
 		p2phub_reg_map_free(map);
 	}
 	mutex_unlock(&reg->lock);
