@@ -11,11 +11,13 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
+#include <linux/cred.h>
 #include <linux/debugfs.h>
 #include <linux/moduleparam.h>
 #include <linux/sched/mm.h>
 #include <linux/sched/signal.h>
 #include <linux/slab.h>
+#include <linux/xarray.h>
 
 #include "p2phub_reg.h"
 #include "p2phub_regmap.h"
@@ -67,18 +69,102 @@ struct p2phub_reg *p2phub_reg_alloc(void)
 	return reg;
 }
 
+static unsigned int max_pinned_gib_per_user;
+module_param(max_pinned_gib_per_user, uint, 0644);
+MODULE_PARM_DESC(max_pinned_gib_per_user,
+		 "Bytes one user (effective uid) may have pinned through all its registrations, in all its processes, in GiB; 0: the registering process's RLIMIT_MEMLOCK, as io_uring counts (default 0). CAP_IPC_LOCK lifts it");
+
+/*
+ * Pages pinned per effective uid (an xa value), under p2phub_pinned_lock
+ * (nests in nothing, takes nothing). RLIMIT_MEMLOCK is charged per mm, and
+ * registrations outlive their mm: forked children on one inherited fd each
+ * start from zero. This ledger sums them all.
+ */
+static DEFINE_MUTEX(p2phub_pinned_lock);
+static DEFINE_XARRAY(p2phub_pinned_users);
+
+/* Add @pages to @uid's pinned pages; -EDQUOT past @limit (0: none). */
+static int p2phub_uid_charge(kuid_t uid, unsigned long pages,
+			     unsigned long limit, unsigned long *had)
+{
+	void *entry;
+	int ret;
+
+	mutex_lock(&p2phub_pinned_lock);
+	entry = xa_load(&p2phub_pinned_users, __kuid_val(uid));
+	*had = entry ? xa_to_value(entry) : 0;
+	if (limit && (pages > limit || *had > limit - pages))
+		ret = -EDQUOT;
+	else
+		ret = xa_err(xa_store(&p2phub_pinned_users, __kuid_val(uid),
+				      xa_mk_value(*had + pages),
+				      GFP_KERNEL_ACCOUNT));
+	mutex_unlock(&p2phub_pinned_lock);
+	return ret;
+}
+
+static void p2phub_uid_uncharge(kuid_t uid, unsigned long pages)
+{
+	unsigned long n;
+	void *entry;
+
+	mutex_lock(&p2phub_pinned_lock);
+	entry = xa_load(&p2phub_pinned_users, __kuid_val(uid));
+	n = entry ? xa_to_value(entry) : 0;
+	if (WARN_ON_ONCE(n < pages) || n == pages)
+		xa_erase(&p2phub_pinned_users, __kuid_val(uid));
+	else	/* replaces a present entry: allocates nothing, cannot fail */
+		xa_store(&p2phub_pinned_users, __kuid_val(uid),
+			 xa_mk_value(n - pages), GFP_KERNEL);
+	mutex_unlock(&p2phub_pinned_lock);
+}
+
+/*
+ * The per-uid half of the charge: the uid's pages in every process against
+ * max_pinned_gib_per_user, or when that is 0 against the caller's
+ * RLIMIT_MEMLOCK. -EDQUOT over it.
+ */
+static int p2phub_reg_charge_uid(struct p2phub_reg *reg, unsigned long pages)
+{
+	unsigned int gib = READ_ONCE(max_pinned_gib_per_user);
+	kuid_t uid = current_euid();
+	unsigned long limit, had;
+	int ret;
+
+	limit = gib ? (unsigned long)gib << (30 - PAGE_SHIFT) :
+		      rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	ret = p2phub_uid_charge(uid, pages, limit, &had);
+	if (ret == -EDQUOT && capable(CAP_IPC_LOCK))
+		ret = p2phub_uid_charge(uid, pages, 0, &had);
+	if (ret == -EDQUOT)
+		pr_info_ratelimited("pid %d (%s): REGISTER of %llu bytes refused: uid %u has %lu KiB pinned through p2phub in all its processes, the limit is %lu KiB (%s); close registrations, raise it or grant CAP_IPC_LOCK\n",
+				    task_pid_nr(current), current->comm,
+				    reg->length, from_kuid_munged(&init_user_ns, uid),
+				    had << (PAGE_SHIFT - 10),
+				    limit << (PAGE_SHIFT - 10),
+				    gib ? "module parameter max_pinned_gib_per_user" :
+					  "RLIMIT_MEMLOCK, summed over the user's processes");
+	if (ret)
+		return ret;
+	reg->acct_uid = uid;
+	reg->acct_uid_pages = pages;
+	return 0;
+}
+
 /*
  * Charge @reg's pages to the caller's pinned_vm (VmPin in /proc/PID/status)
- * against RLIMIT_MEMLOCK, as RDMA memory registrations are; CAP_IPC_LOCK
- * lifts the limit, not the charge. The mm is kept (mmgrab) so that the same
- * mm is uncharged at teardown, whichever task or work item does it.
- * -ENOMEM over the limit.
+ * against RLIMIT_MEMLOCK, as RDMA memory registrations are, and to the
+ * caller's effective uid (p2phub_reg_charge_uid()); CAP_IPC_LOCK lifts the
+ * limits, not the charges. The mm is kept (mmgrab) so that the same mm is
+ * uncharged at teardown, whichever task or work item does it. -ENOMEM over
+ * the mm's limit, -EDQUOT over the uid's.
  */
 int p2phub_reg_charge(struct p2phub_reg *reg)
 {
 	struct mm_struct *mm = current->mm;
 	unsigned long pages, limit;
 	s64 pinned;
+	int ret;
 
 	if (!mm)			/* a kernel thread: nobody to charge */
 		return 0;
@@ -93,6 +179,11 @@ int p2phub_reg_charge(struct p2phub_reg *reg)
 				    (s64)(pinned - pages) << (PAGE_SHIFT - 10));
 		return -ENOMEM;
 	}
+	ret = p2phub_reg_charge_uid(reg, pages);
+	if (ret) {
+		atomic64_sub(pages, &mm->pinned_vm);
+		return ret;
+	}
 	mmgrab(mm);
 	reg->acct_mm = mm;
 	reg->acct_pages = pages;
@@ -103,6 +194,7 @@ static void p2phub_reg_uncharge(struct p2phub_reg *reg)
 {
 	if (!reg->acct_mm)
 		return;
+	p2phub_uid_uncharge(reg->acct_uid, reg->acct_uid_pages);
 	atomic64_sub(reg->acct_pages, &reg->acct_mm->pinned_vm);
 	mmdrop(reg->acct_mm);
 	reg->acct_mm = NULL;

@@ -12,6 +12,7 @@
 #include <linux/list.h>
 #include <linux/mutex.h>
 #include <linux/spinlock.h>
+#include <linux/uidgid.h>
 #include <linux/workqueue.h>
 
 #include "p2phub_priv.h"
@@ -153,6 +154,9 @@ struct p2phub_reg {
 	 */
 	struct mm_struct *acct_mm;
 	unsigned long acct_pages;
+	/* The same pages, charged to this effective uid (set with acct_mm). */
+	kuid_t acct_uid;
+	unsigned long acct_uid_pages;
 
 	/* Set up by the provider's setup, constant afterwards. */
 	bool read_only;			/* the source fd was not writable */
