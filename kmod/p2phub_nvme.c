@@ -1501,6 +1501,7 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	 * taken back meanwhile (a sibling bound to a driver).
 	 */
 	p2phub_nvme_reset_locked(ctrl);
+	p2phub_reg_unmap_group(pdev);
 	p2phub_nvme_flush_iotlb(pdev);
 	mutex_lock(&ctrl->lock);
 	if (ctrl->owner == h)

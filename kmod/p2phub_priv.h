@@ -172,6 +172,14 @@ void p2phub_reg_dma_pages_hold(struct p2phub_reg *reg,
  * export importers not yet done): the device must not DMA again until not.
  */
 bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev);
+/*
+ * Unmap (and flush) every registration map made for @pdev or for another
+ * device of its IOMMU group (DMA_PAGES, REGISTER's F_DEVICE): called when
+ * the controller is handed to a new owner, which must reach none of them.
+ * Takes p2phub_all_regs_lock -> p2phub_reg.lock; callable under the
+ * device lock. Returns how many there were.
+ */
+unsigned int p2phub_reg_unmap_group(struct pci_dev *pdev);
 int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
 			u64 generation);
 void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);

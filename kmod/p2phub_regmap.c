@@ -105,11 +105,13 @@ static bool p2phub_dev_removing_set(struct pci_dev *pdev, bool on)
 }
 
 /*
- * Undo every map for @pdev; returns how many there were. A map nobody holds
- * is freed; a held one stays on the list, marked removed, until its holder
- * lets go (its registration's teardown frees it).
+ * Undo every map for @pdev, or with @group for any device in that IOMMU
+ * group; returns how many there were. A map nobody holds is freed; a held
+ * one stays on the list, marked removed, until its holder lets go (its
+ * registration's teardown frees it).
  */
-static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
+static unsigned int p2phub_reg_unmap_matching(struct pci_dev *pdev,
+					      struct iommu_group *group)
 {
 	struct p2phub_reg_map *map, *tmp;
 	struct p2phub_reg *reg;
@@ -120,7 +122,8 @@ static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
 	list_for_each_entry(reg, &p2phub_all_regs, all_node) {
 		mutex_lock(&reg->lock);
 		list_for_each_entry_safe(map, tmp, &reg->maps, node) {
-			if (map->pdev != pdev || map->removed)
+			if (map->removed || (map->pdev != pdev &&
+			    (!group || map->pdev->dev.iommu_group != group)))
 				continue;
 			p2phub_regmap_unmap(reg, map);
 			reg->nr_maps--;
@@ -140,6 +143,24 @@ static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
 	return n;
 }
 
+static unsigned int p2phub_reg_unmap_device(struct pci_dev *pdev)
+{
+	return p2phub_reg_unmap_matching(pdev, NULL);
+}
+
+unsigned int p2phub_reg_unmap_group(struct pci_dev *pdev)
+{
+	struct iommu_group *group = iommu_group_get(&pdev->dev);
+	unsigned int n;
+
+	n = p2phub_reg_unmap_matching(pdev, group);
+	iommu_group_put(group);
+	if (n)
+		pci_info(pdev, "p2phub: unmapped %u registration map(s) made for it or its IOMMU group before it changes hands\n",
+			 n);
+	return n;
+}
+
 static int p2phub_reg_pci_notify(struct notifier_block *nb,
 				 unsigned long action, void *data)
 {
@@ -147,6 +168,7 @@ static int p2phub_reg_pci_notify(struct notifier_block *nb,
 	unsigned int n;
 
 	switch (action) {
+	case BUS_NOTIFY_DRIVER_NOT_BOUND:	/* a probe failed: the same */
 	case BUS_NOTIFY_UNBOUND_DRIVER:
 		/*
 		 * Its driver has stopped it and let it go: nothing drives it
@@ -156,8 +178,9 @@ static int p2phub_reg_pci_notify(struct notifier_block *nb,
 		 */
 		n = p2phub_reg_unmap_device(pdev);
 		if (n)
-			pci_info(pdev, "p2phub: driver unbound: unmapped %u registration(s) for it\n",
-				 n);
+			pci_info(pdev, "p2phub: driver %s: unmapped %u registration(s) for it\n",
+				 action == BUS_NOTIFY_UNBOUND_DRIVER ? "unbound" :
+				 "not bound", n);
 		break;
 	case BUS_NOTIFY_DEL_DEVICE:
 		if (!p2phub_dev_removing_set(pdev, true))
