@@ -58,6 +58,9 @@ struct p2phub_db_revoke {
 	spinlock_t lock;
 	struct work_struct work;
 	struct p2phub_reg *reg;		/* reference held by the work */
+	/* The exports to tell, collected before the fence is published. */
+	struct file **files;
+	unsigned int nfiles;
 };
 
 static const char *p2phub_db_revoke_driver(struct dma_fence *f)
@@ -116,9 +119,15 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 						   work);
 	struct p2phub_reg *reg = rv->reg;
 	bool unmapped = false;
+	bool cookie;
 
-	/* The devices stopped in p2phub_reg_revoke(); now the importers. */
-	p2phub_export_revoke_sync(reg);
+	/*
+	 * From here to the signal, the dma-fence rules hold: no allocation
+	 * that may reclaim, no lock a fence waiter may hold taken blocking.
+	 * The devices stopped in p2phub_reg_revoke(); now the importers.
+	 */
+	cookie = dma_fence_begin_signalling();
+	p2phub_export_revoke_files(reg, rv->files, rv->nfiles);
 
 	/*
 	 * Nobody uses the mappings any more: drop them before the fence
@@ -139,6 +148,9 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 		mutex_unlock(&reg->lock);
 	}
 	dma_fence_signal(&rv->base);	/* the exporter may move it now */
+	dma_fence_end_signalling(cookie);
+	p2phub_export_files_put(rv->files, rv->nfiles);
+	rv->files = NULL;
 
 	if (!unmapped) {
 		mutex_lock(&reg->lock);
@@ -191,7 +203,11 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 	if (reg->db.revoke)
 		return;		/* this revocation's fence is in place */
 
-	rv = kzalloc(sizeof(*rv), GFP_KERNEL_ACCOUNT);
+	/*
+	 * move_notify may run in the exporter's own fence-signalling path
+	 * (an eviction): allocate without reclaim, and fall back below.
+	 */
+	rv = kzalloc(sizeof(*rv), GFP_NOWAIT | __GFP_NOWARN | __GFP_ACCOUNT);
 	if (!rv || dma_resv_reserve_fences(resv, 1) ||
 	    !kref_get_unless_zero(&reg->kref)) {
 		/*
@@ -213,6 +229,8 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		       dma_fence_context_alloc(1), 1);
 	INIT_WORK(&rv->work, p2phub_dmabuf_revoke_work);
 	rv->reg = reg;
+	rv->files = p2phub_export_files(reg, &rv->nfiles,
+					GFP_NOWAIT | __GFP_NOWARN);
 	dma_resv_add_fence(resv, &rv->base, DMA_RESV_USAGE_BOOKKEEP);
 	reg->db.revoke = rv;	/* a marker only: never dereferenced */
 	queue_work(p2phub_reg_wq, &rv->work);

@@ -255,9 +255,20 @@ int p2phub_export_create(struct p2phub_reg *reg, u32 flags);
 void p2phub_export_notify(struct p2phub_reg *reg);
 /*
  * move_notify on every export of @reg, then wait until their importers'
- * fences signal. Takes no p2phub_reg.lock; sleeps.
+ * fences signal, for at most revoke_wait_ms. Takes no p2phub_reg.lock;
+ * sleeps.
  */
 void p2phub_export_revoke_sync(struct p2phub_reg *reg);
+/*
+ * The same for the exports whose @files were collected beforehand
+ * (p2phub_export_files(), put with p2phub_export_files_put()), so that a
+ * fence-signalling path allocates nothing; their resvs are only tried.
+ */
+struct file **p2phub_export_files(struct p2phub_reg *reg, unsigned int *n,
+				  gfp_t gfp);
+void p2phub_export_files_put(struct file **files, unsigned int n);
+void p2phub_export_revoke_files(struct p2phub_reg *reg, struct file **files,
+				unsigned int n);
 /* The registration behind @dmabuf when it is one of p2phub's exports. */
 struct p2phub_reg *p2phub_export_reg(struct dma_buf *dmabuf);
 
