@@ -58,10 +58,9 @@ def _read(qp, ns, lba: int, addr: int) -> bool:
     return True
 
 
-def test_no_stale_iotlb_after_map_reg_races_unmap_reg(lab: dict[str, str]) -> None:
+def test_no_stale_iotlb_after_map_reg_races_unmap_reg(bdf: str) -> None:
     if not Path("/dev/udmabuf").exists():
         pytest.skip("needs udmabuf (6.12): the memfd is the independent view")
-    bdf = lab["nvme_target"]
     with Hub() as hub, Udmabuf(64 * KiB) as buf, hub.register(buf) as reg, \
             nvme.open(bdf, hub=hub, io_queues=1) as ctrl:
         ns = ctrl.namespace(1)
