@@ -180,6 +180,13 @@ bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev);
  * device lock. Returns how many there were.
  */
 unsigned int p2phub_reg_unmap_group(struct pci_dev *pdev);
+/*
+ * Make what was just unmapped for @pdev unreachable now: a lazily flushing
+ * domain (DMA-FQ) clears the page tables at unmap but flushes its IOTLB
+ * later (up to a second with a single flush queue). Takes only the IOMMU
+ * driver's spinlocks.
+ */
+void p2phub_reg_flush_iotlb(struct pci_dev *pdev);
 int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
 			u64 generation);
 void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);

@@ -221,12 +221,6 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 			bool unmap);
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
-/*
- * Make what was just unmapped for @pdev unreachable now: a lazily flushing
- * domain (DMA-FQ) clears the page tables at unmap but flushes its IOTLB up
- * to 10 ms later. Takes only the IOMMU driver's spinlocks.
- */
-void p2phub_reg_flush_iotlb(struct pci_dev *pdev);
 
 /*
  * Registration lifetime (p2phub_reg.c), for the ioctls: a registration is
