@@ -99,10 +99,11 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
  * Callbacks: the source's move_notify runs under the source's dma_resv: it
  * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), unmaps its
  * attachment when no export importer uses that map, else adds a revocation
- * fence to that resv and queues work. That work takes p2phub_reg.lock and
- * the resv only by trylock before the fence signals (an exporter may wait
- * for the fence holding its resv, which p2phub_reg.lock holders may wait
- * for).
+ * fence to that resv and queues work. That work takes p2phub_reg.lock, the
+ * resv and the resvs of the registration's exports only by trylock before
+ * the fence signals (an exporter may wait for the fence holding its resv,
+ * which p2phub_reg.lock holders may wait for; so may an importer of an
+ * export, holding that export's resv), and allocates nothing.
  * p2phub_reg_map_put() (UNMAP_REG, controller release) takes
  * p2phub_reg.lock -> the source's dma_resv; RESUME takes
  * p2phub_nvme_handle.lock -> p2phub_all_regs_lock -> p2phub_reg.lock.
