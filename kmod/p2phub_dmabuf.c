@@ -48,6 +48,7 @@
 #include <linux/vmalloc.h>
 
 #include "compat.h"
+#include "p2phub_dmabuf_cpu.h"
 #include "p2phub_reg.h"
 
 P2PHUB_IMPORT_NS_DMA_BUF();
@@ -58,6 +59,9 @@ struct p2phub_db_revoke {
 	spinlock_t lock;
 	struct work_struct work;
 	struct p2phub_reg *reg;		/* reference held by the work */
+	/* The exports to tell, collected before the fence is published. */
+	struct file **files;
+	unsigned int nfiles;
 };
 
 static const char *p2phub_db_revoke_driver(struct dma_fence *f)
@@ -105,6 +109,8 @@ static void p2phub_dmabuf_unmap_all(struct p2phub_reg *reg)
 		dma_buf_unmap_attachment(map->db.attach, map->db.sgt,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
+		/* Before the fence lets the exporter move the memory. */
+		p2phub_flush_iotlb(&map->pdev->dev);
 	}
 }
 
@@ -114,9 +120,15 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 						   work);
 	struct p2phub_reg *reg = rv->reg;
 	bool unmapped = false;
+	bool cookie;
 
-	/* The devices stopped in p2phub_reg_revoke(); now the importers. */
-	p2phub_export_revoke_sync(reg);
+	/*
+	 * From here to the signal, the dma-fence rules hold: no allocation
+	 * that may reclaim, no lock a fence waiter may hold taken blocking.
+	 * The devices stopped in p2phub_reg_revoke(); now the importers.
+	 */
+	cookie = dma_fence_begin_signalling();
+	p2phub_export_revoke_files(reg, rv->files, rv->nfiles);
 
 	/*
 	 * Nobody uses the mappings any more: drop them before the fence
@@ -137,6 +149,9 @@ static void p2phub_dmabuf_revoke_work(struct work_struct *work)
 		mutex_unlock(&reg->lock);
 	}
 	dma_fence_signal(&rv->base);	/* the exporter may move it now */
+	dma_fence_end_signalling(cookie);
+	p2phub_export_files_put(rv->files, rv->nfiles);
+	rv->files = NULL;
 
 	if (!unmapped) {
 		mutex_lock(&reg->lock);
@@ -183,12 +198,17 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		dma_buf_unmap_attachment(attach, map->db.sgt,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
+		p2phub_flush_iotlb(&map->pdev->dev);
 		return;
 	}
 	if (reg->db.revoke)
 		return;		/* this revocation's fence is in place */
 
-	rv = kzalloc(sizeof(*rv), GFP_KERNEL_ACCOUNT);
+	/*
+	 * move_notify may run in the exporter's own fence-signalling path
+	 * (an eviction): allocate without reclaim, and fall back below.
+	 */
+	rv = kzalloc(sizeof(*rv), GFP_NOWAIT | __GFP_NOWARN | __GFP_ACCOUNT);
 	if (!rv || dma_resv_reserve_fences(resv, 1) ||
 	    !kref_get_unless_zero(&reg->kref)) {
 		/*
@@ -210,6 +230,8 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		       dma_fence_context_alloc(1), 1);
 	INIT_WORK(&rv->work, p2phub_dmabuf_revoke_work);
 	rv->reg = reg;
+	rv->files = p2phub_export_files(reg, &rv->nfiles,
+					GFP_NOWAIT | __GFP_NOWARN);
 	dma_resv_add_fence(resv, &rv->base, DMA_RESV_USAGE_BOOKKEEP);
 	reg->db.revoke = rv;	/* a marker only: never dereferenced */
 	queue_work(p2phub_reg_wq, &rv->work);
@@ -375,6 +397,7 @@ err_unlock:
 	return ret;
 }
 
+/* The device's addresses go; the core flushes the IOTLB before unpin. */
 static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 				struct p2phub_reg_map *map)
 {
@@ -386,12 +409,22 @@ static void p2phub_dmabuf_unmap(struct p2phub_reg *reg,
 					 p2phub_dmabuf_dir(reg));
 		map->db.sgt = NULL;
 	}
+	dma_resv_unlock(dmabuf->resv);
+}
+
+/* Then the exporter may move the memory again: unpin and detach. */
+static void p2phub_dmabuf_unpin(struct p2phub_reg *reg,
+				struct p2phub_reg_map *map)
+{
+	struct dma_buf *dmabuf = reg->db.dmabuf;
+
 	if (map->db.pinned) {
+		dma_resv_lock(dmabuf->resv, NULL);
 		dma_buf_unpin(map->db.attach);
+		dma_resv_unlock(dmabuf->resv);
 		atomic_dec(&p2phub_stats.dmabuf_pins);
 		map->db.pinned = false;
 	}
-	dma_resv_unlock(dmabuf->resv);
 	dma_buf_detach(dmabuf, map->db.attach);
 	atomic_dec(&p2phub_stats.dmabuf_attachments);
 	map->db.attach = NULL;
@@ -402,205 +435,24 @@ static bool p2phub_dmabuf_mapped(const struct p2phub_reg_map *map)
 	return READ_ONCE(map->db.sgt);
 }
 
-/* The device is being removed (or let go of): detach from the source now. */
-static void p2phub_dmabuf_unmap_removed(struct p2phub_reg *reg,
-					struct p2phub_reg_map *map)
-{
-	lockdep_assert_held(&reg->lock);
-	p2phub_dmabuf_unmap(reg, map);
-}
-
-static void p2phub_dmabuf_cpu_map_free(struct p2phub_reg_map *map)
-{
-	kvfree(map->db.pages);
-	kfree(map);
-	atomic_dec(&p2phub_stats.dev_maps);
-}
-
-static struct page *p2phub_dmabuf_vaddr_page(const void *p)
-{
-	if (is_vmalloc_addr(p))
-		return vmalloc_to_page(p);
-	if (virt_addr_valid(p))
-		return virt_to_page(p);
-	return NULL;
-}
-
-enum p2phub_dmabuf_cache {
-	P2PHUB_CACHE_WB,
-	P2PHUB_CACHE_WC,
-	P2PHUB_CACHE_OTHER,	/* or unknown: only the exporter may map it */
-};
-
-/*
- * The caching of the exporter's own kernel mapping at @p, which is what it
- * set up for the memory (vgem: write-combined, in the linear map as well).
- * A CPU mapping with another caching would be an alias x86 PAT forbids.
- * Only x86's page tables are read; elsewhere the exporter maps.
- */
-static enum p2phub_dmabuf_cache p2phub_dmabuf_vaddr_cache(const void *p)
-{
-#ifdef CONFIG_X86
-	unsigned long cache = _PAGE_CACHE_MASK;
-	unsigned int level;
-	pte_t *pte;
-
-	pte = lookup_address((unsigned long)p, &level);
-	if (!pte || level != PG_LEVEL_4K || !pte_present(*pte))
-		return P2PHUB_CACHE_OTHER;
-	cache &= pte_val(*pte);
-	if (cache == (pgprot_val(PAGE_KERNEL) & _PAGE_CACHE_MASK))
-		return P2PHUB_CACHE_WB;
-	if (cache == (pgprot_val(pgprot_writecombine(PAGE_KERNEL)) &
-		      _PAGE_CACHE_MASK))
-		return P2PHUB_CACHE_WC;
-#endif
-	return P2PHUB_CACHE_OTHER;
-}
-
-/*
- * Whether p2phub may put @page into a user mapping of its own with the
- * caching *@cache (all pages alike): an order-0 page that is not hugetlb
- * (the exporter's vmap may name a large folio's head for each of its
- * pages, and tail pages need the exporter's own accounting).
- */
-static bool p2phub_dmabuf_page_mappable(struct page *page, const void *p,
-					enum p2phub_dmabuf_cache *cache,
-					bool first)
-{
-	enum p2phub_dmabuf_cache c;
-
-	if (PageHuge(page) || folio_test_large(page_folio(page)))
-		return false;
-	c = p2phub_dmabuf_vaddr_cache(p);
-	if (c == P2PHUB_CACHE_OTHER || (!first && c != *cache))
-		return false;
-	*cache = c;
-	return true;
-}
-
-/*
- * The pages of the window, for mmap of the exports: found through the
- * source exporter's own kernel mapping of the buffer (dma_buf_vmap(), made
- * on the first mmap and kept until teardown), never from an importer's
- * sg_table, whose page links belong to the exporter (CONFIG_DMABUF_DEBUG
- * scrambles them). Called with reg->lock held. -ENODEV: the exporter gives
- * no vmap, or one of I/O memory (a GPU BAR); -EREMOTE: pages p2phub cannot
- * map itself (see p2phub_dmabuf_page_mappable()); nothing is kept then.
- */
-static int p2phub_dmabuf_cpu_pages(struct p2phub_reg *reg,
-				   struct page ***pages, bool *wc)
-{
-	struct p2phub_reg_map *map = reg->db.cpu;
-	enum p2phub_dmabuf_cache cache = P2PHUB_CACHE_WB;
-	u8 *vaddr;
-	u64 i;
-	int ret;
-
-	lockdep_assert_held(&reg->lock);
-	if (map) {
-		*pages = map->db.pages;
-		*wc = map->db.wc;
-		return 0;
-	}
-	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
-	if (!map)
-		return -ENOMEM;
-	atomic_inc(&p2phub_stats.dev_maps);
-	map->reg = reg;
-	INIT_LIST_HEAD(&map->node);	/* never on reg->maps */
-	map->db.pages = kvmalloc_array(reg->npages, sizeof(*map->db.pages),
-				       GFP_KERNEL_ACCOUNT);
-	if (!map->db.pages) {
-		ret = -ENOMEM;
-		goto err_free;
-	}
-	ret = p2phub_dma_buf_vmap(reg->db.dmabuf, &map->db.vmap);
-	if (ret) {
-		ret = ret == -ENOMEM ? -ENOMEM : -ENODEV;
-		goto err_free;
-	}
-	ret = -ENODEV;
-	if (map->db.vmap.is_iomem || !map->db.vmap.vaddr)
-		goto err_vunmap;
-	vaddr = (u8 *)map->db.vmap.vaddr + reg->db.offset;
-	for (i = 0; i < reg->npages; i++) {
-		u8 *p = vaddr + i * PAGE_SIZE;
-
-		map->db.pages[i] = p2phub_dmabuf_vaddr_page(p);
-		if (!map->db.pages[i] || !pfn_valid(page_to_pfn(map->db.pages[i])))
-			goto err_vunmap;
-		if (!p2phub_dmabuf_page_mappable(map->db.pages[i], p, &cache,
-						 !i)) {
-			ret = -EREMOTE;
-			goto err_vunmap_quiet;
-		}
-	}
-	map->db.wc = cache == P2PHUB_CACHE_WC;
-	reg->db.cpu = map;
-	*pages = map->db.pages;
-	*wc = map->db.wc;
-	return 0;
-
-err_vunmap:
-	pr_info_ratelimited("registration %u: exporter %s gave no struct pages; its export cannot be mmapped\n",
-			    reg->handle, reg->db.dmabuf->exp_name);
-err_vunmap_quiet:
-	p2phub_dma_buf_vunmap(reg->db.dmabuf, &map->db.vmap);
-err_free:
-	p2phub_dmabuf_cpu_map_free(map);
-	return ret;
-}
-
-/*
- * mmap of an export whose pages p2phub cannot map itself: the source
- * exporter maps the window, as for an mmap of the source's own fd at that
- * offset (its pages, its caching, its fault handler). The VMA then holds
- * the source dma-buf, not the export: it is not one of the registration's
- * users.
- */
-static int p2phub_dmabuf_mmap(struct p2phub_reg *reg, struct vm_area_struct *vma)
-{
-	struct dma_buf *src = NULL;
-	unsigned long pgoff = 0;
-	int ret = -ENODEV;
-
-	mutex_lock(&reg->lock);
-	if (!reg->torn_down && reg->db.dmabuf) {
-		src = reg->db.dmabuf;
-		get_dma_buf(src);
-		pgoff = reg->db.offset >> PAGE_SHIFT;
-	}
-	mutex_unlock(&reg->lock);
-	if (!src)
-		return ret;
-	if (check_add_overflow(pgoff, vma->vm_pgoff, &pgoff))
-		ret = -EOVERFLOW;
-	else
-		ret = dma_buf_mmap(src, vma, pgoff);
-	if (ret)
-		pr_info_ratelimited("registration %u: exporter %s refused to map its export: %d\n",
-				    reg->handle, src->exp_name, ret);
-	dma_buf_put(src);
-	return ret;
-}
-
 static void p2phub_dmabuf_release(struct p2phub_reg *reg,
 				  struct list_head *maps)
 {
 	struct p2phub_reg_map *map;
 
+	/* Every address gone and flushed before any pin is dropped. */
 	list_for_each_entry(map, maps, node) {
 		if (!map->removed)	/* else unmapped at its removal */
 			p2phub_dmabuf_unmap(reg, map);
 	}
-	p2phub_reg_maps_free(maps);
-	/* No export is mapped any more: each mapping holds a reference. */
-	if (reg->db.cpu) {
-		p2phub_dma_buf_vunmap(reg->db.dmabuf, &reg->db.cpu->db.vmap);
-		p2phub_dmabuf_cpu_map_free(reg->db.cpu);
-		reg->db.cpu = NULL;
+	list_for_each_entry(map, maps, node) {
+		if (!map->removed) {
+			p2phub_flush_iotlb(&map->pdev->dev);
+			p2phub_dmabuf_unpin(reg, map);
+		}
 	}
+	p2phub_reg_maps_free(maps);
+	p2phub_dmabuf_cpu_release(reg);
 	dma_buf_put(reg->db.dmabuf);
 	reg->db.dmabuf = NULL;
 }
@@ -609,7 +461,8 @@ const struct p2phub_provider p2phub_dmabuf_provider = {
 	.id	= P2PHUB_PROVIDER_DMABUF,
 	.name	= "dma-buf",
 	.map	= p2phub_dmabuf_map,
-	.unmap	= p2phub_dmabuf_unmap_removed,
+	.unmap	= p2phub_dmabuf_unmap,
+	.unpin	= p2phub_dmabuf_unpin,
 	.mapped	= p2phub_dmabuf_mapped,
 	.cpu_pages = p2phub_dmabuf_cpu_pages,
 	.mmap	= p2phub_dmabuf_mmap,

@@ -35,7 +35,8 @@
  * VMA, with the caching of the exporter's own kernel mapping (vgem's is
  * write-combined: a write-back alias would break x86 PAT). Pages p2phub
  * cannot map itself (large folios, whose pages the exporter's vmap may not
- * name one by one; hugetlb; a caching it cannot read or reproduce) are
+ * name one by one; hugetlb; a caching it cannot read or reproduce; the page
+ * cache of a file user space may truncate, such as udmabuf's memfd) are
  * mapped by the source exporter instead (dma_buf_mmap() of the window):
  * that VMA is the exporter's, as if the source fd had been mapped, and is
  * neither counted nor zapped by p2phub. Memory without pages (a GPU BAR
@@ -66,6 +67,7 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/delay.h>
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
 #include <linux/fs.h>
@@ -487,8 +489,8 @@ err_put_reg:
  * kvmalloc()ed array; *n is set to how many. NULL (and *n 0) when there
  * are none or on allocation failure (then nobody is told: logged).
  */
-static struct file **p2phub_export_files(struct p2phub_reg *reg,
-					 unsigned int *n)
+struct file **p2phub_export_files(struct p2phub_reg *reg, unsigned int *n,
+				  gfp_t gfp)
 {
 	struct p2phub_export_buf *exp;
 	struct file **files;
@@ -499,7 +501,7 @@ static struct file **p2phub_export_files(struct p2phub_reg *reg,
 		cap = READ_ONCE(reg->nr_exports);
 		if (!cap)
 			return NULL;
-		files = kvmalloc_array(cap, sizeof(*files), GFP_KERNEL);
+		files = kvmalloc_array(cap, sizeof(*files), gfp);
 		if (!files) {
 			pr_err_ratelimited("registration %u: no memory to notify %u export(s)\n",
 					   reg->handle, cap);
@@ -525,7 +527,7 @@ static struct file **p2phub_export_files(struct p2phub_reg *reg,
 	}
 }
 
-static void p2phub_export_files_put(struct file **files, unsigned int n)
+void p2phub_export_files_put(struct file **files, unsigned int n)
 {
 	unsigned int i;
 
@@ -546,15 +548,38 @@ module_param(revoke_wait_ms, uint, 0644);
 MODULE_PARM_DESC(revoke_wait_ms,
 		 "How long a revocation waits for the importers of a registration's exports to finish, in ms, before the memory is taken from them anyway (default 10000)");
 
-void p2phub_export_revoke_sync(struct p2phub_reg *reg)
+/*
+ * move_notify with the export's resv taken by trylock only, retried until
+ * @deadline: this runs before a revocation fence signals, and an importer
+ * may hold that resv while it waits for the fence (a blocking lock, which
+ * no ww ctx can back off from a fence wait, would never return then).
+ */
+static bool p2phub_export_move_notify_until(struct dma_buf *dmabuf,
+					    unsigned long deadline)
+{
+	while (!dma_resv_trylock(dmabuf->resv)) {
+		if (time_after(jiffies, deadline))
+			return false;
+		usleep_range(500, 1000);
+	}
+	dma_buf_move_notify(dmabuf);
+	dma_resv_unlock(dmabuf->resv);
+	return true;
+}
+
+void p2phub_export_revoke_files(struct p2phub_reg *reg, struct file **files,
+				unsigned int n)
 {
 	unsigned long deadline = jiffies +
 				 msecs_to_jiffies(READ_ONCE(revoke_wait_ms));
-	unsigned int i, n;
-	struct file **files = p2phub_export_files(reg, &n);
+	unsigned int i;
 
-	for (i = 0; i < n; i++)
-		p2phub_export_move_notify(files[i]->private_data);
+	for (i = 0; i < n; i++) {
+		if (!p2phub_export_move_notify_until(files[i]->private_data,
+						     deadline))
+			pr_warn_ratelimited("registration %u: an importer of its export held the export's reservation for %u ms; revoking without telling it\n",
+					    reg->handle, READ_ONCE(revoke_wait_ms));
+	}
 	/*
 	 * Importers add a fence for what their devices still do; wait for it,
 	 * but not for ever: this can run inside NVIDIA's free callback, under
@@ -570,6 +595,14 @@ void p2phub_export_revoke_sync(struct p2phub_reg *reg)
 			pr_warn_ratelimited("registration %u: an importer of its export is still busy after %u ms; revoking anyway\n",
 					    reg->handle, READ_ONCE(revoke_wait_ms));
 	}
+}
+
+void p2phub_export_revoke_sync(struct p2phub_reg *reg)
+{
+	unsigned int n;
+	struct file **files = p2phub_export_files(reg, &n, GFP_KERNEL);
+
+	p2phub_export_revoke_files(reg, files, n);
 	p2phub_export_files_put(files, n);
 }
 
@@ -582,7 +615,7 @@ void p2phub_export_revoke_sync(struct p2phub_reg *reg)
 void p2phub_export_notify(struct p2phub_reg *reg)
 {
 	unsigned int i, n;
-	struct file **files = p2phub_export_files(reg, &n);
+	struct file **files = p2phub_export_files(reg, &n, GFP_KERNEL);
 
 	for (i = 0; i < n; i++)
 		p2phub_export_move_notify(files[i]->private_data);

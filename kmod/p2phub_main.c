@@ -27,11 +27,6 @@ static_assert(offsetof(struct p2phub_info, caps) == 16);
 static_assert(offsetof(struct p2phub_info, version) == 24);
 static_assert(offsetof(struct p2phub_info, reserved) == 56);
 
-bool p2phub_all_zero(const void *p, size_t len)
-{
-	return !memchr_inv(p, 0, len);
-}
-
 static u64 p2phub_caps(void)
 {
 	return P2PHUB_CAP_NVME | p2phub_reg_caps();

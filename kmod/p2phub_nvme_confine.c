@@ -305,6 +305,8 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	 * taken back meanwhile (a sibling bound to a driver).
 	 */
 	p2phub_nvme_reset_locked(ctrl);
+	/* maps made for the group outside MAP_REG (DMA_PAGES, F_DEVICE) */
+	p2phub_reg_unmap_group(pdev);
 	p2phub_flush_iotlb(&pdev->dev);
 	mutex_lock(&ctrl->lock);
 	if (ctrl->owner == h)

@@ -264,7 +264,7 @@ static int p2phub_nv_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	return 0;
 }
 
-/* map->pdev is being removed: unmap it now, as release() would. */
+/* Unmap map->pdev now, as release() would; the core flushes the IOTLB. */
 static void p2phub_nv_unmap(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 {
 	lockdep_assert_held(&reg->lock);
@@ -307,6 +307,11 @@ static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 		atomic_dec(&p2phub_stats.nv_dma_mappings);
 	}
 	mutex_unlock(&reg->lock);
+	/* No stale IOTLB entry may reach the pages once put_pages() runs. */
+	list_for_each_entry(map, maps, node) {
+		if (!map->removed)
+			p2phub_flush_iotlb(&map->pdev->dev);
+	}
 	p2phub_reg_maps_free(maps);
 
 	if (pt) {

@@ -40,7 +40,6 @@ struct p2phub_file {
 /* Per-file cap on registered bytes (module parameter max_reg_gib). */
 u64 p2phub_max_reg_bytes(void);
 
-bool p2phub_all_zero(const void *p, size_t len);
 /*
  * The UAPI's one rule for outputs: they must come in as 0 (a later ABI may
  * give them an input meaning). True when fields @first..@last of *@p are 0.
@@ -71,8 +70,8 @@ void p2phub_nvme_exit(void);
 long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
 
 /*
- * Registrations (p2phub_reg.c, p2phub_dmabuf.c, p2phub_nvp2p.c,
- * p2phub_export.c).
+ * Registrations (p2phub_reg.c, p2phub_regmap.c, p2phub_reg_ioctl.c,
+ * p2phub_dmabuf.c, p2phub_nvp2p.c, p2phub_export.c).
  *
  * A struct p2phub_reg is made by P2PHUB_REGISTER and lives in its file's
  * p2phub_file.regs (one reference). Every exported dma-buf holds another,
@@ -101,10 +100,11 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
  * Callbacks: the source's move_notify runs under the source's dma_resv: it
  * takes state_lock, calls p2phub_reg_revoke() (spinlocks only), unmaps its
  * attachment when no export importer uses that map, else adds a revocation
- * fence to that resv and queues work. That work takes p2phub_reg.lock and
- * the resv only by trylock before the fence signals (an exporter may wait
- * for the fence holding its resv, which p2phub_reg.lock holders may wait
- * for).
+ * fence to that resv and queues work. That work takes p2phub_reg.lock, the
+ * resv and the resvs of the registration's exports only by trylock before
+ * the fence signals (an exporter may wait for the fence holding its resv,
+ * which p2phub_reg.lock holders may wait for; so may an importer of an
+ * export, holding that export's resv), and allocates nothing.
  * p2phub_reg_map_put() (UNMAP_REG, controller release) takes
  * p2phub_reg.lock -> the source's dma_resv; RESUME takes
  * p2phub_nvme_handle.lock -> p2phub_all_regs_lock -> p2phub_reg.lock.
@@ -174,6 +174,14 @@ void p2phub_reg_dma_pages_hold(struct p2phub_reg *reg,
  * export importers not yet done): the device must not DMA again until not.
  */
 bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev);
+/*
+ * Unmap (and flush) every registration map made for @pdev or for another
+ * device of its IOMMU group (DMA_PAGES, REGISTER's F_DEVICE): called when
+ * the controller is handed to a new owner, which must reach none of them.
+ * Takes p2phub_all_regs_lock -> p2phub_reg.lock; callable under the
+ * device lock. Returns how many there were.
+ */
+unsigned int p2phub_reg_unmap_group(struct pci_dev *pdev);
 int p2phub_reg_user_add(struct p2phub_reg *reg, struct p2phub_reg_user *u,
 			u64 generation);
 void p2phub_reg_user_del(struct p2phub_reg *reg, struct p2phub_reg_user *u);

@@ -12,6 +12,7 @@
 #include <linux/list.h>
 #include <linux/mutex.h>
 #include <linux/spinlock.h>
+#include <linux/uidgid.h>
 #include <linux/workqueue.h>
 
 #include "p2phub_priv.h"
@@ -82,10 +83,16 @@ struct p2phub_provider {
 	 */
 	int (*map)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/*
-	 * Undo map() for one device, which is being hot-removed; release()
-	 * then skips it. Called with reg->lock held.
+	 * Undo map() for one device before teardown (its last user let go,
+	 * its driver left, it is being removed): its addresses go from the
+	 * IOMMU's page tables. The core then flushes the device's IOTLB and
+	 * only then calls unpin(), if any, which gives the memory back to its
+	 * exporter: a lazily flushed IOTLB entry never reaches memory that
+	 * was given back. release() then skips the map. Both are called with
+	 * reg->lock held.
 	 */
 	void (*unmap)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
+	void (*unpin)(struct p2phub_reg *reg, struct p2phub_reg_map *map);
 	/* Whether the device can still reach the memory through @map. */
 	bool (*mapped)(const struct p2phub_reg_map *map);
 	/*
@@ -105,9 +112,10 @@ struct p2phub_provider {
 	 */
 	int (*mmap)(struct p2phub_reg *reg, struct vm_area_struct *vma);
 	/*
-	 * Release the pin and every mapping on @maps (already off reg->maps);
-	 * no callback of the provider runs for @reg afterwards. Called once,
-	 * without reg->lock.
+	 * Release the pin and every mapping on @maps (already off reg->maps):
+	 * all of them unmapped and their IOTLBs flushed before anything is
+	 * unpinned; no callback of the provider runs for @reg afterwards.
+	 * Called once, without reg->lock.
 	 */
 	void (*release)(struct p2phub_reg *reg, struct list_head *maps);
 };
@@ -146,6 +154,9 @@ struct p2phub_reg {
 	 */
 	struct mm_struct *acct_mm;
 	unsigned long acct_pages;
+	/* The same pages, charged to this effective uid (set with acct_mm). */
+	kuid_t acct_uid;
+	unsigned long acct_uid_pages;
 
 	/* Set up by the provider's setup, constant afterwards. */
 	bool read_only;			/* the source fd was not writable */
@@ -211,6 +222,17 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
 
+/*
+ * Registration lifetime (p2phub_reg.c), for the ioctls: a registration is
+ * allocated (one reference, tracked), charged, set up by its provider,
+ * published; p2phub_reg_kill() marks it dead unless @force and someone
+ * uses it (false then); p2phub_reg_teardown() releases the pin once.
+ */
+struct p2phub_reg *p2phub_reg_alloc(void);
+int p2phub_reg_charge(struct p2phub_reg *reg);
+bool p2phub_reg_kill(struct p2phub_reg *reg, bool force);
+void p2phub_reg_teardown(struct p2phub_reg *reg);
+
 /* p2phub_dmabuf.c */
 extern const struct p2phub_provider p2phub_dmabuf_provider;
 int p2phub_dmabuf_setup(struct p2phub_reg *reg, int fd, u64 offset, u64 length);
@@ -227,9 +249,20 @@ int p2phub_export_create(struct p2phub_reg *reg, u32 flags);
 void p2phub_export_notify(struct p2phub_reg *reg);
 /*
  * move_notify on every export of @reg, then wait until their importers'
- * fences signal. Takes no p2phub_reg.lock; sleeps.
+ * fences signal, for at most revoke_wait_ms. Takes no p2phub_reg.lock;
+ * sleeps.
  */
 void p2phub_export_revoke_sync(struct p2phub_reg *reg);
+/*
+ * The same for the exports whose @files were collected beforehand
+ * (p2phub_export_files(), put with p2phub_export_files_put()), so that a
+ * fence-signalling path allocates nothing; their resvs are only tried.
+ */
+struct file **p2phub_export_files(struct p2phub_reg *reg, unsigned int *n,
+				  gfp_t gfp);
+void p2phub_export_files_put(struct file **files, unsigned int n);
+void p2phub_export_revoke_files(struct p2phub_reg *reg, struct file **files,
+				unsigned int n);
 /* The registration behind @dmabuf when it is one of p2phub's exports. */
 struct p2phub_reg *p2phub_export_reg(struct dma_buf *dmabuf);
 

@@ -14,6 +14,12 @@
 #include <linux/types.h>
 #include <linux/uaccess.h>
 
+/* Reserved fields must be 0: true when all @len bytes at @p are. */
+static inline bool p2phub_all_zero(const void *p, size_t len)
+{
+	return !memchr_inv(p, 0, len);
+}
+
 /*
  * Copy in the @ksize-byte argument at @uarg. A caller built against an
  * older, shorter struct is refused (no field may be silently zero-filled); a

@@ -59,12 +59,29 @@ def memlock_detail(length: int) -> str:
             f"/etc/security/limits.d, docs/install.md), or run with CAP_IPC_LOCK")
 
 
+def _module_param(name: str) -> int | None:
+    try:
+        with open(f"{PARAMS}/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pinned_per_user_detail() -> str:
+    """Why REGISTER failed with EDQUOT: p2phub.ko's per-user cap on pinned memory."""
+    gib = _module_param("max_pinned_gib_per_user")
+    limit = (f"the p2phub module parameter max_pinned_gib_per_user ({gib} GiB)" if gib
+             else "this process's RLIMIT_MEMLOCK (`ulimit -l`; the module parameter "
+                  "max_pinned_gib_per_user is 0)")
+    return (f"over the per-user limit on pinned memory: this user's registrations, in all its "
+            f"processes together, would pin more than {limit}. Close registrations, raise the limit "
+            f"({PARAMS}/max_pinned_gib_per_user, docs/settings.md), or run with CAP_IPC_LOCK")
+
+
 def files_limit_detail() -> str:
     """Why open(/dev/p2phub)'s EMFILE may be p2phub.ko's per-user limit ("" when not)."""
-    try:
-        with open(f"{PARAMS}/max_files_per_user") as f:
-            limit = int(f.read())
-    except (OSError, ValueError):
+    limit = _module_param("max_files_per_user")
+    if limit is None:
         return ""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and len(os.listdir("/proc/self/fd")) >= soft:
@@ -86,6 +103,8 @@ def ioctl_error(exc: OSError, request: int, what: str, length: int = 0) -> P2PHu
                   "addresses; bind its driver first)")
     elif err == errno.ENOMEM and request == uapi.REGISTER and length:
         detail = memlock_detail(length)
+    elif err == errno.EDQUOT and request == uapi.REGISTER:
+        detail = pinned_per_user_detail()
     return P2PHubOSError(err, what, detail)
 
 

@@ -182,3 +182,60 @@ def test_opens_per_user_are_capped() -> None:
     assert "max_files_per_user" in r["msg"], r["msg"]
     assert r["after_close"] == 0
     assert "max_files_per_user" in _klog_since(mark)
+
+
+# Opens /dev/p2phub once, then forks one child per "fd:length": each REGISTERs on the inherited
+# fd (a fresh mm, VmPin 0) and exits, its registration staying in the file. Then a Hub of its
+# own registers the last one. Prints each child's errno and the Hub's error.
+FORK_CHILD = r"""
+import errno, json, os, resource, sys
+from p2phub import uapi
+from p2phub.device import Device
+from p2phub.errors import P2PHubOSError
+from p2phub.hub import Hub
+
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+specs = [tuple(int(x) for x in s.split(":")) for s in sys.argv[2:]]
+dev = Device()
+out = {"children": []}
+for fd, length in specs[:-1]:
+    pid = os.fork()
+    if pid == 0:
+        arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF, fd=fd, length=length)
+        try:
+            dev.ioctl(uapi.REGISTER, arg, "REGISTER")
+            os._exit(0)
+        except P2PHubOSError as exc:
+            os._exit(exc.errno)
+    out["children"].append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+fd, length = specs[-1]
+try:
+    with Hub(mode="p2p") as hub, hub.register_dmabuf(fd, 0, length):
+        out["hub"] = [0, ""]
+except P2PHubOSError as exc:
+    out["hub"] = [exc.errno, str(exc)]
+dev.close()
+print(json.dumps(out))
+"""
+
+
+def test_pins_are_capped_per_user_across_forked_children() -> None:
+    """Non-root, RLIMIT_MEMLOCK 256 KiB: two forked children register 128 KiB each on one
+    inherited fd (each child's own VmPin starts at 0), a third is refused with EDQUOT: the user's
+    pins are summed over its processes. A new Hub of the same user is refused too, its error
+    naming the limit; everything goes with the file."""
+    bs = [_host_buf(128 * KiB) for _ in range(4)]
+    mark = _mark()
+    try:
+        r = _run(_as_user(NOBODY), FORK_CHILD, [str(256 * KiB), *_specs(bs)],
+                 tuple(b.fd for b in bs))
+    finally:
+        for b in bs:
+            b.close()
+    assert r["children"] == [0, 0, errno.EDQUOT], r
+    assert r["hub"][0] == errno.EDQUOT, r
+    assert "per-user limit on pinned memory" in r["hub"][1] and "RLIMIT_MEMLOCK" in r["hub"][1], r
+    log = _klog_since(mark)
+    assert "pinned through p2phub in all its processes" in log, log
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}

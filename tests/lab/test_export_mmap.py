@@ -9,6 +9,7 @@ reads run in a child process, so that a SIGBUS is a failure, not a crash of the 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -24,6 +25,7 @@ from p2phub.hostmem import UDMABUF_CREATE, UDMABUF_FLAGS_CLOEXEC, VgemBuffer, _U
 from p2phub.hub import Hub
 
 import regutil as ru
+from p2phub_lab import klog
 
 pytestmark = pytest.mark.lab
 
@@ -159,3 +161,56 @@ def test_vgem_export_mmap_is_p2phubs_own_and_coherent_with_vgem() -> None:
             m.close()
         _check_pages(reg.dmabuf_fd, src.fd, size)
     assert ru.wait_no_leaks()["export_mmaps"] == 0
+
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+TAINTED = Path("/proc/sys/kernel/tainted")
+
+
+def _punch_hole(fd: int, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
+
+
+@pytest.mark.parametrize("owner_lets_go", ["punch_hole", "close_memfd"])
+def test_memfd_truncated_under_an_export_mapping_leaves_no_bad_page(udmabuf_kernel,
+                                                                     owner_lets_go: str) -> None:
+    """Order-0 pages of a udmabuf's memfd are that memfd's page cache, which its owner may
+    truncate (a hole punched, or the memfd closed and evicted) while the export is mapped. The
+    export mapping must not hold those pages with a file rmap of its own (truncation cannot find
+    it: "Bad page" reports, a tainted kernel, leaked pages): what the CPU reads through it is
+    still the memfd's bytes, and tearing everything down leaves the kernel as it was."""
+    size = 1 * MiB
+    taint = int(TAINTED.read_text())
+    before = len(klog.read())
+    pattern = bytes(range(256)) * (size // 256)
+    with _sysctl(THP, "never"):
+        memfd = os.memfd_create("p2phub-s1", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(memfd, size)
+            os.pwrite(memfd, pattern, 0)
+            with _udmabuf(memfd, size) as fd, Hub() as hub, hub.register_dmabuf(fd) as reg:
+                m = mmap.mmap(reg.dmabuf_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                try:
+                    seen = b"".join(m[i:i + mmap.PAGESIZE] for i in range(0, size, mmap.PAGESIZE))
+                    assert seen == pattern, "the export mapping does not show the memfd's bytes"
+                    if owner_lets_go == "punch_hole":
+                        _punch_hole(memfd, size)
+                    else:
+                        os.close(memfd)
+                        memfd = -1
+                finally:
+                    m.close()
+        finally:
+            if memfd >= 0:
+                os.close(memfd)
+    assert ru.wait_no_leaks()["export_mmaps"] == 0
+    bad = [r.line for r in klog.reports(klog.read()[before:]) if "Bad page" in r.line
+           or r.kind in ("bug", "corruption")]
+    assert not bad, "kernel reports after the memfd was truncated:\n" + "\n".join(bad[:5])
+    assert int(TAINTED.read_text()) == taint, (
+        f"the kernel got tainted: {taint} -> {TAINTED.read_text().strip()}")
