@@ -589,7 +589,8 @@ def test_registration_held_by_controller_cannot_be_unregistered_until_quiesced(b
         ns = c.namespace(1)
         v = Vgem(h, bdf, 16 * MiB)
         futs = ns.submit([nvme.ReadOp(v.reg, lba=2048 * i, nbytes=MiB, offset=MiB * i) for i in range(16)])
-        assert c.inflight(v.reg) == 16 and c.holds(v.reg)
+        # some may have completed already (reaped while the rest were submitted)
+        assert 0 < c.inflight(v.reg) <= 16 and c.holds(v.reg)
         with pytest.raises(OSError) as e:
             v.reg.hub.device.ioctl(uapi.UNREGISTER,
                                     uapi.Unregister.new(handle=v.reg.handle), "UNREGISTER")
