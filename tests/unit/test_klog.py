@@ -141,3 +141,20 @@ def test_a_whole_lockdep_report_is_found_among_clean_lines() -> None:
 
 def test_every_kind_has_a_sample() -> None:
     assert {k for k, _ in klog.PATTERNS} == {k for k, _ in BAD}
+
+
+def test_iommu_faults_marked_as_expected_are_not_reports() -> None:
+    """A test brackets the IOMMU faults it expects of one device; the same faults of another
+    device, or outside the brackets, and every other kind of report still count."""
+    lines = [
+        "[1.0] DMAR: [DMA Write NO_PASID] Request device [00:0b.0] fault addr 0x1000",
+        "[2.0] p2phub-lab: expected iommu faults of 00:0b.0 begin",
+        "[2.1] DMAR: DRHD: handling fault status reg 2",
+        "[2.2] DMAR: [DMA Write NO_PASID] Request device [00:0b.0] fault addr 0xfff00000",
+        "[2.3] DMAR: [DMA Read NO_PASID] Request device [00:0a.0] fault addr 0x2000",
+        "[2.4] WARNING: CPU: 0 PID: 1 at somewhere",
+        "[3.0] p2phub-lab: expected iommu faults of 00:0b.0 end",
+        "[3.1] DMAR: [DMA Write NO_PASID] Request device [00:0b.0] fault addr 0x3000",
+    ]
+    got = [r.line.split("] ", 1)[0] for r in klog.reports(lines)]
+    assert got == ["[1.0", "[2.3", "[2.4", "[3.1"]
