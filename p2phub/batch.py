@@ -555,7 +555,7 @@ class Engines(Resource):
                                            "options": _OPT_NO_IO_THREAD}
         self.batch_split: int | None = None
         self.staged_opts: dict[str, int] = {}
-        self._batch: dict[tuple[str, int, int], _Engine] = {}
+        self._batch: dict[tuple[str, int], _Engine] = {}
         self._stagers: dict[tuple[str, int], Stager] = {}
         self._worker: _Worker | None = None
         # per-request loads and saves by path reuse one open file per (path, direction,
@@ -594,17 +594,14 @@ class Engines(Resource):
             self.staged_opts = {"chunk": chunk, "lanes": lanes}
         _close_each(stagers)
 
-    def batch_engine(self, ops: Any, device: int, lane: int = 0) -> "_Engine":
-        """The engine of a copy engine and device; lane 1 is the second request lane's (its
-        own ring and a quarter of the staging slots: single requests are small)."""
-        key = (getattr(ops, "name", type(ops).__name__), device, lane)
+    def batch_engine(self, ops: Any, device: int) -> "_Engine":
+        key = (getattr(ops, "name", type(ops).__name__), device)
         with self._lock:
             self._check_open()
             eng = self._batch.get(key)
             if eng is None:
                 o = self.batch_opts
-                slots = o["slots"] if lane == 0 else max(16, o["slots"] // 4)
-                eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], slots,
+                eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
                                                  o["options"], self.batch_split)
             return eng
 
@@ -747,62 +744,31 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
 
 
 class _Worker(Resource):
-    """The hub's engine threads: two lanes over one queue. Each time a lane wakes it takes
-    everything queued; consecutive single requests of one direction go to its engine as one
-    submission, so requests issued together are read together, while a lone request runs as
-    soon as it is queued (nothing waits for a batch to fill). Loads queued while one lane's
-    submission is in flight go out on the other lane at once, instead of waiting for that
-    submission to end. Whatever writes, and every batch, runs alone, after what was taken
-    before it and before what is taken after it: a save and a later load of the same file
-    keep their order."""
-
-    LANES = 2
+    """The hub's engine thread: batches and single requests run on it in the order queued.
+    Each time it wakes it takes everything queued; consecutive single requests of one direction
+    go to the engine as one submission, so requests issued together are read together, while
+    a lone request runs as soon as it is queued (nothing waits for a batch to fill)."""
 
     def __init__(self) -> None:
         import queue
         self._empty = queue.Empty
         self.q: Any = queue.SimpleQueue()
-        self._take = threading.Lock()         # one lane at a time takes from the queue
-        self._cv = threading.Condition()
-        self._active = 0                      # lanes serving what they took
-        self._alone = False                   # the lane serving is serving alone
-        self._stopped = False
-        self.threads = [threading.Thread(target=self._loop, args=(lane,),
-                                         name="p2phub-batch" if lane == 0 else f"p2phub-batch-{lane}",
-                                         daemon=True) for lane in range(self.LANES)]
-        for t in self.threads:
-            t.start()
+        self.t = threading.Thread(target=self._loop, name="p2phub-batch", daemon=True)
+        self.t.start()
 
-    def _loop(self, lane: int) -> None:
+    def _loop(self) -> None:
         while True:
-            with self._take:
-                if self._stopped:
-                    return
-                jobs = [self.q.get()]
-                while jobs[-1] is not None:
-                    try:
-                        jobs.append(self.q.get_nowait())
-                    except self._empty:
-                        break
-                stop = jobs[-1] is None
-                jobs = [j for j in jobs if j is not None]
-                alone = stop or any(not isinstance(j, _Request) or j.write for j in jobs)
-                with self._cv:
-                    while self._alone or (alone and self._active):
-                        self._cv.wait()
-                    self._active += 1
-                    self._alone = alone
-                if stop:
-                    self._stopped = True
+            jobs = [self.q.get()]
+            while jobs[-1] is not None:
+                try:
+                    jobs.append(self.q.get_nowait())
+                except self._empty:
+                    break
+            stop = jobs[-1] is None
             try:
-                _serve(jobs, lane)
+                _serve([j for j in jobs if j is not None])
             except BaseException:  # noqa: BLE001 - _serve reports through the fences; keep serving
                 log.exception("batch worker")
-            finally:
-                with self._cv:
-                    self._active -= 1
-                    self._alone = False
-                    self._cv.notify_all()
             if stop:
                 return
 
@@ -810,29 +776,27 @@ class _Worker(Resource):
         self.q.put(job)
 
     def _close(self) -> None:
-        """Runs the batches already queued, then ends the threads."""
+        """Runs the batches already queued, then ends the thread."""
         self.q.put(None)
-        me = threading.current_thread()
-        for t in self.threads:
-            if t is not me:
-                t.join()
+        if self.t is not threading.current_thread():
+            self.t.join()
 
 
-def _serve(jobs: list[Any], lane: int = 0) -> None:
+def _serve(jobs: list[Any]) -> None:
     run: list[_Request] = []
     for job in jobs:
         if isinstance(job, _Request) and (not run or run[0].write == job.write):
             run.append(job)
             continue
         if run:
-            _run_requests(run, lane)
+            _run_requests(run)
             run = []
         if isinstance(job, _Request):
             run.append(job)
         else:
             _run(*job)
     if run:
-        _run_requests(run, lane)
+        _run_requests(run)
 
 
 # ------------------------------------------------------------------ single requests
@@ -983,7 +947,7 @@ def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned
     return fence
 
 
-def _run_requests(reqs: list[_Request], lane: int = 0) -> None:
+def _run_requests(reqs: list[_Request]) -> None:
     """Requests of one direction, one engine submission per copy engine and device."""
     import time
 
@@ -1005,7 +969,7 @@ def _run_requests(reqs: list[_Request], lane: int = 0) -> None:
             ln = np.array([r.nbytes for r in rs], np.uint64)
             mem = np.array([r.mem for r in rs], np.uint64)
             flags = np.array([r.direct | (r.target.gpu << 1) for r in rs], np.uint8)
-            eng = rs[0].hub.engines.batch_engine(rs[0].target.ops, rs[0].target.ordinal, lane)
+            eng = rs[0].hub.engines.batch_engine(rs[0].target.ops, rs[0].target.ordinal)
             _rc, stats = eng.run(write, fds, off, ln, mem, flags, out)
             if write:
                 for fd in {r.fd for r in rs if r.sync}:
