@@ -881,15 +881,12 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
                              f"{total} bytes")
         check_range(dest_offset, nbytes, reg.length, str(reg))
         what = f"load {name}[{offset}:+{nbytes}] -> {reg.what}"
-        if not _engine_copies(tgt.ops):
-            return staged.on_lanes(hub, "load", reg, tgt, fd, owned, is_direct, offset,
-                                   dest_offset, nbytes, what, progress)
-        return _queue(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
-                      what, progress, True)
     except BaseException:
         if owned:
             os.close(fd)
         raise
+    return _dispatch(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
+                     what, progress, True)
 
 
 def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -909,12 +906,22 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     tgt = staged.copy_target(reg)
     use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
     fd, is_direct, owned, name = staged.open_target(dest, True, use_direct)
+    what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
+    return _dispatch(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
+                     what, progress, sync)
+
+
+def _dispatch(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+              direct: bool, offset: int, reg_offset: int, nbytes: int, what: str,
+              progress: Any, sync: bool) -> Fence:
+    """One checked load or save onto the engine that copies this memory: the Hub's batch
+    engine for host and CUDA memory, the staging lanes for the rest; an fd we opened is
+    closed if it never gets there."""
     try:
-        what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
         if not _engine_copies(tgt.ops):
-            return staged.on_lanes(hub, "save", reg, tgt, fd, owned, is_direct, offset,
-                                   source_offset, nbytes, what, progress, sync=sync)
-        return _queue(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
+            return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
+                                   direct, offset, reg_offset, nbytes, what, progress, sync=sync)
+        return _queue(hub, write, reg, tgt, fd, owned, direct, offset, reg_offset, nbytes,
                       what, progress, sync)
     except BaseException:
         if owned:
