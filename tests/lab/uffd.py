@@ -65,6 +65,8 @@ class HeldPages:
         fcntl.ioctl(self.fd, UFFDIO_REGISTER, reg, True)
         self._faulted = threading.Event()
         self._release = threading.Event()
+        self._held: list[int] = []
+        self._held_lock = threading.Lock()
         self._stop = False
         self.faults = 0
         self._t = threading.Thread(target=self._serve, daemon=True)
@@ -79,13 +81,10 @@ class HeldPages:
             pass    # another fault on the same page was served first
 
     def _serve(self) -> None:
-        held: list[int] = []
         while not self._stop:
             r, _, _ = select.select([self.fd], [], [], 0.05)
             if self._release.is_set():
-                for a in held:
-                    self._zero(a)
-                held.clear()
+                self._zero_held()
             if not r:
                 continue
             try:
@@ -96,11 +95,12 @@ class HeldPages:
             if event != UFFD_EVENT_PAGEFAULT:
                 continue
             self.faults += 1
-            if self._release.is_set():
-                self._zero(address)
-            else:
-                held.append(address)
-                self._faulted.set()
+            with self._held_lock:
+                if not self._release.is_set():
+                    self._held.append(address)
+                    self._faulted.set()
+                    continue
+            self._zero(address)
 
     def wait_fault(self, timeout: float) -> bool:
         """True once something faulted on these pages and is waiting."""
@@ -109,6 +109,18 @@ class HeldPages:
     def release(self) -> None:
         """Serve the held fault and every later one (zero-filled pages)."""
         self._release.set()
+
+    def release_now(self) -> None:
+        """release(), with the held faults served from the calling thread before it returns
+        (the serving thread may take up to its poll interval to notice a release())."""
+        self._release.set()
+        self._zero_held()
+
+    def _zero_held(self) -> None:
+        with self._held_lock:
+            held, self._held = self._held, []
+        for a in held:
+            self._zero(a)
 
     def close(self) -> None:
         self.release()

@@ -22,6 +22,8 @@ cp "$run/lab.args" "$env_file"
 	echo "run_dir=$run"
 	echo "gpu_file=$run/gpu.mem"
 	echo "kernel_release=$(uname -r)"
+	# QEMU's monitor, for the commands the runner relays (PCIe error injection).
+	if [ -d "$run/monitor" ]; then echo "monitor_dir=$run/monitor"; fi
 } >>"$env_file"
 
 mountpoint -q /sys/kernel/debug || mount -t debugfs none /sys/kernel/debug

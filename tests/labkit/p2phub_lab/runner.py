@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import klog  # stdlib only: tools/lab runs without the venv
+from . import klog, monitor  # stdlib only: tools/lab runs without the venv
 
 TOP = Path(__file__).resolve().parents[3]
 GUEST = Path(__file__).resolve().parent / "guest.sh"
@@ -322,7 +322,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "--append", " ".join(filter(None, ("nvme.poll_queues=1",
                                          "intel_iommu=on iommu=nopt" if args.iommu else "",
                                          args.cmdline))),
-        "--qemu-opts=" + shlex.join(qemu_devices(run, args.topology, args.nvme_backing, args.iommu)),
+        "--qemu-opts=" + shlex.join(qemu_devices(run, args.topology, args.nvme_backing, args.iommu)
+                                    + monitor.qemu_opts(run)),
         "--exec", f"bash {shlex.quote(str(GUEST))} {shlex.quote(str(run))}",
     ]
     if not kvm:
@@ -335,18 +336,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{', iommu' if args.iommu else ''}): {shlex.join(command)}")
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
     status_file = run / "status"
-    for attempt in range(1, BOOT_ATTEMPTS + 1):
-        try:
-            vm = _run_relayed(vng, env, args.timeout)
-        except subprocess.TimeoutExpired:
-            log(f"timed out after {args.timeout} s (run dir {run})")
-            return EXIT_TIMEOUT
-        # A VM that died before the guest script wrote a line never ran COMMAND:
-        # boot again rather than fail the command for it. Anything later is reported.
-        if status_file.exists() or (run / "guest.log").exists() or attempt == BOOT_ATTEMPTS:
-            break
-        log(f"the VM exited ({vm.returncode}) before the lab started; booting again "
-            f"(attempt {attempt + 1} of {BOOT_ATTEMPTS})")
+    relay = monitor.Relay(run)      # the guest's PCIe error injections reach QEMU through it
+    relay.start()
+    try:
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                vm = _run_relayed(vng, env, args.timeout)
+            except subprocess.TimeoutExpired:
+                log(f"timed out after {args.timeout} s (run dir {run})")
+                return EXIT_TIMEOUT
+            # A VM that died before the guest script wrote a line never ran COMMAND:
+            # boot again rather than fail the command for it. Anything later is reported.
+            if status_file.exists() or (run / "guest.log").exists() or attempt == BOOT_ATTEMPTS:
+                break
+            log(f"the VM exited ({vm.returncode}) before the lab started; booting again "
+                f"(attempt {attempt + 1} of {BOOT_ATTEMPTS})")
+    finally:
+        relay.stop()
 
     if not status_file.exists():
         log(f"the guest did not report a status (vng exit {vm.returncode}); run dir {run}")
