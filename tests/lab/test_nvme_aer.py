@@ -36,7 +36,7 @@ pytestmark = pytest.mark.lab
 
 PCI = Path("/sys/bus/pci/devices")
 UPSTREAM_PORT = "sw-up"                 # the switch's upstream port (QEMU id, topology switch)
-ERROR = "COMP_TIMEOUT"                  # uncorrectable, non-fatal by default severity
+ERROR = "COMP_TIME"                     # completion timeout: uncorrectable, non-fatal by default severity
 PCI_EXT_CAP_ID_ERR = 0x01
 PCI_ERR_UNCOR_STATUS = 4
 RECOVERY_S = 60.0                       # TCG on a shared host

@@ -3,7 +3,7 @@
 The runner gives QEMU a QMP socket in the run directory and relays requests that tests in the
 guest drop in `<run>/monitor/` (the run directory is shared with the guest):
 
-    guest:  monitor.hmp("pcie_aer_inject_error sw-up COMP_TIMEOUT")   -> QEMU's answer (text)
+    guest:  monitor.hmp("pcie_aer_inject_error sw-up COMP_TIME")   -> QEMU's answer (text)
     host:   Relay(run).start()                                          (tools/lab does this)
 
 Only the commands in ALLOWED are relayed: a test may inject a PCIe error, nothing that could
