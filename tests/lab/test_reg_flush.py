@@ -107,7 +107,7 @@ def test_no_stale_iotlb_after_map_reg_races_unmap_reg(bdf: str) -> None:
         pytest.skip("needs udmabuf (6.12): the memfd is the independent view")
     if not (PCI / bdf / "iommu_group").exists():
         pytest.skip("needs the emulated IOMMU (--iommu)")
-    landed, faulted = [], 0
+    landed: list[int] = []
     with _lazy_domain(bdf), Hub() as hub, Udmabuf(64 * KiB) as buf, hub.register(buf) as reg, \
             nvme.open(bdf, hub=hub, io_queues=1) as ctrl:
         ns = ctrl.namespace(1)
@@ -152,13 +152,11 @@ def test_no_stale_iotlb_after_map_reg_races_unmap_reg(bdf: str) -> None:
                     mem.release_now()
                     t.join(30)
                 assert not t.is_alive() and not errs, errs
-                if sent and not _done(fut):
-                    faulted += 1
+                if sent:
+                    _done(fut)          # the DMA faults; QEMU's NVMe may still report success
                 if bytes(view[:len(MARK)]) == MARK:
                     landed.append(i)
         finally:
             view.close()
-    print(f"marker landed in rounds {landed}, faulted in {faulted} of {ROUNDS}")
     assert not landed, (f"the marker landed in memory the controller no longer held, in rounds "
-                        f"{landed} of {ROUNDS} (faulted in {faulted}): a stale IOTLB entry outlived "
-                        "the unmap")
+                        f"{landed} of {ROUNDS}: a stale IOTLB entry outlived the unmap")
