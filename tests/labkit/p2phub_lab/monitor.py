@@ -40,15 +40,15 @@ class Relay(threading.Thread):
         self.dir.mkdir(exist_ok=True)
         self.dir.chmod(0o777)          # tests may run as another user in the guest
         self.sock_path = run / SOCKET
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._qmp: socket.socket | None = None
         self._rx = b""
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stopping.wait(0.2):
             for req in sorted(self.dir.glob("*.req")):
                 try:
                     line = req.read_text().strip()
