@@ -21,7 +21,8 @@ Exit status: COMMAND's own status; 125 when the lab could not boot or set up;
 report (those lines are printed either way); 124 on timeout.
 
 Inside the VM, $P2PHUB_LAB_ENV names a file of KEY=VALUE lines describing the
-lab (PCI addresses, the host file behind the GPU BAR, node addresses and RDMA devices...).
+lab (PCI addresses, the host file behind the GPU BAR, node addresses and RDMA devices...,
+and `monitor_dir`, where tests reach QEMU's monitor for PCIe error injection: monitor.py).
 """
 
 from __future__ import annotations
