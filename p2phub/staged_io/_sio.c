@@ -62,6 +62,8 @@ static struct {
     CUresult (*ev_sync)(CUevent);
     CUresult (*stream_sync)(CUstream);
     CUresult (*get_error_name)(CUresult, const char **);
+    CUresult (*ctx_get)(void **);
+    CUresult (*ctx_set)(void *);
     /* CUDA 13: no failIdx; CUDA 12.8: failIdx before the stream */
     CUresult (*batch13)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, struct cu_copy_attrs *,
                         size_t *, size_t, CUstream);
@@ -117,11 +119,13 @@ static int cu_open(char *err, int errlen)
     SYM(ev_sync, "cuEventSynchronize");
     SYM(stream_sync, "cuStreamSynchronize");
     SYM(get_error_name, "cuGetErrorName");
+    SYM(ctx_get, "cuCtxGetCurrent");
+    SYM(ctx_set, "cuCtxSetCurrent");
     if (!SYM(batch13, "cuMemcpyBatchAsync_v2"))
         SYM(batch128, "cuMemcpyBatchAsync");
 #undef SYM
     if (!cu.h2d || !cu.d2h || !cu.ev_create || !cu.ev_destroy || !cu.ev_record ||
-        !cu.ev_query || !cu.ev_sync || !cu.stream_sync) {
+        !cu.ev_query || !cu.ev_sync || !cu.stream_sync || !cu.ctx_get || !cu.ctx_set) {
         cu.state = 1;
         say(err, errlen, "libcuda.so.1 lacks the copy and event calls p2phub needs");
         return -1;
@@ -468,6 +472,7 @@ struct sio_engine {
     unsigned nslots;
     char *stage;
     CUstream stream;
+    void *ctx;                  /* the CUDA context current when it was opened */
     CUevent events[NEVENTS];
     int nevents;
     struct slot *slots;
@@ -610,6 +615,10 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
     if (stream) {
         if (cu_open(err, errlen))
             goto fail;
+        if (cu.ctx_get(&e->ctx) || !e->ctx) {
+            say(err, errlen, "no CUDA context is current");
+            goto fail;
+        }
         for (i = 0; i < NEVENTS; i++) {
             CUresult r = cu.ev_create(&e->events[i], 2 /* CU_EVENT_DISABLE_TIMING */);
             if (r) {
@@ -1401,6 +1410,17 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     return rc;
 }
 
+int sio_engine_bind(struct sio_engine *e)
+{
+    void *cur = NULL;
+
+    if (!e->ctx)
+        return 0;
+    if (cu.ctx_get(&cur) == 0 && cur == e->ctx)
+        return 0;
+    return cu.ctx_set(e->ctx) ? -1 : 0;
+}
+
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes)
 {
     e->split = piece_bytes / SIO_ALIGN * SIO_ALIGN;
@@ -1473,3 +1493,5 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
     ring_close(&r);
     return ret;
 }
+
+#include "_sio_queue.c"

@@ -235,8 +235,7 @@ def test_a_short_source_fails_the_fence(hub, tmp_path) -> None:
     p.write_bytes(bytes(300 * KiB))
     buf = bytearray(300 * KiB)
     with hub.register(buf) as reg:
-        engine = hub.engines.batch_engine(reg.copy_target().ops, 0)
-        with engine.lock:                 # the engine is busy: the load waits in its queue
+        with hub.engines.paused():        # the engine is busy: the load waits in its queue
             fence = hub.load(p, reg)
             os.truncate(p, 100 * KiB)     # the file is truncated under the load
         exc = fence.exception(30)
