@@ -45,7 +45,8 @@ struct sioq_part {
  * results nobody has collected. Everything below is under mu. */
 struct sio_queue {
     pthread_mutex_t mu;
-    pthread_cond_t work;    /* the thread: an item, a part handed over, a release, stop */
+    pthread_cond_t work;    /* the idle thread: an item, stop */
+    pthread_cond_t hand;    /* the thread parked at a reservation: a part, the release */
     pthread_cond_t done;    /* waiters: completions, the thread parked at a reservation */
     pthread_cond_t space;   /* pushers: results collected */
     struct sioq_item *ring;
@@ -56,6 +57,7 @@ struct sio_queue {
     int released;                   /* that reservation is released */
     int stop;
     int started;
+    int idle;                       /* the thread waits for an item */
     long long last_push_ns;
     pthread_t thread;
     /* the thread's arrays for one run of requests */
@@ -172,7 +174,7 @@ static void serve_reservation(struct sio_queue *q, unsigned long long t)
         struct sioq_part *p;
 
         while (!q->part && !q->released)
-            pthread_cond_wait(&q->work, &q->mu);
+            pthread_cond_wait(&q->hand, &q->mu);
         p = q->part;
         if (!p)
             break;
@@ -203,8 +205,11 @@ static void *queue_main(void *arg)
         struct sioq_item *it;
         unsigned long long n;
 
-        while (q->next == q->head && !q->stop)
+        while (q->next == q->head && !q->stop) {
+            q->idle = 1;
             pthread_cond_wait(&q->work, &q->mu);
+            q->idle = 0;
+        }
         if (q->next == q->head)
             break;      /* stopped, and nothing is left */
         it = q_item(q, q->next);
@@ -254,6 +259,7 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&q->work, &ca);
+    pthread_cond_init(&q->hand, &ca);
     pthread_cond_init(&q->done, &ca);
     pthread_cond_init(&q->space, &ca);
     pthread_condattr_destroy(&ca);
@@ -261,6 +267,7 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
         say(err, errlen, "pthread_create: %s", strerror(errno));
         pthread_mutex_destroy(&q->mu);
         pthread_cond_destroy(&q->work);
+        pthread_cond_destroy(&q->hand);
         pthread_cond_destroy(&q->done);
         pthread_cond_destroy(&q->space);
         goto fail;
@@ -307,6 +314,7 @@ void sio_queue_free(struct sio_queue *q)
     sio_queue_close(q);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->work);
+    pthread_cond_destroy(&q->hand);
     pthread_cond_destroy(&q->done);
     pthread_cond_destroy(&q->space);
     free(q->ring), free(q->r_fd), free(q->r_off), free(q->r_len), free(q->r_mem);
@@ -328,7 +336,8 @@ static long long q_push(struct sio_queue *q, const struct sioq_item *src)
     t = q->head++;
     *q_item(q, t) = *src;
     q->last_push_ns = now_ns();
-    pthread_cond_signal(&q->work);
+    if (q->idle)
+        pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
     return (long long)t;
 }
@@ -373,7 +382,7 @@ int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_eng
     pthread_mutex_lock(&q->mu);
     wait_parked(q, ticket);
     q->part = &p;
-    pthread_cond_broadcast(&q->work);
+    pthread_cond_signal(&q->hand);
     while (!p.finished)
         pthread_cond_wait(&q->done, &q->mu);
     pthread_mutex_unlock(&q->mu);
@@ -392,7 +401,7 @@ void sio_queue_release(struct sio_queue *q, unsigned long long ticket)
     pthread_mutex_lock(&q->mu);
     wait_parked(q, ticket);
     q->released = 1;
-    pthread_cond_broadcast(&q->work);
+    pthread_cond_signal(&q->hand);
     pthread_mutex_unlock(&q->mu);
 }
 
