@@ -577,6 +577,9 @@ class Engines(Resource):
         self._worker: _Worker | None = None
         self._queue: _Queue | None = None
         self._stopping = False
+        # (copy ops, device) -> (C engine, its submission path): a request's engine in one
+        # lookup; emptied with the engine table
+        self._routes: dict[tuple[Any, int], tuple[Any, str]] = {}
         # per-request loads and saves by path reuse one open file per (path, direction,
         # O_DIRECT) while the path names the same inode: a stat per request instead of an
         # open, an fstat and a close (fds replaced by a rename are closed with the engines)
@@ -597,7 +600,7 @@ class Engines(Resource):
         if split is not None and (split < 0 or split % ALIGN):
             raise UsageError(f"split={split} must be 0 or a positive multiple of {ALIGN}")
         with self._lock:
-            engines, self._batch = list(self._batch.values()), {}
+            engines, self._batch, self._routes = list(self._batch.values()), {}, {}
             self.batch_opts = {"depth": depth, "slot": slot, "slots": slots,
                                "buffered_from": buffered_from,
                                "options": (0 if fixed_buffers else _OPT_NO_FIXED)
@@ -645,12 +648,14 @@ class Engines(Resource):
         request queued under the table's lock, so configure_batch() closes no engine a
         queued request still refers to."""
         with self._lock:
-            self._check_taking()
-            eng = self._engine_locked(target.ops, target.ordinal)
-            q = self._queue or self._open_queue()
-            handle = eng.handle()
-            req.path = eng.path
-            q.push(handle, req)
+            if self._stopping or self._closed:
+                self._check_taking()
+            route = self._routes.get((target.ops, target.ordinal))
+            if route is None:
+                eng = self._engine_locked(target.ops, target.ordinal)
+                route = self._routes[(target.ops, target.ordinal)] = (eng.handle(), eng.path)
+            req.path = route[1]
+            (self._queue or self._open_queue()).push(route[0], req)
 
     def enqueue_batch(self, job: tuple[Any, ...]) -> None:
         """Queue a batch: its place on the engine thread is reserved now (so requests queued
@@ -744,7 +749,7 @@ class Engines(Resource):
             queue.close()       # runs the requests queued, delivers every result
         with self._lock:
             owned: list[Resource] = [*self._batch.values(), *self._stagers.values()]
-            self._batch, self._stagers = {}, {}
+            self._batch, self._stagers, self._routes = {}, {}, {}
             fds = [e[0] for e in self._files.values()] + self._stale_fds
             self._files, self._stale_fds = {}, []
         _close_each(owned)
