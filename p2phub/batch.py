@@ -445,6 +445,7 @@ class _Engine(Resource):
         self._stage = None
         self._stream = 0
         self._closed = False
+        self._mem: dict[int, int] = {}    # host ranges registered with the ring: ptr -> bytes
 
     def _ensure(self) -> Any:
         if self._eng is None:
@@ -496,7 +497,7 @@ class _Engine(Resource):
                              st, err, 256)
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
                                                        "merged", "slot_waits", "max_inflight",
-                                                       "in_place")}
+                                                       "in_place", "fixed_mem")}
             stats["batch_copy_api"] = bool(st.batch_api)
             stats["fixed_buffers"] = bool(st.fixed)
             stats["io_thread"] = bool(st.io_thread)
@@ -509,6 +510,56 @@ class _Engine(Resource):
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
 
+    def register_memory(self, ptr: int, length: int, what: str) -> None:
+        """Register host memory that reads land in with the ring, once: its reads in place
+        then skip pinning its pages (``fence.stats["fixed_mem"]``). The engine keeps it until
+        forget_memory (the registration's close). Where the ring cannot take it (Linux AIO, an
+        older kernel, a full table, memory the kernel will not pin for long) reads go on as
+        before."""
+        if ptr in self._mem:
+            return
+        ffi, lib = self.mod.ffi, self.mod.lib
+        with self.lock:
+            if self._closed or ptr in self._mem:
+                return
+            eng = self._ensure()
+            rc = lib.sio_register_mem(eng, ffi.cast("void *", ptr), length)
+            self._mem[ptr] = length
+            live, pending, why = ffi.new("unsigned *"), ffi.new("unsigned *"), ffi.new("int *")
+            lib.sio_mem_table(eng, live, pending, why)
+            if rc < 0:
+                log.debug("staged I/O engine (device %d): %s not registered with the ring: %s",
+                          self.device, what, os.strerror(-rc))
+            elif why[0]:
+                log.info("staged I/O engine (device %d): the kernel refused to register %s "
+                         "with the ring (%s): its reads pin their pages each time", self.device,
+                         what, os.strerror(why[0]))
+            else:
+                log.debug("staged I/O engine (device %d): %s registered with the ring "
+                          "(%d ranges)", self.device, what, live[0])
+
+    def forget_memory(self, ptr: int, length: int) -> None:
+        """The memory at [ptr, ptr + length) goes away: no read lands in it through the ring's
+        table from now on; the kernel lets go of its pages at the engine's next batch or close."""
+        with self.lock:
+            for p in [p for p in self._mem if ptr <= p < ptr + length]:
+                del self._mem[p]
+                if self._eng is not None:
+                    self.mod.lib.sio_unregister_mem(self._eng, self.mod.ffi.cast("void *", p),
+                                                    length - (p - ptr))
+
+    def mem_table(self) -> dict[str, int]:
+        """The ring's table of host memory: ``live`` entries the kernel holds, ``pending``
+        ones to install or remove at the next batch, ``refused_errno``."""
+        ffi, lib = self.mod.ffi, self.mod.lib
+        with self.lock:
+            if self._eng is None:
+                return {"table": 0, "live": 0, "pending": 0, "refused_errno": 0}
+            live, pending, why = ffi.new("unsigned *"), ffi.new("unsigned *"), ffi.new("int *")
+            table = lib.sio_mem_table(self._eng, live, pending, why)
+            return {"table": int(table), "live": int(live[0]), "pending": int(pending[0]),
+                    "refused_errno": int(why[0])}
+
     def _close(self) -> None:
         with self.lock:
             if self._eng is not None:
@@ -516,6 +567,7 @@ class _Engine(Resource):
                 self.mod.lib.sio_close(self._eng)
                 self._eng = None
             self._free()
+            self._mem.clear()
             self._closed = True
 
 
@@ -604,6 +656,13 @@ class Engines(Resource):
                 eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
                                                  o["options"], self.batch_split)
             return eng
+
+    def forget_memory(self, ptr: int, length: int) -> None:
+        """Host memory at [ptr, ptr + length) goes away: every batch engine gives it up."""
+        with self._lock:
+            engines = list(self._batch.values())
+        for eng in engines:
+            eng.forget_memory(ptr, length)
 
     def stager(self, ops: Any, device: int) -> Stager:
         key = (ops.name, device)
@@ -989,6 +1048,14 @@ def _run_requests(reqs: list[_Request]) -> None:
             r.finish(err, moved, stats)
 
 
+def _register_host(eng: _Engine, mems: list[_Mem]) -> None:
+    """Host registrations a load lands in, registered with the engine's ring once (a
+    dma-buf's CPU mapping is not: it lives for one batch)."""
+    for m in mems:
+        if m is not None and not m.cuda and m.cpu_map is None and m.reg.mode == MODE_STAGED:
+            eng.register_memory(m.ptr, m.length, m.reg.what)
+
+
 def _release(held: list[Memory], p: _Plan) -> None:
     for reg in held:
         reg.unhold()
@@ -1050,7 +1117,10 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
             for (_name, dev), (ops, _d, sel) in groups.items():
                 sub = rows[sel]
                 out = np.zeros(sub.size, np.int64)
-                _rc, st = _engine(hub, ops, dev).run(
+                eng = _engine(hub, ops, dev)
+                if not write:
+                    _register_host(eng, p.mems)
+                _rc, st = eng.run(
                     write, np.ascontiguousarray(fds[sel]),
                     np.ascontiguousarray(p.off[sub].astype(np.uint64)),
                     np.ascontiguousarray(p.length[sub].astype(np.uint64)),
