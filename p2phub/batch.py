@@ -1052,7 +1052,7 @@ def _register_host(eng: _Engine, mems: list[_Mem]) -> None:
     """Host registrations a load lands in, registered with the engine's ring once (a
     dma-buf's CPU mapping is not: it lives for one batch)."""
     for m in mems:
-        if m is not None and not m.cuda and m.cpu_map is None and m.reg.mode == MODE_STAGED:
+        if not m.cuda and m.cpu_map is None and m.reg.mode == MODE_STAGED:
             eng.register_memory(m.ptr, m.length, m.reg.what)
 
 
@@ -1112,14 +1112,16 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                 if m.cuda:
                     flags[sel] |= 2
                 key = (getattr(m.ops, "name", type(m.ops).__name__), m.device)
-                groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool)])[2] |= sel
+                g = groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool), []])
+                g[2] |= sel
+                g[3].append(m)
             stats: dict[str, Any] = {}
-            for (_name, dev), (ops, _d, sel) in groups.items():
+            for (_name, dev), (ops, _d, sel, gmems) in groups.items():
                 sub = rows[sel]
                 out = np.zeros(sub.size, np.int64)
                 eng = _engine(hub, ops, dev)
                 if not write:
-                    _register_host(eng, p.mems)
+                    _register_host(eng, gmems)
                 _rc, st = eng.run(
                     write, np.ascontiguousarray(fds[sel]),
                     np.ascontiguousarray(p.off[sub].astype(np.uint64)),
