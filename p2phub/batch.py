@@ -525,18 +525,16 @@ class _Engine(Resource):
             eng = self._ensure()
             rc = lib.sio_register_mem(eng, ffi.cast("void *", ptr), length)
             self._mem[ptr] = length
-            live, pending, why = ffi.new("unsigned *"), ffi.new("unsigned *"), ffi.new("int *")
-            lib.sio_mem_table(eng, live, pending, why)
-            if rc < 0:
-                log.debug("staged I/O engine (device %d): %s not registered with the ring: %s",
-                          self.device, what, os.strerror(-rc))
-            elif why[0]:
-                log.info("staged I/O engine (device %d): the kernel refused to register %s "
-                         "with the ring (%s): its reads pin their pages each time", self.device,
-                         what, os.strerror(why[0]))
+            if rc >= 0:
+                log.debug("staged I/O engine (device %d): %s registered with the ring",
+                          self.device, what)
             else:
-                log.debug("staged I/O engine (device %d): %s registered with the ring "
-                          "(%d ranges)", self.device, what, live[0])
+                # no table at all (Linux AIO, an older kernel) is the path's reason, logged once
+                level = logging.DEBUG if rc == -errno.EOPNOTSUPP and self.path == "aio" \
+                    else logging.INFO
+                log.log(level, "staged I/O engine (device %d): %s not registered with the ring "
+                        "(%s): its reads pin their pages each time", self.device, what,
+                        os.strerror(-rc))
 
     def forget_memory(self, ptr: int, length: int) -> None:
         """The memory at [ptr, ptr + length) goes away: no read lands in it through the ring's

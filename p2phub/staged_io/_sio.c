@@ -733,8 +733,15 @@ int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
         m->state = MEM_WANTED;
         pos += m->len;
     }
-    if (ring_owner(e))
-        mem_sync(e);
+    if (!ring_owner(e))
+        return (int)need;
+    mem_sync(e);
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        struct mem_range *m = &e->mem[i];
+
+        if (m->state == MEM_REFUSED && m->addr >= a && m->addr + m->len <= a + len)
+            return -e->mem_errno;
+    }
     return (int)need;
 }
 

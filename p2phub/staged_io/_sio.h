@@ -76,9 +76,11 @@ int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen);
  * pieces of at most 1 GiB): O_DIRECT reads in place into it then skip pinning its pages per
  * read. The kernel's table changes on the thread that drives the ring, at once where that is
  * the caller, else at the start of the next sio_run. Returns the table entries it takes (0:
- * already registered), -ENOSPC when the table is full, -EOPNOTSUPP where the ring has no
- * sparse buffer table (older kernels, Linux AIO). The memory must stay mapped until
- * sio_unregister_mem. */
+ * already asked for), -ENOSPC when the table is full, -EOPNOTSUPP where the ring has no
+ * sparse buffer table (older kernels, Linux AIO), or the kernel's refusal (-ENOMEM over the
+ * memlock limit, -EFAULT or -EOPNOTSUPP for memory it will not pin for long) where the table
+ * changed at once. Memory not registered is read into as before. The memory must stay mapped
+ * until sio_unregister_mem. */
 int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len);
 
 /* Give up every registered range inside [addr, addr + len): no read uses them from now on;

@@ -5,6 +5,7 @@ as before. Every byte is checked against the file as numpy wrote it."""
 
 from __future__ import annotations
 
+import logging
 import mmap
 
 import numpy as np
@@ -147,6 +148,32 @@ def test_a_full_table_reads_the_rest_unregistered(hub, data_file) -> None:
     for mm, r in zip(maps, regs):
         mm.close()
         r.close()
+
+
+def test_memory_the_kernel_will_not_pin_is_read_as_before(hub, data_file, tmp_path,
+                                                          caplog) -> None:
+    """A caller's buffer that maps a file on disk: the kernel refuses to pin it for long
+    (shared file pages), the log says so, and the reads land in place as before."""
+    path, data = data_file
+    backing = tmp_path / "backing.bin"
+    size = 48 * (64 * KiB + 4096)
+    with open(backing, "wb") as fh:
+        fh.truncate(size)
+    with open(backing, "r+b") as fh:
+        mem = mmap.mmap(fh.fileno(), size, mmap.MAP_SHARED)
+    reg = hub.register(mem)
+    view = np.frombuffer(mem, np.uint8)
+    with caplog.at_level(logging.INFO, logger="p2phub.batch"):
+        f = _load(hub, path, data, reg, view)
+    t = _engine(hub).mem_table()
+    if f.stats["submit_path"] != "io_uring" or not t["table"] or t["live"]:
+        pytest.skip(f"this host's ring took the file mapping, or takes no memory ({t})")
+    assert f.stats["fixed_mem"] == 0 and f.stats["in_place"] == 48
+    assert t["refused_errno"] != 0
+    assert any("not registered with the ring" in r.getMessage() for r in caplog.records)
+    del view
+    reg.close()
+    mem.close()
 
 
 def test_fixed_buffers_off_registers_no_memory(data_file) -> None:
