@@ -9,7 +9,7 @@ Each definition has two users:
   has cffi write the C source of every module in `HOT_PATHS`, and setuptools compiles them into
   the wheel (an editable install compiles them in place);
 - `HotPath.load()` at run time. It takes the compiled module when it was built from the sources
-  beside it: each module answers ``p2phub<stem>_tag()``, a hash of its two sources, so a stale
+  beside it: each module answers ``p2phub<stem>_tag()``, a hash of its sources, so a stale
   build is never loaded. Otherwise (a developer checkout whose C was just edited, or one never
   built) it compiles the same definition on first use, into a directory keyed by a hash of the
   sources and the Python ABI, so another interpreter never loads it either. That directory is
@@ -50,9 +50,11 @@ class HotPath:
     """One C hot path: ``<stem>.h`` (the declarations cffi parses) and ``<stem>.c`` in
     ``p2phub/<subpackage>/``, compiled as ``p2phub.<subpackage>.<stem>lib``."""
 
-    def __init__(self, subpackage: str, stem: str) -> None:
+    def __init__(self, subpackage: str, stem: str, parts: tuple[str, ...] = ()) -> None:
         self.dir = PACKAGE / subpackage
-        self.sources = (self.dir / f"{stem}.h", self.dir / f"{stem}.c")
+        # the header, the .c, and the files the .c includes (hashed with them)
+        self.sources = (self.dir / f"{stem}.h", self.dir / f"{stem}.c",
+                        *(self.dir / p for p in parts))
         self.module = f"p2phub.{subpackage}.{stem}lib"
         self.tag_fn = f"p2phub{stem}_tag"
         self.fallback_name = f"_p2phub_{subpackage}{stem}"
@@ -61,7 +63,7 @@ class HotPath:
     # ------------------------------------------------------------ the definition
 
     def sources_tag(self) -> str:
-        """A hash of the two C sources (OSError where they are not installed)."""
+        """A hash of the C sources (OSError where they are not installed)."""
         h = hashlib.sha256()
         for src in self.sources:
             h.update(src.read_bytes())
@@ -193,5 +195,5 @@ def build_dir() -> Path:
 
 NVME = HotPath("nvme", "_hot")
 KV = HotPath("kv", "_kvhot")
-SIO = HotPath("staged_io", "_sio")   # the staged I/O engine (p2phub.batch)
+SIO = HotPath("staged_io", "_sio", ("_sio_queue.c",))   # the staged I/O engine (p2phub.batch)
 HOT_PATHS = (NVME, KV, SIO)

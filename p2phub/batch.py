@@ -47,14 +47,16 @@ Debian's 6.1 and 6.12 kernels are built without: p2phub does not attempt it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from . import staged
 from .backend import check_range
@@ -80,6 +82,7 @@ DEFAULT_SLOTS = 256
 DEFAULT_BUFFERED_FROM = 1 << 20
 _OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
 _MAX_OPEN_FILES = 64     # paths whose open file the engines keep for per-request loads
+_now = time.perf_counter
 
 
 class BatchFence(Fence):
@@ -446,6 +449,7 @@ class _Engine(Resource):
         self._stream = 0
         self._closed = False
         self._mem: dict[int, int] = {}    # host ranges registered with the ring: ptr -> bytes
+        self._unsettled: dict[int, str] = {}  # of those, ones the ring's thread has yet to take
 
     def _ensure(self) -> Any:
         if self._eng is None:
@@ -478,23 +482,36 @@ class _Engine(Resource):
             self._stage.close()
             self._stage = None
 
-    def run(self, write: bool, fd: Any, off: Any, ln: Any, mem: Any, flags: Any,
-            result: Any) -> tuple[int, dict[str, Any]]:
-        ffi, lib = self.mod.ffi, self.mod.lib
+    def handle(self) -> Any:
+        """The C engine, opened on first use (on the calling thread, whose CUDA context the
+        engine keeps for its copies)."""
+        eng = self._eng
+        if eng is not None:
+            return eng
         with self.lock:
             if self._closed:
                 raise UsageError("the hub's staged I/O engine is closed")
             self.ops.bind_thread(self.device)
-            eng = self._ensure()
+            return self._ensure()
+
+    def run(self, queue: "_Queue", ticket: int, write: bool, fd: Any, off: Any, ln: Any,
+            mem: Any, flags: Any, result: Any) -> tuple[int, dict[str, Any]]:
+        """One batch, run on the engine thread at its reservation `ticket` of `queue`."""
+        ffi, lib = self.mod.ffi, self.mod.lib
+        eng = self.handle()
+        with self.lock:
+            if self._closed:
+                raise UsageError("the hub's staged I/O engine is closed")
             st = ffi.new("struct sio_stats *")
             err = ffi.new("char[]", 256)
-            rc = lib.sio_run(eng, int(write), len(off), ffi.from_buffer("int[]", fd),
-                             ffi.from_buffer("unsigned long long[]", off),
-                             ffi.from_buffer("unsigned long long[]", ln),
-                             ffi.from_buffer("unsigned long long[]", mem),
-                             ffi.from_buffer("unsigned char[]", flags),
-                             ffi.from_buffer("long long[]", result, require_writable=True),
-                             st, err, 256)
+            rc = lib.sio_queue_run(queue.q, ticket, eng, int(write), len(off),
+                                   ffi.from_buffer("int[]", fd),
+                                   ffi.from_buffer("unsigned long long[]", off),
+                                   ffi.from_buffer("unsigned long long[]", ln),
+                                   ffi.from_buffer("unsigned long long[]", mem),
+                                   ffi.from_buffer("unsigned char[]", flags),
+                                   ffi.from_buffer("long long[]", result, require_writable=True),
+                                   st, err, 256)
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
                                                        "merged", "slot_waits", "max_inflight",
                                                        "in_place", "fixed_mem")}
@@ -506,6 +523,8 @@ class _Engine(Resource):
             stats["submit_path_reason"] = self.path_reason
             stats["split_bytes"] = int(st.split)
             stats["split_entries"] = int(st.split_entries)
+            if self._unsettled:
+                self._settle(eng)
             if rc < 0:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
@@ -518,23 +537,33 @@ class _Engine(Resource):
         before."""
         if ptr in self._mem:
             return
-        ffi, lib = self.mod.ffi, self.mod.lib
+        eng = self.handle()
         with self.lock:
             if self._closed or ptr in self._mem:
                 return
-            eng = self._ensure()
-            rc = lib.sio_register_mem(eng, ffi.cast("void *", ptr), length)
             self._mem[ptr] = length
-            if rc >= 0:
+            self._unsettled[ptr] = what
+            self._settle(eng)
+
+    def _settle(self, eng: Any) -> None:
+        """Log how each range asked for stands, once the ring's thread installed or refused it
+        (at once, or at the engine's next batch). Call with the lock held."""
+        ffi, lib = self.mod.ffi, self.mod.lib
+        for ptr, what in list(self._unsettled.items()):
+            rc = lib.sio_register_mem(eng, ffi.cast("void *", ptr), self._mem[ptr])
+            if rc > 0:
+                continue        # waits for the engine thread's next batch
+            del self._unsettled[ptr]
+            if rc == 0:
                 log.debug("staged I/O engine (device %d): %s registered with the ring",
                           self.device, what)
-            else:
-                # no table at all (Linux AIO, an older kernel) is the path's reason, logged once
-                level = logging.DEBUG if rc == -errno.EOPNOTSUPP and self.path == "aio" \
-                    else logging.INFO
-                log.log(level, "staged I/O engine (device %d): %s not registered with the ring "
-                        "(%s): its reads pin their pages each time", self.device, what,
-                        os.strerror(-rc))
+                continue
+            # no table at all (Linux AIO, an older kernel) is the path's reason, logged once
+            level = logging.DEBUG if rc == -errno.EOPNOTSUPP and self.path == "aio" \
+                else logging.INFO
+            log.log(level, "staged I/O engine (device %d): %s not registered with the ring "
+                    "(%s): its reads pin their pages each time", self.device, what,
+                    os.strerror(-rc))
 
     def forget_memory(self, ptr: int, length: int) -> None:
         """The memory at [ptr, ptr + length) goes away: no read lands in it through the ring's
@@ -542,6 +571,7 @@ class _Engine(Resource):
         with self.lock:
             for p in [p for p in self._mem if ptr <= p < ptr + length]:
                 del self._mem[p]
+                self._unsettled.pop(p, None)
                 if self._eng is not None:
                     self.mod.lib.sio_unregister_mem(self._eng, self.mod.ffi.cast("void *", p),
                                                     length - (p - ptr))
@@ -559,14 +589,16 @@ class _Engine(Resource):
                     "refused_errno": int(why[0])}
 
     def _close(self) -> None:
+        """Only once nothing queued on the engine thread refers to it (Engines._quiesce)."""
         with self.lock:
+            self._closed = True
             if self._eng is not None:
                 self.ops.bind_thread(self.device)
                 self.mod.lib.sio_close(self._eng)
                 self._eng = None
             self._free()
             self._mem.clear()
-            self._closed = True
+            self._unsettled.clear()
 
 
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
@@ -608,6 +640,8 @@ class Engines(Resource):
         self._batch: dict[tuple[str, int], _Engine] = {}
         self._stagers: dict[tuple[str, int], Stager] = {}
         self._worker: _Worker | None = None
+        self._queue: _Queue | None = None
+        self._stopping = False
         # per-request loads and saves by path reuse one open file per (path, direction,
         # O_DIRECT) while the path names the same inode: a stat per request instead of an
         # open, an fstat and a close (fds replaced by a rename are closed with the engines)
@@ -635,7 +669,8 @@ class Engines(Resource):
                                | (0 if io_thread else _OPT_NO_IO_THREAD)
                                | (_OPT_POLL if poll else 0)}
             self.batch_split = split
-        _close_each(engines)   # each waits for the batch it runs
+            mark = self._queue.reserve() if self._queue is not None and engines else None
+        self._quiesce(mark, engines)
 
     def configure_staged(self, chunk: int, lanes: int) -> None:
         Stager(HostOps(), 0, chunk, lanes)   # validates
@@ -644,16 +679,82 @@ class Engines(Resource):
             self.staged_opts = {"chunk": chunk, "lanes": lanes}
         _close_each(stagers)
 
-    def batch_engine(self, ops: Any, device: int) -> "_Engine":
+    def _quiesce(self, mark: int | None, engines: list["_Engine"]) -> None:
+        """Close `engines` once everything queued before reservation `mark` (taken with the
+        engines already out of the table, so nothing after it refers to them) has run."""
+        q = self._queue
+        try:
+            if mark is not None and q is not None:
+                q.wait_reached(mark)
+            _close_each(engines)
+        finally:
+            if mark is not None and q is not None:
+                q.release(mark)
+
+    def _engine_locked(self, ops: Any, device: int) -> "_Engine":
+        self._check_open()
         key = (getattr(ops, "name", type(ops).__name__), device)
+        eng = self._batch.get(key)
+        if eng is None:
+            o = self.batch_opts
+            eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
+                                             o["options"], self.batch_split)
+        return eng
+
+    def batch_engine(self, ops: Any, device: int) -> "_Engine":
         with self._lock:
-            self._check_open()
-            eng = self._batch.get(key)
-            if eng is None:
-                o = self.batch_opts
-                eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
-                                                 o["options"], self.batch_split)
-            return eng
+            return self._engine_locked(ops, device)
+
+    def push(self, req: "_Request", target: CopyTarget) -> None:
+        """Queue one load or save on the engine thread. The engine is looked up and the
+        request queued under the table's lock, so configure_batch() closes no engine a
+        queued request still refers to."""
+        with self._lock:
+            self._check_taking()
+            eng = self._engine_locked(target.ops, target.ordinal)
+            q = self._queue or self._open_queue()
+            handle = eng.handle()
+            req.path = eng.path
+            q.push(handle, req)
+
+    def enqueue_batch(self, job: tuple[Any, ...]) -> None:
+        """Queue a batch: its place on the engine thread is reserved now (so requests queued
+        after it run after it); the worker thread plans its engine runs and hands them over
+        there. Reserving and queueing for the worker happen under one lock, so the worker
+        meets reservations in their order."""
+        with self._lock:
+            self._check_taking()
+            q = self._queue or self._open_queue()
+            ticket = q.reserve()
+            try:
+                self.worker_locked().put((q, ticket, job))
+            except BaseException:
+                q.release(ticket)
+                raise
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A block during which the engine thread runs nothing queued after its start (what
+        was queued before has run by the time it begins)."""
+        with self._lock:
+            self._check_taking()
+            q = self._queue or self._open_queue()
+            mark = q.reserve()
+        try:
+            q.wait_reached(mark)
+            yield
+        finally:
+            q.release(mark)
+
+    def _check_taking(self) -> None:
+        self._check_open()
+        if self._stopping:
+            raise UsageError("the hub is closing: its I/O engines take no new work")
+
+    def _open_queue(self) -> "_Queue":
+        from .staged_io import load as load_sio
+        self._queue = _Queue(load_sio())
+        return self._queue
 
     def forget_memory(self, ptr: int, length: int) -> None:
         """Host memory at [ptr, ptr + length) goes away: every batch engine gives it up."""
@@ -699,23 +800,21 @@ class Engines(Resource):
             self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct)
         return fd, is_direct, fst.st_size
 
-    def worker(self) -> "_Worker":
-        w = self._worker
-        if w is not None:       # every request asks: no lock once the thread runs
-            return w
-        with self._lock:
-            self._check_open()
-            if self._worker is None:
-                self._worker = _Worker()
-            return self._worker
+    def worker_locked(self) -> "_Worker":
+        if self._worker is None:
+            self._worker = _Worker()
+        return self._worker
 
     def _close(self) -> None:
         with self._lock:
+            self._stopping = True   # no new requests or batches from here on
             worker, self._worker = self._worker, None
+            queue = self._queue
         if worker is not None:
-            worker.close()      # runs what is queued (engines still open), ends the thread
+            worker.close()      # plans and runs the batches queued, ends the thread
+        if queue is not None:
+            queue.close()       # runs the requests queued, delivers every result
         with self._lock:
-            self._closed = True
             owned: list[Resource] = [*self._batch.values(), *self._stagers.values()]
             self._batch, self._stagers = {}, {}
             fds = [e[0] for e in self._files.values()] + self._stale_fds
@@ -793,7 +892,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         raise
     file_rows = np.flatnonzero(~is_ns)
     try:
-        hub.engines.worker().put((hub, write, p, file_rows, parts, fence, held, sync))
+        hub.engines.enqueue_batch((hub, write, p, file_rows, parts, fence, held, sync))
     except BaseException:
         _release(held, p)
         raise
@@ -801,33 +900,28 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
 
 
 class _Worker(Resource):
-    """The hub's engine thread: batches and single requests run on it in the order queued.
-    Each time it wakes it takes everything queued; consecutive single requests of one direction
-    go to the engine as one submission, so requests issued together are read together, while
-    a lone request runs as soon as it is queued (nothing waits for a batch to fill)."""
+    """The thread that plans and finishes batches, in the order they were queued: each one
+    runs on the engine thread at the place it reserved there (see _Queue), and its fence
+    completes here."""
 
     def __init__(self) -> None:
         import queue
-        self._empty = queue.Empty
         self.q: Any = queue.SimpleQueue()
         self.t = threading.Thread(target=self._loop, name="p2phub-batch", daemon=True)
         self.t.start()
 
     def _loop(self) -> None:
         while True:
-            jobs = [self.q.get()]
-            while jobs[-1] is not None:
-                try:
-                    jobs.append(self.q.get_nowait())
-                except self._empty:
-                    break
-            stop = jobs[-1] is None
-            try:
-                _serve([j for j in jobs if j is not None])
-            except BaseException:  # noqa: BLE001 - _serve reports through the fences; keep serving
-                log.exception("batch worker")
-            if stop:
+            item = self.q.get()
+            if item is None:
                 return
+            queue, ticket, job = item
+            try:
+                _run(*job, queue=queue, ticket=ticket)
+            except BaseException:  # noqa: BLE001 - _run reports through the fence; keep serving
+                log.exception("batch worker")
+            finally:
+                queue.release(ticket)
 
     def put(self, job: Any) -> None:
         self.q.put(job)
@@ -839,47 +933,196 @@ class _Worker(Resource):
             self.t.join()
 
 
-def _serve(jobs: list[Any]) -> None:
-    run: list[_Request] = []
-    for job in jobs:
-        if isinstance(job, _Request) and (not run or run[0].write == job.write):
-            run.append(job)
-            continue
-        if run:
-            _run_requests(run)
-            run = []
-        if isinstance(job, _Request):
-            run.append(job)
-        else:
-            _run(*job)
-    if run:
-        _run_requests(run)
+# ------------------------------------------------------------------ the engine thread
+
+
+_QUEUE_CAPACITY = 1 << 16     # requests queued or uncollected at most; a push waits beyond
+_REAP_MAX = 4096
+
+
+class _Ignored:
+    """A reservation's place in the pending table: its completion carries nothing."""
+
+    @staticmethod
+    def finish(moved: int, run: int, why: str) -> None:
+        pass
+
+
+class _Queue(Resource):
+    """The Hub's engine thread (staged_io/_sio_queue.c): single loads and saves are queued
+    on it without the GIL and run in back-to-back runs as one submission each; batches run at
+    their reservations. Results are collected in bulk, by whichever thread waits for one
+    (Fence.wait) or else by a collector thread, which completes the fences."""
+
+    def __init__(self, mod: Any) -> None:
+        import numpy as np
+        self.ffi, self.lib = mod.ffi, mod.lib
+        err = self.ffi.new("char[]", 256)
+        q = self.lib.sio_queue_open(_QUEUE_CAPACITY, err, 256)
+        if q == self.ffi.NULL:
+            raise P2PHubOSError(errno.EIO, "the I/O engine thread", self.ffi.string(err).decode())
+        self.q = q
+        self._pending: dict[int, Any] = {}
+        self._early: dict[int, tuple[int, int]] = {}   # collected before their push returned
+        self._plock = threading.Lock()
+        self._rlock = threading.Lock()                 # one collector at a time (shared arrays)
+        self._first = self.ffi.new("unsigned long long *")
+        self._res = np.empty(_REAP_MAX, np.int64)
+        self._runs = np.empty(_REAP_MAX, np.uint32)
+        self._res_c = self.ffi.from_buffer("long long[]", self._res, require_writable=True)
+        self._runs_c = self.ffi.from_buffer("unsigned[]", self._runs, require_writable=True)
+        self._collector = threading.Thread(target=self._collect, name="p2phub-io-done",
+                                           daemon=True)
+        self._collector.start()
+
+    # -------------------------------------------------------------- queueing
+    def push(self, eng: Any, req: "_Request") -> None:
+        t = self.lib.sio_queue_push(self.q, eng, req.write, req.fd, req.offset, req.nbytes,
+                                    req.mem, req.flags, req.sync)
+        if t < 0:
+            raise UsageError("the hub's I/O engine is closed")
+        req.ticket = req.fence.ticket = t
+        req.fence.queue = self
+        with self._plock:
+            early = self._early.pop(t, None)
+            if early is None:
+                self._pending[t] = req
+                return
+        req.finish(early[0], early[1], self._why(early[0]))
+
+    def reserve(self) -> int:
+        t = self.lib.sio_queue_reserve(self.q)
+        if t < 0:
+            raise UsageError("the hub's I/O engine is closed")
+        with self._plock:
+            if self._early.pop(t, None) is None:
+                self._pending[t] = _Ignored
+        return t
+
+    def wait_reached(self, ticket: int) -> None:
+        self.lib.sio_queue_wait_reached(self.q, ticket)
+
+    def release(self, ticket: int) -> None:
+        self.lib.sio_queue_release(self.q, ticket)
+
+    # -------------------------------------------------------------- results
+    def reap(self) -> int:
+        """Collect every result ready and complete those requests' fences."""
+        with self._rlock:
+            n = self.lib.sio_queue_reap(self.q, self._first, self._res_c, self._runs_c,
+                                        _REAP_MAX)
+            if not n:
+                return 0
+            first = self._first[0]
+            res = self._res[:n].tolist()
+            runs = self._runs[:n].tolist()
+        done = []
+        with self._plock:
+            pop = self._pending.pop
+            for k in range(n):
+                req = pop(first + k, None)
+                if req is None:
+                    self._early[first + k] = (res[k], runs[k])
+                else:
+                    done.append((req, res[k], runs[k]))
+        for req, moved, run in done:
+            req.finish(moved, run, self._why(moved) if moved < 0 else "")
+        return n
+
+    def wait(self, ticket: int, timeout: float | None) -> bool:
+        """Block (without the GIL) until request `ticket` has completed on the engine thread."""
+        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        return bool(self.lib.sio_queue_wait(self.q, ticket, ns))
+
+    def _why(self, moved: int) -> str:
+        if moved != -errno.EIO:
+            return ""
+        return self.stats()["error"]
+
+    def stats(self) -> dict[str, Any]:
+        runs = self.ffi.new("unsigned long long *")
+        reqs = self.ffi.new("unsigned long long *")
+        big = self.ffi.new("unsigned long long *")
+        err = self.ffi.new("char[]", 256)
+        self.lib.sio_queue_stats(self.q, runs, reqs, big, err, 256)
+        return {"runs": int(runs[0]), "requests": int(reqs[0]), "longest_run": int(big[0]),
+                "error": self.ffi.string(err).decode(errors="replace")}
+
+    def _collect(self) -> None:
+        while True:
+            ready = self.lib.sio_queue_wait_results(self.q, 100_000_000)
+            if ready < 0:
+                return
+            if ready:
+                try:
+                    self.reap()
+                except BaseException:  # noqa: BLE001 - keep collecting
+                    log.exception("I/O engine results")
+
+    def _close(self) -> None:
+        """Runs what is queued (reservations released by their owners), delivers every
+        result, ends both threads."""
+        self.lib.sio_queue_close(self.q)
+        self._collector.join()
+        while self.reap():
+            pass
+        self.lib.sio_queue_free(self.q)
+        self.q = self.ffi.NULL
 
 
 # ------------------------------------------------------------------ single requests
 
 
+class RequestFence(Fence):
+    """A single load's or save's fence: completes when the engine thread's result for it is
+    collected; a thread that waits collects results itself rather than wake a collector."""
+
+    queue: "_Queue | None" = None
+    ticket = -1
+
+    def _block(self, timeout: float | None) -> None:
+        q = self.queue
+        if q is None:
+            self._sleep(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            q.reap()
+            if self._done:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if q.wait(self.ticket, left):
+                q.reap()
+                if not self._done:      # another thread collected it and completes it now
+                    self._sleep(left)
+
+
 @dataclass(eq=False)
 class _Request:
     """One hub.load / hub.save queued on the engine thread."""
-    hub: Any
     write: bool
     reg: Memory
-    target: CopyTarget
     fd: int
     owned: bool
     direct: bool
     offset: int
     mem: int
     nbytes: int
-    fence: Fence
+    flags: int
+    fence: RequestFence
     progress: Any
     sync: bool
+    path: str
+    t0: float
+    ticket: int = -1
 
-    def finish(self, err: BaseException | None, moved: int, stats: dict[str, Any]) -> None:
-        if err is None and (moved < 0 or moved < self.nbytes):
+    def finish(self, moved: int, run: int, why: str) -> None:
+        err: BaseException | None = None
+        if moved < 0 or moved < self.nbytes:
             err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.fence.what,
-                                self._short_why())
+                                why or self._short_why())
         try:
             self.reg.unhold()
             if self.owned:
@@ -888,9 +1131,9 @@ class _Request:
                 self.progress(self.nbytes)
         except BaseException as exc:  # noqa: BLE001 - delivered through the fence
             err = err or exc
-        self.fence.stats.update(stats, direct=self.direct)
+        self.fence.stats.update(seconds=_now() - self.t0, requests=run, direct=self.direct,
+                                submit_path=self.path)
         self.fence._finish(err)
-
 
     def _short_why(self) -> str:
         """Why a read came up short: the file ends before the range (it shrank)."""
@@ -989,7 +1232,8 @@ def _dispatch(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, ow
 def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
            direct: bool, offset: int, reg_offset: int, nbytes: int, what: str, progress: Any,
            sync: bool) -> Fence:
-    fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
+    t0 = _now()
+    fence = RequestFence(what, nbytes)   # path "staged": the bytes bounce through host memory
     # an ordered access of the memory: a load fills it (producer), a save reads it (consumer);
     # it waits here for the earlier accesses it conflicts with
     access = reg.ordering.acquire(reg_offset, nbytes,
@@ -999,51 +1243,16 @@ def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned
     except BaseException as exc:
         access.cancel(exc)
         raise
-    req = _Request(hub, write, reg, tgt, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
-                   fence, progress, sync)
+    req = _Request(write, reg, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
+                   direct | (tgt.gpu << 1), fence, progress, sync, "", t0)
     try:
-        hub.engines.worker().put(req)
+        hub.engines.push(req, tgt)
     except BaseException as exc:
         reg.unhold()
         access.cancel(exc)
         raise
-    access.bind(fence)
+    access.bind(fence)      # (a fence already complete releases the range at once)
     return fence
-
-
-def _run_requests(reqs: list[_Request]) -> None:
-    """Requests of one direction, one engine submission per copy engine and device."""
-    import time
-
-    import numpy as np
-    groups: dict[tuple[int, str, int], list[_Request]] = {}
-    for r in reqs:
-        key = (id(r.hub), getattr(r.target.ops, "name", ""), r.target.ordinal)
-        groups.setdefault(key, []).append(r)
-    for rs in groups.values():
-        n = len(rs)
-        t0 = time.perf_counter()
-        out = np.zeros(n, np.int64)
-        err: BaseException | None = None
-        stats: dict[str, Any] = {}
-        write = rs[0].write
-        try:
-            fds = np.array([r.fd for r in rs], np.int32)
-            off = np.array([r.offset for r in rs], np.uint64)
-            ln = np.array([r.nbytes for r in rs], np.uint64)
-            mem = np.array([r.mem for r in rs], np.uint64)
-            flags = np.array([r.direct | (r.target.gpu << 1) for r in rs], np.uint8)
-            eng = rs[0].hub.engines.batch_engine(rs[0].target.ops, rs[0].target.ordinal)
-            _rc, stats = eng.run(write, fds, off, ln, mem, flags, out)
-            if write:
-                for fd in {r.fd for r in rs if r.sync}:
-                    os.fsync(fd)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the fences
-            err = exc
-        dt = time.perf_counter() - t0
-        stats.update(seconds=dt, requests=n)
-        for r, moved in zip(rs, out.tolist()):
-            r.finish(err, moved, stats)
 
 
 def _register_host(eng: _Engine, mems: list[_Mem]) -> None:
@@ -1076,9 +1285,7 @@ def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> li
 
 
 def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: BatchFence,
-         held: list[Any], sync: bool) -> None:
-    import time
-
+         held: list[Any], sync: bool, *, queue: _Queue, ticket: int) -> None:
     import numpy as np
     t0 = time.perf_counter()
     err: BaseException | None = None
@@ -1121,7 +1328,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                 if not write:
                     _register_host(eng, gmems)
                 _rc, st = eng.run(
-                    write, np.ascontiguousarray(fds[sel]),
+                    queue, ticket, write, np.ascontiguousarray(fds[sel]),
                     np.ascontiguousarray(p.off[sub].astype(np.uint64)),
                     np.ascontiguousarray(p.length[sub].astype(np.uint64)),
                     np.ascontiguousarray(mem[sel]), np.ascontiguousarray(flags[sel]), out)

@@ -742,7 +742,8 @@ def on_lanes(hub: "Hub", direction: str, reg: Memory, tgt: CopyTarget, fd: int, 
              direct: bool, offset: int, reg_offset: int, nbytes: int, what: str,
              progress: Callable[[int], None] | None, sync: bool = True) -> Fence:
     """One load or save on the staging lanes, for memory whose copies only its backend's
-    Python operations can issue (the batch engine drives CUDA and host copies itself)."""
+    Python operations can issue (the batch engine drives CUDA and host copies itself). An fd
+    we own is closed when the transfer ends; if this raises, closing it is the caller's."""
     stager = hub.engines.stager(tgt.ops, tgt.ordinal)
     fence = Fence(what, nbytes)   # path "staged": the bytes bounce through host memory
     fence.stats["sync"] = sync
@@ -765,7 +766,7 @@ def on_lanes(hub: "Hub", direction: str, reg: Memory, tgt: CopyTarget, fd: int, 
         stager.start(fence, direction, fd, direct, offset, tgt.ptr + reg_offset, nbytes,
                      progress, done)
     except BaseException as exc:
-        done()
+        reg.unhold()        # the fd stays the caller's to close: the transfer never started
         access.cancel(exc)
         raise
     access.bind(fence)

@@ -43,6 +43,7 @@ import time
 from typing import Any, Callable
 
 from .._resource import Resource
+from ..errors import UsageError
 from .argtypes import comma_list, positive, size_bytes, size_text
 from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
                          make_file)
@@ -570,7 +571,24 @@ def render(report: dict) -> None:
                   "/proc/sys/vm/drop_caches is not writable here)")
 
 
+def _check_methods(names: list[str]) -> None:
+    """A method name the bench does not know is a usage error (exit 4), before anything runs."""
+    for name in names:
+        known = (name in ("ceiling", "torch", "p2phub", "p2phub-load", "p2phub:perrequest")
+                 or name in NIXL or (name.startswith("kvikio") and (name[6:] or "8").isdigit()))
+        if name.startswith("p2phub:") and not known:
+            try:
+                _variant(name, 128, 1 << 20)
+                known = True
+            except ValueError as exc:
+                raise UsageError(f"--methods: {exc}") from None
+        if not known:
+            raise UsageError(f"--methods: unknown method {name!r} (known: {METHODS}, "
+                             f"{', '.join(NIXL)}, kvikioN, p2phub:SETTINGS)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_methods([m.strip() for m in args.methods.split(",") if m.strip()])
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress
     sizes = [s for s in args.sizes.split(",") if s.strip()]

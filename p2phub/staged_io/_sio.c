@@ -65,6 +65,8 @@ static struct {
     CUresult (*ev_sync)(CUevent);
     CUresult (*stream_sync)(CUstream);
     CUresult (*get_error_name)(CUresult, const char **);
+    CUresult (*ctx_get)(void **);
+    CUresult (*ctx_set)(void *);
     /* CUDA 13: no failIdx; CUDA 12.8: failIdx before the stream */
     CUresult (*batch13)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, struct cu_copy_attrs *,
                         size_t *, size_t, CUstream);
@@ -120,11 +122,13 @@ static int cu_open(char *err, int errlen)
     SYM(ev_sync, "cuEventSynchronize");
     SYM(stream_sync, "cuStreamSynchronize");
     SYM(get_error_name, "cuGetErrorName");
+    SYM(ctx_get, "cuCtxGetCurrent");
+    SYM(ctx_set, "cuCtxSetCurrent");
     if (!SYM(batch13, "cuMemcpyBatchAsync_v2"))
         SYM(batch128, "cuMemcpyBatchAsync");
 #undef SYM
     if (!cu.h2d || !cu.d2h || !cu.ev_create || !cu.ev_destroy || !cu.ev_record ||
-        !cu.ev_query || !cu.ev_sync || !cu.stream_sync) {
+        !cu.ev_query || !cu.ev_sync || !cu.stream_sync || !cu.ctx_get || !cu.ctx_set) {
         cu.state = 1;
         say(err, errlen, "libcuda.so.1 lacks the copy and event calls p2phub needs");
         return -1;
@@ -459,13 +463,22 @@ struct slot {
  * thread that drives the ring (a ring of one thread refuses io_uring_register from any other),
  * at the start of a batch: a range asked for is installed then, one given up is removed then
  * (or at once where the caller is that thread). Lookups see only MEM_LIVE ranges, so a range
- * given up is never read into again, even before the kernel let go of its pages. */
+ * given up is never read into again, even before the kernel let go of its pages.
+ *
+ * mem_lock guards e->mem and the ring's setup against sio_register_mem/sio_unregister_mem on
+ * other threads (the caller's, while the engine thread runs a batch); the engine thread's
+ * lookups read a range's state without it (atomic loads). */
 enum { MEM_FREE, MEM_WANTED, MEM_LIVE, MEM_DEAD, MEM_REFUSED };
 
 struct mem_range {
     unsigned long long addr, len;
     int state;
 };
+
+static void mem_state(struct mem_range *m, int state)
+{
+    __atomic_store_n(&m->state, state, __ATOMIC_RELEASE);
+}
 
 struct sio_engine {
     struct ring ring;
@@ -484,11 +497,13 @@ struct sio_engine {
     struct mem_range mem[MEM_ENTRIES];
     unsigned mem_hint;          /* the entry the last lookup found */
     int mem_errno;              /* why the kernel last refused a range (0: never) */
+    pthread_mutex_t mem_lock;
     unsigned depth;
     unsigned long long slot_bytes;
     unsigned nslots;
     char *stage;
     CUstream stream;
+    void *ctx;                  /* the CUDA context current when it was opened */
     CUevent events[NEVENTS];
     int nevents;
     struct slot *slots;
@@ -617,9 +632,9 @@ static void register_stage(struct sio_engine *e)
     e->nstage = 0;
     for (i = 0; i < MEM_ENTRIES; i++) {
         if (e->mem[i].state == MEM_LIVE || e->mem[i].state == MEM_REFUSED)
-            e->mem[i].state = MEM_WANTED;
+            mem_state(&e->mem[i], MEM_WANTED);
         else if (e->mem[i].state == MEM_DEAD)
-            e->mem[i].state = MEM_FREE;
+            mem_state(&e->mem[i], MEM_FREE);
     }
     if (e->options & SIO_OPT_NO_FIXED)
         return;     /* nothing registered: the caller's memory neither */
@@ -652,7 +667,7 @@ static void register_stage(struct sio_engine *e)
 
 /* Bring the ring's table in line with e->mem: remove the ranges given up, install the ranges
  * asked for (a range the kernel refuses, such as memory it cannot pin for long, is read into
- * as plain memory). Only on the thread that drives the ring. */
+ * as plain memory). Only on the thread that drives the ring, mem_lock held. */
 static void mem_sync(struct sio_engine *e)
 {
     unsigned i;
@@ -666,12 +681,12 @@ static void mem_sync(struct sio_engine *e)
 
         if (m->state == MEM_DEAD) {
             table_update(e, e->nstage + i, &iov, 1);
-            m->state = MEM_FREE;
+            mem_state(m, MEM_FREE);
         } else if (m->state == MEM_WANTED) {
             iov.iov_base = (void *)(uintptr_t)m->addr;
             iov.iov_len = (size_t)m->len;
             r = table_update(e, e->nstage + i, &iov, 1);
-            m->state = r ? MEM_REFUSED : MEM_LIVE;
+            mem_state(m, r ? MEM_REFUSED : MEM_LIVE);
             if (r)
                 e->mem_errno = -r;
         }
@@ -687,7 +702,8 @@ static int mem_lookup(struct sio_engine *e, unsigned long long addr, unsigned lo
         unsigned i = (e->mem_hint + k) % MEM_ENTRIES;
         struct mem_range *m = &e->mem[i];
 
-        if (m->state == MEM_LIVE && addr >= m->addr && addr + len <= m->addr + m->len) {
+        if (__atomic_load_n(&m->state, __ATOMIC_ACQUIRE) == MEM_LIVE && addr >= m->addr &&
+            addr + len <= m->addr + m->len) {
             e->mem_hint = i;
             return (int)(e->nstage + i);
         }
@@ -700,9 +716,10 @@ static int ring_owner(struct sio_engine *e)
     return !e->ring.single || e->ring.owner == (pid_t)syscall(__NR_gettid);
 }
 
-int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
+/* sio_register_mem's work, mem_lock held. */
+static int register_mem(struct sio_engine *e, unsigned long long a, unsigned long long len)
 {
-    unsigned long long a = (unsigned long long)(uintptr_t)addr, pos;
+    unsigned long long pos;
     unsigned i, need = 0, have = 0;
 
     if (!len || a + len < a)
@@ -713,13 +730,18 @@ int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
         need++;
     for (i = 0; i < MEM_ENTRIES; i++)
         have += e->mem[i].state == MEM_FREE;
-    /* already asked for: nothing to do */
+    /* already asked for: how it stands */
     for (i = 0; i < MEM_ENTRIES; i++) {
         struct mem_range *m = &e->mem[i];
 
-        if ((m->state == MEM_WANTED || m->state == MEM_LIVE || m->state == MEM_REFUSED) &&
-            m->addr == a)
+        if (m->addr != a)
+            continue;
+        if (m->state == MEM_LIVE)
             return 0;
+        if (m->state == MEM_WANTED)
+            return (int)need;
+        if (m->state == MEM_REFUSED)
+            return -e->mem_errno;
     }
     if (need > have)
         return -ENOSPC;
@@ -730,7 +752,7 @@ int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
             continue;
         m->addr = pos;
         m->len = a + len - pos < FIXED_MAX ? a + len - pos : FIXED_MAX;
-        m->state = MEM_WANTED;
+        mem_state(m, MEM_WANTED);
         pos += m->len;
     }
     if (!ring_owner(e))
@@ -742,7 +764,17 @@ int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
         if (m->state == MEM_REFUSED && m->addr >= a && m->addr + m->len <= a + len)
             return -e->mem_errno;
     }
-    return (int)need;
+    return 0;
+}
+
+int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
+{
+    int rc;
+
+    pthread_mutex_lock(&e->mem_lock);
+    rc = register_mem(e, (unsigned long long)(uintptr_t)addr, len);
+    pthread_mutex_unlock(&e->mem_lock);
+    return rc;
 }
 
 int sio_unregister_mem(struct sio_engine *e, void *addr, unsigned long long len)
@@ -751,16 +783,18 @@ int sio_unregister_mem(struct sio_engine *e, void *addr, unsigned long long len)
     unsigned i;
     int n = 0;
 
+    pthread_mutex_lock(&e->mem_lock);
     for (i = 0; i < MEM_ENTRIES; i++) {
         struct mem_range *m = &e->mem[i];
 
         if (m->state == MEM_FREE || m->addr < a || m->addr + m->len > a + len)
             continue;
-        m->state = m->state == MEM_LIVE ? MEM_DEAD : MEM_FREE;
+        mem_state(m, m->state == MEM_LIVE ? MEM_DEAD : MEM_FREE);
         n++;
     }
     if (n && !e->use_aio && ring_owner(e))
         mem_sync(e);
+    pthread_mutex_unlock(&e->mem_lock);
     return n;
 }
 
@@ -768,13 +802,18 @@ int sio_mem_table(struct sio_engine *e, unsigned *live, unsigned *pending, int *
 {
     unsigned i;
 
+    int table;
+
+    pthread_mutex_lock(&e->mem_lock);
     *live = *pending = 0;
     for (i = 0; i < MEM_ENTRIES; i++) {
         *live += e->mem[i].state == MEM_LIVE || e->mem[i].state == MEM_DEAD;
         *pending += e->mem[i].state == MEM_WANTED || e->mem[i].state == MEM_DEAD;
     }
     *refused_errno = e->mem_errno;
-    return e->table && !e->use_aio;
+    table = e->table && !e->use_aio;
+    pthread_mutex_unlock(&e->mem_lock);
+    return table;
 }
 
 struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
@@ -795,6 +834,7 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
         say(err, errlen, "out of memory");
         return NULL;
     }
+    pthread_mutex_init(&e->mem_lock, NULL);
     e->options = options;
     e->depth = depth;
     e->slot_bytes = slot_bytes;
@@ -819,6 +859,10 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
     if (stream) {
         if (cu_open(err, errlen))
             goto fail;
+        if (cu.ctx_get(&e->ctx) || !e->ctx) {
+            say(err, errlen, "no CUDA context is current");
+            goto fail;
+        }
         for (i = 0; i < NEVENTS; i++) {
             CUresult r = cu.ev_create(&e->events[i], 2 /* CU_EVENT_DISABLE_TIMING */);
             if (r) {
@@ -860,6 +904,7 @@ fail:
         cu.ev_destroy(e->events[i]);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    pthread_mutex_destroy(&e->mem_lock);
     free(e);
     return NULL;
 }
@@ -880,6 +925,7 @@ void sio_close(struct sio_engine *e)
         ring_close(&e->ring);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    pthread_mutex_destroy(&e->mem_lock);
     free(e);
 }
 
@@ -1596,16 +1642,19 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     int rc;
 
     e->split_entries = 0;
+    pthread_mutex_lock(&e->mem_lock);
     if (!e->use_aio && e->ring.single && e->ring.owner != (pid_t)syscall(__NR_gettid)) {
         /* a ring of one thread, driven now by another: set it up again for this one */
         ring_close(&e->ring);
         e->fixed = 0;
+        e->table = 0;
         if (ring_setup(&e->ring, e->depth, 1, NULL, 0)) {
             uring_reason(e->path_reason, sizeof(e->path_reason), errno);
             e->use_aio = 1;
             if (aio_q_setup(&e->aio, e->depth, e->nslots, err, errlen)) {
                 e->use_aio = 0;
                 e->ring.fd = -1;
+                pthread_mutex_unlock(&e->mem_lock);
                 return -1;
             }
         } else {
@@ -1614,11 +1663,23 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     }
     if (!e->use_aio)
         mem_sync(e);
+    pthread_mutex_unlock(&e->mem_lock);
     rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
     st->aio = e->use_aio;
     st->split = e->split;
     st->split_entries = e->split_entries;
     return rc;
+}
+
+int sio_engine_bind(struct sio_engine *e)
+{
+    void *cur = NULL;
+
+    if (!e->ctx)
+        return 0;
+    if (cu.ctx_get(&cur) == 0 && cur == e->ctx)
+        return 0;
+    return cu.ctx_set(e->ctx) ? -1 : 0;
 }
 
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes)
@@ -1693,3 +1754,5 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
     ring_close(&r);
     return ret;
 }
+
+#include "_sio_queue.c"

@@ -74,13 +74,14 @@ int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen);
 
 /* Register [addr, addr + len) of the caller's host memory with the ring (fixed buffers, in
  * pieces of at most 1 GiB): O_DIRECT reads in place into it then skip pinning its pages per
- * read. The kernel's table changes on the thread that drives the ring, at once where that is
- * the caller, else at the start of the next sio_run. Returns the table entries it takes (0:
- * already asked for), -ENOSPC when the table is full, -EOPNOTSUPP where the ring has no
- * sparse buffer table (older kernels, Linux AIO), or the kernel's refusal (-ENOMEM over the
- * memlock limit, -EFAULT or -EOPNOTSUPP for memory it will not pin for long) where the table
- * changed at once. Memory not registered is read into as before. The memory must stay mapped
- * until sio_unregister_mem. */
+ * read. Any thread may call it, also while another runs a batch on the engine; the kernel's
+ * table changes on the thread that drives the ring, at once where that is the caller, else at
+ * the start of the next sio_run. Returns 0 once the range is in the kernel's table, the
+ * entries it waits with for the ring's thread (> 0; ask again after a batch), or why not:
+ * -ENOSPC when the table is full, -EOPNOTSUPP where the ring has no sparse buffer table (older
+ * kernels, Linux AIO), the kernel's refusal (-ENOMEM over the memlock limit, -EFAULT or
+ * -EOPNOTSUPP for memory it will not pin for long). Memory not registered is read into as
+ * before. The memory must stay mapped until sio_unregister_mem. */
 int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len);
 
 /* Give up every registered range inside [addr, addr + len): no read uses them from now on;
@@ -102,3 +103,57 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
 /* 1 when the CUDA driver offers cuMemcpyBatchAsync (after the first CUDA batch), 0 when not,
  * -1 before the driver was opened. */
 int sio_cuda_batch_api(void);
+
+/* Make the CUDA context the engine was opened under current on the calling thread (nothing
+ * for a host engine). 0, or -1 when the driver refused. */
+int sio_engine_bind(struct sio_engine *e);
+
+/* ------------------------------------------------------------------ the engine thread */
+
+/* One C thread that runs every batch of a Hub's engines in queue order (_sio_queue.c).
+ * Items get tickets in queue order; single requests queued back to back on one engine and
+ * direction run as one submission; a reservation holds a batch's place until its planner
+ * hands the batch over (sio_queue_run) and releases it. Results stay in the queue until
+ * collected (sio_queue_reap); a push waits while `capacity` items are uncollected. */
+struct sio_queue;
+
+struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int errlen);
+/* runs what is queued (reservations must be released) and ends the thread; results can
+ * still be collected */
+void sio_queue_close(struct sio_queue *q);
+/* closes it if open, and frees it: no other thread may be using it */
+void sio_queue_free(struct sio_queue *q);
+
+/* One read (write 0) or write (1) of len bytes at file offset off to (from) memory mem, as
+ * one entry of sio_run; `sync`: fsync the fd after the write. Its ticket, or -1 once closed.
+ * Its result: the bytes moved or -errno. */
+long long sio_queue_push(struct sio_queue *q, struct sio_engine *e, int write, int fd,
+                         unsigned long long off, unsigned long long len,
+                         unsigned long long mem, unsigned char flags, int sync);
+/* A place for a batch: the thread stops there until released. Its ticket, or -1. */
+long long sio_queue_reserve(struct sio_queue *q);
+/* Run a batch on the thread, at reservation `ticket` (waits for the items before it): as
+ * sio_run. May be called several times before the release. */
+int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_engine *e,
+                  int write, unsigned long long n, const int *fd, const unsigned long long *off,
+                  const unsigned long long *len, const unsigned long long *mem,
+                  const unsigned char *flags, long long *result, struct sio_stats *st,
+                  char *err, int errlen);
+/* Wait until every item before reservation `ticket` has completed. */
+void sio_queue_wait_reached(struct sio_queue *q, unsigned long long ticket);
+void sio_queue_release(struct sio_queue *q, unsigned long long ticket);
+
+/* 1 once item `ticket` has completed, 0 after timeout_ns (< 0: no limit). */
+int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long timeout_ns);
+/* For the thread that collects results: wait up to timeout_ns for some (while requests keep
+ * arriving, a little longer, so that one wake-up collects many); how many are ready, or -1
+ * once the queue is closed and all were collected. */
+long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns);
+/* Collect up to max results, oldest first: *first gets the first one's ticket, runs[i] the
+ * length of the run result i completed in. */
+unsigned long long sio_queue_reap(struct sio_queue *q, unsigned long long *first,
+                                  long long *results, unsigned *runs, unsigned long long max);
+/* runs of single requests, requests, the longest run; the last engine failure's message */
+void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
+                     unsigned long long *requests, unsigned long long *biggest,
+                     char *err, int errlen);

@@ -104,3 +104,19 @@ CUresult cuGetErrorName(CUresult r, const char **s)
     *s = "FAKE_CUDA_ERROR";
     return 0;
 }
+
+/* the context made current on this thread; a thread that set none has the default one */
+static int fake_ctx;
+static __thread void *fake_current;
+
+CUresult cuCtxGetCurrent(void **ctx)
+{
+    *ctx = fake_current ? fake_current : &fake_ctx;
+    return 0;
+}
+
+CUresult cuCtxSetCurrent(void *ctx)
+{
+    fake_current = ctx;
+    return 0;
+}

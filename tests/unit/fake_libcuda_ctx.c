@@ -17,7 +17,6 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev)
     return 0;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(int dev) { (void)dev; fake_ctx_retained--; return 0; }
-CUresult cuCtxSetCurrent(void *ctx) { (void)ctx; return 0; }
 CUresult cuStreamCreate(void **stream, unsigned flags) { (void)flags; *stream = malloc(1); return 0; }
 CUresult cuStreamDestroy_v2(void *stream) { free(stream); return 0; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags)

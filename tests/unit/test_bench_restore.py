@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from p2phub.cli import main
 
 MiB = 1 << 20
@@ -63,6 +65,18 @@ def test_restore_bench_refuses_reads_over_16m(tmp_path, capsys) -> None:
                "--sizes", "32M", "--memory", "host", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 1 and "over 16M" in rep["error"]
+
+
+@pytest.mark.parametrize("method, why", [("nosuch", "unknown method 'nosuch'"),
+                                         ("p2phub:zz", "unknown setting 'zz'")])
+def test_restore_bench_names_an_unknown_method_as_a_usage_error(tmp_path, capsys, method,
+                                                                 why) -> None:
+    f = tmp_path / "never.bin"
+    rc = main(["bench", "restore", "--file", str(f), "--size", "16M", "--methods",
+               f"p2phub,{method}", "--memory", "host", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 4 and rep["exit_name"] == "USAGE" and why in rep["error"]
+    assert not f.exists()       # refused before the file was made or anything ran
 
 
 def test_cli_knows_restore(capsys) -> None:

@@ -156,3 +156,46 @@ def test_per_request_loads_follow_a_path_replaced_by_rename(tmp_path) -> None:
     left = set(os.listdir("/proc/self/fd")) - before
     assert not [f for f in left if os.path.exists(f"/proc/self/fd/{f}")
                 and str(tmp_path) in os.readlink(f"/proc/self/fd/{f}")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("held", [False, True], ids=["as-issued", "queued-behind-a-pause"])
+def test_saves_and_loads_of_one_file_keep_their_order(tmp_path, held: bool) -> None:
+    """Single requests and batches on one file, issued back to back without waiting (into
+    different registrations, so no memory ordering relates them): each read sees exactly the
+    write queued before it, whether the engine thread runs them as they come or finds them all
+    queued at once."""
+    import contextlib
+
+    import numpy as np
+
+    from p2phub.hub import Hub
+
+    blk, n = 4096, 16
+    path = tmp_path / "order.bin"
+    path.write_bytes(bytes(n * blk))
+    with Hub(mode="staged") as hub:
+        regs = [hub.alloc_host(n * blk) for _ in range(4)]
+        views = [np.frombuffer(r.mmap(), np.uint8) for r in regs]
+        rng = np.random.default_rng(7)
+        for rnd in range(20):
+            src_a, src_c = rng.integers(0, 256, n * blk, np.uint8), rng.integers(0, 256, n * blk, np.uint8)
+            views[0][:] = src_a
+            views[2][:] = src_c
+            views[1][:] = 0
+            views[3][:] = 0
+            offs = np.arange(n) * blk
+            pause = hub.engines.paused() if held else contextlib.nullcontext()
+            with pause:
+                fences = [hub.save(regs[0], str(path), int(o), blk, int(o), sync=False)
+                          for o in offs]
+                fences.append(hub.load_batch(storage=str(path), offsets=offs, lengths=blk,
+                                             memory=regs[1], mem_offsets=offs))
+                fences.append(hub.save_batch(storage=str(path), offsets=offs, lengths=blk,
+                                             memory=regs[2], mem_offsets=offs, sync=False))
+                fences += [hub.load(str(path), regs[3], int(o), blk, int(o)) for o in offs]
+            for f in fences:
+                f.wait(60)
+            assert np.array_equal(views[1], src_a), f"round {rnd}: the batch load missed the saves"
+            assert np.array_equal(views[3], src_c), f"round {rnd}: a load missed the batch save"
+        del views

@@ -235,8 +235,7 @@ def test_a_short_source_fails_the_fence(hub, tmp_path) -> None:
     p.write_bytes(bytes(300 * KiB))
     buf = bytearray(300 * KiB)
     with hub.register(buf) as reg:
-        engine = hub.engines.batch_engine(reg.copy_target().ops, 0)
-        with engine.lock:                 # the engine is busy: the load waits in its queue
+        with hub.engines.paused():        # the engine is busy: the load waits in its queue
             fence = hub.load(p, reg)
             os.truncate(p, 100 * KiB)     # the file is truncated under the load
         exc = fence.exception(30)
@@ -385,3 +384,33 @@ def test_load_and_save_name_a_wrong_source_or_destination(hub, data_file, tmp_pa
     with pytest.raises(UsageError, match=r"the source must be memory registered with this hub"):
         hub.save(b"bytes", str(tmp_path / "out"))
 
+
+
+def test_a_lane_transfer_refused_at_start_closes_its_file_once(hub, data_file, monkeypatch) -> None:
+    """A load on the staging lanes whose start fails: the error reaches the caller, the file
+    p2phub opened for it is closed exactly once, and the memory is neither held nor ordered."""
+    path, data = data_file
+    ops = StreamOps()
+    buf = bytearray(len(data))
+    closed: list[int] = []
+    real_close = os.close
+
+    def counting_close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+
+    with _fake_gpu_reg(hub, ops, buf) as reg:
+        stager = hub.engines.stager(ops, 0)
+
+        def refuse(*_a, **_k) -> None:
+            raise UsageError("the stager is closed")
+        monkeypatch.setattr(stager, "start", refuse)
+        monkeypatch.setattr(os, "close", counting_close)
+        with pytest.raises(UsageError, match="stager is closed"):
+            hub.load(path, reg)
+        monkeypatch.setattr(os, "close", real_close)
+        assert len(closed) == 1 and len(set(closed)) == 1
+        assert reg.holds == 0
+        monkeypatch.undo()
+        hub.load(path, reg).wait(30)       # the range was released: it loads now
+        assert bytes(buf) == data

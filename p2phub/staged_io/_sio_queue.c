@@ -1,0 +1,484 @@
+/* p2phub staged I/O engine thread (see _sio.h, "The engine thread"): every run of a Hub's
+ * engines happens on one C thread, in the order it was queued. Single loads and saves are
+ * queued one by one without the GIL and leave the queue in runs: what was queued while the
+ * thread was busy goes to the engine as one submission. A batch reserves its place in the
+ * queue when it is made and is run there when its planner hands it over, so a save and a
+ * later load of the same file never trade places. Included by _sio.c. */
+
+#define SIOQ_REQUEST 0
+#define SIOQ_RESERVED 1
+/* a run of single requests is cut at this many (the engine's batch arrays are this long) */
+#define SIOQ_MAX_RUN 4096
+/* the reaper waits for more completions while requests keep arriving this recently ... */
+#define SIOQ_BUSY_NS 50000LL
+/* ... but never for longer than this after the first one, nor past this many */
+#define SIOQ_REAP_DELAY_NS 1000000LL
+#define SIOQ_REAP_BATCH 256
+
+struct sioq_item {
+    struct sio_engine *e;
+    unsigned long long off, len, mem;
+    long long result;
+    unsigned run;       /* the length of the run it completed in */
+    int fd;
+    unsigned char kind, write, flags, sync;
+};
+
+/* a batch handed to the thread at its reservation */
+struct sioq_part {
+    struct sio_engine *e;
+    int write;
+    unsigned long long n;
+    const int *fd;
+    const unsigned long long *off, *len, *mem;
+    const unsigned char *flags;
+    long long *result;
+    struct sio_stats *st;
+    char *err;
+    int errlen;
+    int rc;
+    int finished;
+};
+
+/* Tickets number the items in queue order. Items [reaped, head) are live in the ring:
+ * [next, head) wait for the thread, [completed, next) run now, [reaped, completed) hold
+ * results nobody has collected. Everything below is under mu. */
+struct sio_queue {
+    pthread_mutex_t mu;
+    pthread_cond_t work;    /* the idle thread: an item, stop */
+    pthread_cond_t hand;    /* the thread parked at a reservation: a part, the release */
+    pthread_cond_t done;    /* waiters: completions, the thread parked at a reservation */
+    pthread_cond_t space;   /* pushers: results collected */
+    struct sioq_item *ring;
+    unsigned long long cap;
+    unsigned long long head, next, completed, reaped;
+    unsigned long long parked;      /* 1 + the reservation the thread waits at; 0: none */
+    struct sioq_part *part;         /* a batch handed over at that reservation */
+    int released;                   /* that reservation is released */
+    int stop;
+    int started;
+    int idle;                       /* the thread waits for an item */
+    long long last_push_ns;
+    pthread_t thread;
+    /* the thread's arrays for one run of requests */
+    int *r_fd;
+    unsigned long long *r_off, *r_len, *r_mem;
+    unsigned char *r_flags;
+    long long *r_res;
+    unsigned long long runs, requests, biggest;
+    char err[256];
+};
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void deadline_in(struct timespec *ts, long long ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ns / 1000000000LL;
+    ts->tv_nsec += ns % 1000000000LL;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static struct sioq_item *q_item(struct sio_queue *q, unsigned long long t)
+{
+    return &q->ring[t % q->cap];
+}
+
+/* fsync each distinct fd of the run's synced writes once; a failure fails its writes */
+static void sync_run(struct sio_queue *q, unsigned long long first, unsigned long long n)
+{
+    unsigned long long i, j;
+
+    for (i = 0; i < n; i++) {
+        struct sioq_item *it = q_item(q, first + i);
+        int seen = 0;
+
+        if (!it->sync || q->r_res[i] < 0)
+            continue;
+        for (j = 0; j < i && !seen; j++)
+            seen = q_item(q, first + j)->sync && q->r_fd[j] == it->fd;
+        if (seen)
+            continue;
+        if (fsync(it->fd)) {
+            long long e = -errno;
+
+            for (j = i; j < n; j++)
+                if (q->r_fd[j] == it->fd && q_item(q, first + j)->sync)
+                    q->r_res[j] = e;
+        }
+    }
+}
+
+/* Run requests [next, next + n) (mu dropped meanwhile); record their results. */
+static void run_requests(struct sio_queue *q, unsigned long long n)
+{
+    unsigned long long first = q->next, i;
+    struct sioq_item *it0 = q_item(q, first);
+    struct sio_engine *e = it0->e;
+    int write = it0->write, rc;
+    struct sio_stats st;
+    char err[sizeof(q->err)] = "";
+
+    for (i = 0; i < n; i++) {
+        struct sioq_item *it = q_item(q, first + i);
+
+        q->r_fd[i] = it->fd;
+        q->r_off[i] = it->off;
+        q->r_len[i] = it->len;
+        q->r_mem[i] = it->mem;
+        q->r_flags[i] = it->flags;
+        q->r_res[i] = 0;
+    }
+    pthread_mutex_unlock(&q->mu);
+    memset(&st, 0, sizeof(st));
+    rc = sio_engine_bind(e);
+    if (!rc)
+        rc = sio_run(e, write, n, q->r_fd, q->r_off, q->r_len, q->r_mem, q->r_flags,
+                     q->r_res, &st, err, sizeof(err));
+    else
+        say(err, sizeof(err), "cuCtxSetCurrent failed");
+    if (rc < 0)
+        for (i = 0; i < n; i++)
+            if (q->r_res[i] >= 0)
+                q->r_res[i] = -EIO;
+    if (write)
+        sync_run(q, first, n);
+    pthread_mutex_lock(&q->mu);
+    if (rc < 0)
+        memcpy(q->err, err, sizeof(q->err));
+    for (i = 0; i < n; i++) {
+        q_item(q, first + i)->result = q->r_res[i];
+        q_item(q, first + i)->run = (unsigned)n;
+    }
+    q->runs++;
+    q->requests += n;
+    if (n > q->biggest)
+        q->biggest = n;
+}
+
+/* Park at reservation t: run the parts handed over until it is released. */
+static void serve_reservation(struct sio_queue *q, unsigned long long t)
+{
+    q->parked = t + 1;
+    pthread_cond_broadcast(&q->done);
+    for (;;) {
+        struct sioq_part *p;
+
+        while (!q->part && !q->released)
+            pthread_cond_wait(&q->hand, &q->mu);
+        p = q->part;
+        if (!p)
+            break;
+        pthread_mutex_unlock(&q->mu);
+        p->rc = sio_engine_bind(p->e);
+        if (!p->rc)
+            p->rc = sio_run(p->e, p->write, p->n, p->fd, p->off, p->len, p->mem, p->flags,
+                            p->result, p->st, p->err, p->errlen);
+        else
+            say(p->err, p->errlen, "cuCtxSetCurrent failed");
+        pthread_mutex_lock(&q->mu);
+        q->part = NULL;
+        p->finished = 1;
+        pthread_cond_broadcast(&q->done);
+    }
+    q->released = 0;
+    q->parked = 0;
+    q_item(q, t)->result = 0;
+    q_item(q, t)->run = 1;
+}
+
+static void *queue_main(void *arg)
+{
+    struct sio_queue *q = arg;
+
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        struct sioq_item *it;
+        unsigned long long n;
+
+        while (q->next == q->head && !q->stop) {
+            q->idle = 1;
+            pthread_cond_wait(&q->work, &q->mu);
+            q->idle = 0;
+        }
+        if (q->next == q->head)
+            break;      /* stopped, and nothing is left */
+        it = q_item(q, q->next);
+        if (it->kind == SIOQ_RESERVED) {
+            serve_reservation(q, q->next);
+            n = 1;
+        } else {
+            for (n = 1; q->next + n < q->head && n < SIOQ_MAX_RUN; n++) {
+                struct sioq_item *o = q_item(q, q->next + n);
+
+                if (o->kind != SIOQ_REQUEST || o->e != it->e || o->write != it->write)
+                    break;
+            }
+            run_requests(q, n);
+        }
+        q->next += n;
+        q->completed = q->next;
+        pthread_cond_broadcast(&q->done);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int errlen)
+{
+    struct sio_queue *q;
+    pthread_condattr_t ca;
+
+    if (capacity < 1 || capacity > (1ULL << 24)) {
+        say(err, errlen, "queue capacity %llu: want 1..%llu", capacity, 1ULL << 24);
+        return NULL;
+    }
+    q = calloc(1, sizeof(*q));
+    if (!q)
+        goto nomem;
+    q->cap = capacity;
+    q->ring = calloc(capacity, sizeof(*q->ring));
+    q->r_fd = calloc(SIOQ_MAX_RUN, sizeof(*q->r_fd));
+    q->r_off = calloc(SIOQ_MAX_RUN, sizeof(*q->r_off));
+    q->r_len = calloc(SIOQ_MAX_RUN, sizeof(*q->r_len));
+    q->r_mem = calloc(SIOQ_MAX_RUN, sizeof(*q->r_mem));
+    q->r_flags = calloc(SIOQ_MAX_RUN, sizeof(*q->r_flags));
+    q->r_res = calloc(SIOQ_MAX_RUN, sizeof(*q->r_res));
+    if (!q->ring || !q->r_fd || !q->r_off || !q->r_len || !q->r_mem || !q->r_flags || !q->r_res)
+        goto nomem;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&q->work, &ca);
+    pthread_cond_init(&q->hand, &ca);
+    pthread_cond_init(&q->done, &ca);
+    pthread_cond_init(&q->space, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&q->thread, NULL, queue_main, q)) {
+        say(err, errlen, "pthread_create: %s", strerror(errno));
+        pthread_mutex_destroy(&q->mu);
+        pthread_cond_destroy(&q->work);
+        pthread_cond_destroy(&q->hand);
+        pthread_cond_destroy(&q->done);
+        pthread_cond_destroy(&q->space);
+        goto fail;
+    }
+    q->started = 1;
+    return q;
+nomem:
+    say(err, errlen, "out of memory");
+fail:
+    if (q) {
+        free(q->ring), free(q->r_fd), free(q->r_off), free(q->r_len), free(q->r_mem);
+        free(q->r_flags), free(q->r_res);
+        free(q);
+    }
+    return NULL;
+}
+
+/* Everything queued runs (reservations must be released by their owners), then the thread
+ * ends; results can still be collected until sio_queue_free. */
+void sio_queue_close(struct sio_queue *q)
+{
+    int join;
+
+    pthread_mutex_lock(&q->mu);
+    q->stop = 1;
+    join = q->started;
+    q->started = 0;
+    pthread_cond_broadcast(&q->work);
+    pthread_cond_broadcast(&q->space);
+    pthread_cond_broadcast(&q->done);
+    pthread_mutex_unlock(&q->mu);
+    if (join)
+        pthread_join(q->thread, NULL);
+    /* wake collectors: everything has completed */
+    pthread_mutex_lock(&q->mu);
+    pthread_cond_broadcast(&q->done);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void sio_queue_free(struct sio_queue *q)
+{
+    if (!q)
+        return;
+    sio_queue_close(q);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->work);
+    pthread_cond_destroy(&q->hand);
+    pthread_cond_destroy(&q->done);
+    pthread_cond_destroy(&q->space);
+    free(q->ring), free(q->r_fd), free(q->r_off), free(q->r_len), free(q->r_mem);
+    free(q->r_flags), free(q->r_res);
+    free(q);
+}
+
+static long long q_push(struct sio_queue *q, const struct sioq_item *src)
+{
+    unsigned long long t;
+
+    pthread_mutex_lock(&q->mu);
+    while (q->head - q->reaped >= q->cap && !q->stop)
+        pthread_cond_wait(&q->space, &q->mu);
+    if (q->stop) {
+        pthread_mutex_unlock(&q->mu);
+        return -1;
+    }
+    t = q->head++;
+    *q_item(q, t) = *src;
+    q->last_push_ns = now_ns();
+    if (q->idle)
+        pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->mu);
+    return (long long)t;
+}
+
+long long sio_queue_push(struct sio_queue *q, struct sio_engine *e, int write, int fd,
+                         unsigned long long off, unsigned long long len,
+                         unsigned long long mem, unsigned char flags, int sync)
+{
+    struct sioq_item it = {
+        .e = e, .off = off, .len = len, .mem = mem, .fd = fd, .kind = SIOQ_REQUEST,
+        .write = !!write, .flags = flags, .sync = !!sync,
+    };
+
+    return q_push(q, &it);
+}
+
+long long sio_queue_reserve(struct sio_queue *q)
+{
+    struct sioq_item it = { .kind = SIOQ_RESERVED, .fd = -1 };
+
+    return q_push(q, &it);
+}
+
+/* wait (mu held) until the thread is parked at reservation t */
+static void wait_parked(struct sio_queue *q, unsigned long long t)
+{
+    while (q->parked != t + 1)
+        pthread_cond_wait(&q->done, &q->mu);
+}
+
+int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_engine *e,
+                  int write, unsigned long long n, const int *fd, const unsigned long long *off,
+                  const unsigned long long *len, const unsigned long long *mem,
+                  const unsigned char *flags, long long *result, struct sio_stats *st,
+                  char *err, int errlen)
+{
+    struct sioq_part p = {
+        .e = e, .write = write, .n = n, .fd = fd, .off = off, .len = len, .mem = mem,
+        .flags = flags, .result = result, .st = st, .err = err, .errlen = errlen,
+    };
+
+    pthread_mutex_lock(&q->mu);
+    wait_parked(q, ticket);
+    q->part = &p;
+    pthread_cond_signal(&q->hand);
+    while (!p.finished)
+        pthread_cond_wait(&q->done, &q->mu);
+    pthread_mutex_unlock(&q->mu);
+    return p.rc;
+}
+
+void sio_queue_wait_reached(struct sio_queue *q, unsigned long long ticket)
+{
+    pthread_mutex_lock(&q->mu);
+    wait_parked(q, ticket);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void sio_queue_release(struct sio_queue *q, unsigned long long ticket)
+{
+    pthread_mutex_lock(&q->mu);
+    wait_parked(q, ticket);
+    q->released = 1;
+    pthread_cond_signal(&q->hand);
+    pthread_mutex_unlock(&q->mu);
+}
+
+int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long timeout_ns)
+{
+    struct timespec dl;
+    int done;
+
+    pthread_mutex_lock(&q->mu);
+    if (timeout_ns >= 0)
+        deadline_in(&dl, timeout_ns);
+    while (q->completed <= ticket) {
+        if (timeout_ns < 0)
+            pthread_cond_wait(&q->done, &q->mu);
+        else if (pthread_cond_timedwait(&q->done, &q->mu, &dl) == ETIMEDOUT)
+            break;
+    }
+    done = q->completed > ticket;
+    pthread_mutex_unlock(&q->mu);
+    return done;
+}
+
+long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns)
+{
+    struct timespec dl;
+    long long first = 0, left;
+
+    pthread_mutex_lock(&q->mu);
+    deadline_in(&dl, timeout_ns);
+    while (q->completed == q->reaped && !(q->stop && q->reaped == q->head))
+        if (pthread_cond_timedwait(&q->done, &q->mu, &dl) == ETIMEDOUT)
+            break;
+    /* while requests keep coming, let results gather: one wake-up per many */
+    while (q->completed > q->reaped && q->completed - q->reaped < SIOQ_REAP_BATCH &&
+           now_ns() - q->last_push_ns < SIOQ_BUSY_NS) {
+        if (!first)
+            first = now_ns();
+        left = SIOQ_REAP_DELAY_NS - (now_ns() - first);
+        if (left <= 0)
+            break;
+        deadline_in(&dl, left < SIOQ_BUSY_NS ? left : SIOQ_BUSY_NS);
+        pthread_cond_timedwait(&q->done, &q->mu, &dl);
+    }
+    left = q->stop && q->reaped == q->head ? -1 : (long long)(q->completed - q->reaped);
+    pthread_mutex_unlock(&q->mu);
+    return left;
+}
+
+unsigned long long sio_queue_reap(struct sio_queue *q, unsigned long long *first,
+                                  long long *results, unsigned *runs, unsigned long long max)
+{
+    unsigned long long n, i;
+
+    pthread_mutex_lock(&q->mu);
+    n = q->completed - q->reaped;
+    if (n > max)
+        n = max;
+    *first = q->reaped;
+    for (i = 0; i < n; i++) {
+        results[i] = q_item(q, q->reaped + i)->result;
+        runs[i] = q_item(q, q->reaped + i)->run;
+    }
+    q->reaped += n;
+    if (n)
+        pthread_cond_broadcast(&q->space);
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
+                     unsigned long long *requests, unsigned long long *biggest,
+                     char *err, int errlen)
+{
+    pthread_mutex_lock(&q->mu);
+    *runs = q->runs;
+    *requests = q->requests;
+    *biggest = q->biggest;
+    say(err, errlen, "%s", q->err);
+    pthread_mutex_unlock(&q->mu);
+}
