@@ -32,7 +32,11 @@ queue, staging slots registered with the ring (fixed buffers) and reused. A load
 memory batches the host-to-GPU copies of each reaped round (``cuMemcpyBatchAsync``) on the
 same thread that keeps the ring full (``configure_batch(io_thread=True)`` reads on a second
 thread instead: slower on the H200 measured); into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
-lands in place (``fence.stats["in_place"]``), the others are copied out of a slot.
+lands in place (``fence.stats["in_place"]``), the others are copied out of a slot. A staged
+host registration that a load lands in is registered with the engine's ring on that first
+load and stays so while it is open (``fence.stats["fixed_mem"]``: reads in place that did not
+pin pages): the kernel pins, and so faults in, the whole registration then, as a P2P hub's
+registration does when it is made.
 
 Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
 declares each request's range to the registration's ordering: the SSD DMAs straight into the
@@ -610,7 +614,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
     bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
-    engine registering its staging memory with io_uring; `io_thread=True` reads on a second
+    engine registering its staging memory and the host memory loads land in with io_uring
+    (nothing is pinned beyond what a read is in flight on); `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
     `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
