@@ -504,6 +504,10 @@ struct sio_engine {
     char *stage;
     CUstream stream;
     void *ctx;                  /* the CUDA context current when it was opened */
+    /* more entries for the batch being run, asked when its entries are all started: returns
+     * the new entry count (the arrays are the caller's, long enough); NULL: none */
+    unsigned long long (*feed)(void *arg, unsigned long long n);
+    void *feed_arg;
     CUevent events[NEVENTS];
     int nevents;
     struct slot *slots;
@@ -1512,6 +1516,12 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
             struct slot *p = &e->slots[s];
 
             if (!next_piece(e, &cur, write, n, off, len, mem, flags, result, p)) {
+                unsigned long long fed = e->feed ? e->feed(e->feed_arg, n) : n;
+
+                if (fed > n) {      /* entries queued meanwhile join this batch */
+                    n = fed;
+                    continue;
+                }
                 more = 0;
                 break;
             }

@@ -9,6 +9,9 @@
 #define SIOQ_RESERVED 1
 /* a run of single requests is cut at this many (the engine's batch arrays are this long) */
 #define SIOQ_MAX_RUN 4096
+/* a run takes in requests queued while it runs for this long, then ends (its results are
+ * published when it ends) */
+#define SIOQ_FEED_NS 2000000LL
 /* the reaper waits for more completions while requests keep arriving this recently ... */
 #define SIOQ_BUSY_NS 50000LL
 /* ... but never for longer than this after the first one, nor past this many */
@@ -65,6 +68,12 @@ struct sio_queue {
     unsigned long long *r_off, *r_len, *r_mem;
     unsigned char *r_flags;
     long long *r_res;
+    /* the run in progress: its engine, direction, CUDA flag, start and length */
+    struct sio_engine *run_e;
+    int run_write;
+    unsigned char run_cuda;
+    long long run_start;
+    unsigned long long run_n;
     unsigned long long runs, requests, biggest;
     char err[256];
 };
@@ -118,34 +127,73 @@ static void sync_run(struct sio_queue *q, unsigned long long first, unsigned lon
     }
 }
 
-/* Run requests [next, next + n) (mu dropped meanwhile); record their results. */
-static void run_requests(struct sio_queue *q, unsigned long long n)
+/* Items [next + n, ...) that may join the run (mu held): the run's engine, direction and
+ * memory kind, no reservation between; copied into the run's arrays. The new length. */
+static unsigned long long take_requests(struct sio_queue *q, unsigned long long n)
 {
-    unsigned long long first = q->next, i;
+    while (n < SIOQ_MAX_RUN && q->next + n < q->head) {
+        struct sioq_item *it = q_item(q, q->next + n);
+
+        if (it->kind != SIOQ_REQUEST || it->e != q->run_e || it->write != q->run_write ||
+            (it->flags & SIO_CUDA) != q->run_cuda)
+            break;
+        q->r_fd[n] = it->fd;
+        q->r_off[n] = it->off;
+        q->r_len[n] = it->len;
+        q->r_mem[n] = it->mem;
+        q->r_flags[n] = it->flags;
+        q->r_res[n] = 0;
+        n++;
+    }
+    q->run_n = n;
+    return n;
+}
+
+/* the engine's feed: requests queued since the run started join it, while it is young */
+static unsigned long long feed_run(void *arg, unsigned long long n)
+{
+    struct sio_queue *q = arg;
+
+    if (now_ns() - q->run_start > SIOQ_FEED_NS)
+        return n;
+    pthread_mutex_lock(&q->mu);
+    n = take_requests(q, n);
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+/* Run the requests from next on (mu dropped meanwhile): those queued back to back now, and
+ * those queued while they run (feed_run); record their results. Returns how many ran. */
+static unsigned long long run_requests(struct sio_queue *q)
+{
+    unsigned long long first = q->next, i, n;
     struct sioq_item *it0 = q_item(q, first);
     struct sio_engine *e = it0->e;
     int write = it0->write, rc;
     struct sio_stats st;
     char err[sizeof(q->err)] = "";
 
-    for (i = 0; i < n; i++) {
-        struct sioq_item *it = q_item(q, first + i);
-
-        q->r_fd[i] = it->fd;
-        q->r_off[i] = it->off;
-        q->r_len[i] = it->len;
-        q->r_mem[i] = it->mem;
-        q->r_flags[i] = it->flags;
-        q->r_res[i] = 0;
-    }
+    q->run_e = e;
+    q->run_write = write;
+    q->run_cuda = it0->flags & SIO_CUDA;
+    q->run_start = now_ns();
+    n = take_requests(q, 0);
     pthread_mutex_unlock(&q->mu);
     memset(&st, 0, sizeof(st));
     rc = sio_engine_bind(e);
-    if (!rc)
+    if (!rc) {
+        e->feed = feed_run;
+        e->feed_arg = q;
         rc = sio_run(e, write, n, q->r_fd, q->r_off, q->r_len, q->r_mem, q->r_flags,
                      q->r_res, &st, err, sizeof(err));
-    else
+        e->feed = NULL;
+        e->feed_arg = NULL;
+    } else {
         say(err, sizeof(err), "cuCtxSetCurrent failed");
+    }
+    pthread_mutex_lock(&q->mu);
+    n = q->run_n;           /* with what joined meanwhile */
+    pthread_mutex_unlock(&q->mu);
     if (rc < 0)
         for (i = 0; i < n; i++)
             if (q->r_res[i] >= 0)
@@ -163,6 +211,8 @@ static void run_requests(struct sio_queue *q, unsigned long long n)
     q->requests += n;
     if (n > q->biggest)
         q->biggest = n;
+    q->run_e = NULL;
+    return n;
 }
 
 /* Park at reservation t: run the parts handed over until it is released. */
@@ -217,13 +267,7 @@ static void *queue_main(void *arg)
             serve_reservation(q, q->next);
             n = 1;
         } else {
-            for (n = 1; q->next + n < q->head && n < SIOQ_MAX_RUN; n++) {
-                struct sioq_item *o = q_item(q, q->next + n);
-
-                if (o->kind != SIOQ_REQUEST || o->e != it->e || o->write != it->write)
-                    break;
-            }
-            run_requests(q, n);
+            n = run_requests(q);
         }
         q->next += n;
         q->completed = q->next;
