@@ -32,7 +32,11 @@ queue, staging slots registered with the ring (fixed buffers) and reused. A load
 memory batches the host-to-GPU copies of each reaped round (``cuMemcpyBatchAsync``) on the
 same thread that keeps the ring full (``configure_batch(io_thread=True)`` reads on a second
 thread instead: slower on the H200 measured); into host memory, an O_DIRECT read whose offset, length and address are 4 KiB-aligned
-lands in place (``fence.stats["in_place"]``), the others are copied out of a slot.
+lands in place (``fence.stats["in_place"]``), the others are copied out of a slot. A staged
+host registration that a load lands in is registered with the engine's ring on that first
+load and stays so while it is open (``fence.stats["fixed_mem"]``: reads in place that did not
+pin pages): the kernel pins, and so faults in, the whole registration then, as a P2P hub's
+registration does when it is made.
 
 Namespace entries go to the NVMe engine in one ``Namespace.submit`` per namespace, which
 declares each request's range to the registration's ordering: the SSD DMAs straight into the
@@ -448,6 +452,8 @@ class _Engine(Resource):
         self._stage = None
         self._stream = 0
         self._closed = False
+        self._mem: dict[int, int] = {}    # host ranges registered with the ring: ptr -> bytes
+        self._unsettled: dict[int, str] = {}  # of those, ones the ring's thread has yet to take
 
     def _ensure(self) -> Any:
         if self._eng is None:
@@ -512,7 +518,7 @@ class _Engine(Resource):
                                    st, err, 256)
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
                                                        "merged", "slot_waits", "max_inflight",
-                                                       "in_place")}
+                                                       "in_place", "fixed_mem")}
             stats["batch_copy_api"] = bool(st.batch_api)
             stats["fixed_buffers"] = bool(st.fixed)
             stats["io_thread"] = bool(st.io_thread)
@@ -521,9 +527,70 @@ class _Engine(Resource):
             stats["submit_path_reason"] = self.path_reason
             stats["split_bytes"] = int(st.split)
             stats["split_entries"] = int(st.split_entries)
+            if self._unsettled:
+                self._settle(eng)
             if rc < 0:
                 raise P2PHubOSError(errno.EIO, "staged I/O engine", ffi.string(err).decode())
             return rc, stats
+
+    def register_memory(self, ptr: int, length: int, what: str) -> None:
+        """Register host memory that reads land in with the ring, once: its reads in place
+        then skip pinning its pages (``fence.stats["fixed_mem"]``). The engine keeps it until
+        forget_memory (the registration's close). Where the ring cannot take it (Linux AIO, an
+        older kernel, a full table, memory the kernel will not pin for long) reads go on as
+        before."""
+        if ptr in self._mem:
+            return
+        eng = self.handle()
+        with self.lock:
+            if self._closed or ptr in self._mem:
+                return
+            self._mem[ptr] = length
+            self._unsettled[ptr] = what
+            self._settle(eng)
+
+    def _settle(self, eng: Any) -> None:
+        """Log how each range asked for stands, once the ring's thread installed or refused it
+        (at once, or at the engine's next batch). Call with the lock held."""
+        ffi, lib = self.mod.ffi, self.mod.lib
+        for ptr, what in list(self._unsettled.items()):
+            rc = lib.sio_register_mem(eng, ffi.cast("void *", ptr), self._mem[ptr])
+            if rc > 0:
+                continue        # waits for the engine thread's next batch
+            del self._unsettled[ptr]
+            if rc == 0:
+                log.debug("staged I/O engine (device %d): %s registered with the ring",
+                          self.device, what)
+                continue
+            # no table at all (Linux AIO, an older kernel) is the path's reason, logged once
+            level = logging.DEBUG if rc == -errno.EOPNOTSUPP and self.path == "aio" \
+                else logging.INFO
+            log.log(level, "staged I/O engine (device %d): %s not registered with the ring "
+                    "(%s): its reads pin their pages each time", self.device, what,
+                    os.strerror(-rc))
+
+    def forget_memory(self, ptr: int, length: int) -> None:
+        """The memory at [ptr, ptr + length) goes away: no read lands in it through the ring's
+        table from now on; the kernel lets go of its pages at the engine's next batch or close."""
+        with self.lock:
+            for p in [p for p in self._mem if ptr <= p < ptr + length]:
+                del self._mem[p]
+                self._unsettled.pop(p, None)
+                if self._eng is not None:
+                    self.mod.lib.sio_unregister_mem(self._eng, self.mod.ffi.cast("void *", p),
+                                                    length - (p - ptr))
+
+    def mem_table(self) -> dict[str, int]:
+        """The ring's table of host memory: ``live`` entries the kernel holds, ``pending``
+        ones to install or remove at the next batch, ``refused_errno``."""
+        ffi, lib = self.mod.ffi, self.mod.lib
+        with self.lock:
+            if self._eng is None:
+                return {"table": 0, "live": 0, "pending": 0, "refused_errno": 0}
+            live, pending, why = ffi.new("unsigned *"), ffi.new("unsigned *"), ffi.new("int *")
+            table = lib.sio_mem_table(self._eng, live, pending, why)
+            return {"table": int(table), "live": int(live[0]), "pending": int(pending[0]),
+                    "refused_errno": int(why[0])}
 
     def _close(self) -> None:
         """Only once nothing queued on the engine thread refers to it (Engines._quiesce)."""
@@ -534,6 +601,8 @@ class _Engine(Resource):
                 self.mod.lib.sio_close(self._eng)
                 self._eng = None
             self._free()
+            self._mem.clear()
+            self._unsettled.clear()
 
 
 def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_SLOT,
@@ -545,7 +614,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
     bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
-    engine registering its staging memory with io_uring; `io_thread=True` reads on a second
+    engine registering its staging memory and the host memory loads land in with io_uring
+    (nothing is pinned beyond what a read is in flight on); `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
     `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
@@ -695,6 +765,13 @@ class Engines(Resource):
         from .staged_io import load as load_sio
         self._queue = _Queue(load_sio())
         return self._queue
+
+    def forget_memory(self, ptr: int, length: int) -> None:
+        """Host memory at [ptr, ptr + length) goes away: every batch engine gives it up."""
+        with self._lock:
+            engines = list(self._batch.values())
+        for eng in engines:
+            eng.forget_memory(ptr, length)
 
     def stager(self, ops: Any, device: int) -> Stager:
         key = (ops.name, device)
@@ -1188,6 +1265,14 @@ def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned
     return fence
 
 
+def _register_host(eng: _Engine, mems: list[_Mem]) -> None:
+    """Host registrations a load lands in, registered with the engine's ring once (a
+    dma-buf's CPU mapping is not: it lives for one batch)."""
+    for m in mems:
+        if not m.cuda and m.cpu_map is None and m.reg.mode == MODE_STAGED:
+            eng.register_memory(m.ptr, m.length, m.reg.what)
+
+
 def _release(held: list[Memory], p: _Plan) -> None:
     for reg in held:
         reg.unhold()
@@ -1242,12 +1327,17 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                 if m.cuda:
                     flags[sel] |= 2
                 key = (getattr(m.ops, "name", type(m.ops).__name__), m.device)
-                groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool)])[2] |= sel
+                g = groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool), []])
+                g[2] |= sel
+                g[3].append(m)
             stats: dict[str, Any] = {}
-            for (_name, dev), (ops, _d, sel) in groups.items():
+            for (_name, dev), (ops, _d, sel, gmems) in groups.items():
                 sub = rows[sel]
                 out = np.zeros(sub.size, np.int64)
-                _rc, st = _engine(hub, ops, dev).run(
+                eng = _engine(hub, ops, dev)
+                if not write:
+                    _register_host(eng, gmems)
+                _rc, st = eng.run(
                     queue, ticket, write, np.ascontiguousarray(fds[sel]),
                     np.ascontiguousarray(p.off[sub].astype(np.uint64)),
                     np.ascontiguousarray(p.length[sub].astype(np.uint64)),

@@ -561,7 +561,10 @@ class StagedRegistration(Memory):
         return self._target
 
     def _free(self) -> None:
-        """Memory.close's last step: the range and the host memory it owns go."""
+        """Memory.close's last step: the range and the host memory it owns go (host memory
+        leaves the batch engines' rings first, while no other mapping can take its addresses)."""
+        if self.gpu is None:
+            self._owner.engines.forget_memory(self._range.ptr, self.length)
         self._range.close()
         if self._owned is not None:
             self._owned.close()

@@ -37,6 +37,9 @@
 #define MAX_COPY_BATCH 512
 /* the kernel takes registered buffers of at most 1 GiB each */
 #define FIXED_MAX (1ULL << 30)
+/* entries of the ring's buffer table for the caller's memory (sio_register_mem), each a
+ * range of at most FIXED_MAX bytes */
+#define MEM_ENTRIES 32
 
 /* ------------------------------------------------------------------ CUDA driver */
 
@@ -456,6 +459,27 @@ struct slot {
     int to_mem;                 /* a read straight into host memory: no staging, no copy */
 };
 
+/* A range of the caller's memory in the ring's buffer table. The table changes only on the
+ * thread that drives the ring (a ring of one thread refuses io_uring_register from any other),
+ * at the start of a batch: a range asked for is installed then, one given up is removed then
+ * (or at once where the caller is that thread). Lookups see only MEM_LIVE ranges, so a range
+ * given up is never read into again, even before the kernel let go of its pages.
+ *
+ * mem_lock guards e->mem and the ring's setup against sio_register_mem/sio_unregister_mem on
+ * other threads (the caller's, while the engine thread runs a batch); the engine thread's
+ * lookups read a range's state without it (atomic loads). */
+enum { MEM_FREE, MEM_WANTED, MEM_LIVE, MEM_DEAD, MEM_REFUSED };
+
+struct mem_range {
+    unsigned long long addr, len;
+    int state;
+};
+
+static void mem_state(struct mem_range *m, int state)
+{
+    __atomic_store_n(&m->state, state, __ATOMIC_RELEASE);
+}
+
 struct sio_engine {
     struct ring ring;
     struct aio_q aio;
@@ -467,6 +491,13 @@ struct sio_engine {
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
     unsigned fixed_slots;       /* slots per registered buffer (each at most FIXED_MAX) */
+    int table;                  /* the ring has a sparse buffer table: the staging buffers
+                                   first (nstage of them), then MEM_ENTRIES for memory */
+    unsigned nstage;
+    struct mem_range mem[MEM_ENTRIES];
+    unsigned mem_hint;          /* the entry the last lookup found */
+    int mem_errno;              /* why the kernel last refused a range (0: never) */
+    pthread_mutex_t mem_lock;
     unsigned depth;
     unsigned long long slot_bytes;
     unsigned nslots;
@@ -550,31 +581,243 @@ static unsigned q_pending(struct sio_engine *e)
     return e->use_aio ? e->aio.npend : e->ring.pending;
 }
 
+/* Replace `n` entries of the ring's buffer table from `first` (an iov_base of NULL empties
+ * one). 0, or -errno. */
+static int table_update(struct sio_engine *e, unsigned first, struct iovec *iov, unsigned n)
+{
+#ifdef IORING_RSRC_REGISTER_SPARSE
+    struct io_uring_rsrc_update2 up;
+
+    memset(&up, 0, sizeof(up));
+    up.offset = first;
+    up.data = (unsigned long long)(uintptr_t)iov;
+    up.nr = n;
+    if (syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS_UPDATE, &up,
+                sizeof(up)) < 0)
+        return -errno;
+    return 0;
+#else
+    (void)e, (void)first, (void)iov, (void)n;
+    return -EOPNOTSUPP;
+#endif
+}
+
+/* A sparse buffer table of `n` entries (5.19+). 0, or -errno. */
+static int table_setup(struct sio_engine *e, unsigned n)
+{
+#ifdef IORING_RSRC_REGISTER_SPARSE
+    struct io_uring_rsrc_register rr;
+
+    memset(&rr, 0, sizeof(rr));
+    rr.nr = n;
+    rr.flags = IORING_RSRC_REGISTER_SPARSE;
+    if (syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS2, &rr,
+                sizeof(rr)) < 0)
+        return -errno;
+    return 0;
+#else
+    (void)e, (void)n;
+    return -EOPNOTSUPP;
+#endif
+}
+
 /* Register the staging memory with the ring as fixed buffers (no page pinning per I/O):
- * one buffer per FIXED_MAX bytes of whole slots. Where the kernel refuses (memlock limit,
- * memory it cannot pin for long), the engine reads into the slots as plain memory. */
+ * one buffer per FIXED_MAX bytes of whole slots, in a sparse table with room for the caller's
+ * memory (sio_register_mem) after them. Where the kernel has no sparse tables, the staging
+ * buffers alone; where it refuses (memlock limit, memory it cannot pin for long), the engine
+ * reads into the slots as plain memory. A new ring (sio_run on another thread) installs the
+ * caller's ranges again at its first batch. */
 static void register_stage(struct sio_engine *e)
 {
-    unsigned per = (unsigned)(FIXED_MAX / e->slot_bytes), n, i;
-    struct iovec *iov;
+    unsigned per = (unsigned)(FIXED_MAX / e->slot_bytes), n = 0, i;
+    struct iovec *iov = NULL;
 
-    if (per == 0 || (e->options & SIO_OPT_NO_FIXED))
-        return;
-    n = (e->nslots + per - 1) / per;
-    iov = calloc(n, sizeof(*iov));
-    if (!iov)
-        return;
-    for (i = 0; i < n; i++) {
-        unsigned first = i * per;
-        unsigned cnt = e->nslots - first < per ? e->nslots - first : per;
-        iov[i].iov_base = e->stage + (unsigned long long)first * e->slot_bytes;
-        iov[i].iov_len = (size_t)(cnt * e->slot_bytes);
+    e->table = 0;
+    e->nstage = 0;
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        if (e->mem[i].state == MEM_LIVE || e->mem[i].state == MEM_REFUSED)
+            mem_state(&e->mem[i], MEM_WANTED);
+        else if (e->mem[i].state == MEM_DEAD)
+            mem_state(&e->mem[i], MEM_FREE);
     }
-    if (syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS, iov, n) == 0) {
+    if (e->options & SIO_OPT_NO_FIXED)
+        return;     /* nothing registered: the caller's memory neither */
+    if (per) {
+        n = (e->nslots + per - 1) / per;
+        iov = calloc(n, sizeof(*iov));
+        if (!iov)
+            return;
+        for (i = 0; i < n; i++) {
+            unsigned first = i * per;
+            unsigned cnt = e->nslots - first < per ? e->nslots - first : per;
+            iov[i].iov_base = e->stage + (unsigned long long)first * e->slot_bytes;
+            iov[i].iov_len = (size_t)(cnt * e->slot_bytes);
+        }
+    }
+    if (table_setup(e, n + MEM_ENTRIES) == 0) {
+        e->table = 1;
+        e->nstage = n;
+        if (n && table_update(e, 0, iov, n) == 0) {
+            e->fixed = 1;
+            e->fixed_slots = per;
+        }
+    } else if (n &&
+               syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS, iov, n) == 0) {
         e->fixed = 1;
         e->fixed_slots = per;
     }
     free(iov);
+}
+
+/* Bring the ring's table in line with e->mem: remove the ranges given up, install the ranges
+ * asked for (a range the kernel refuses, such as memory it cannot pin for long, is read into
+ * as plain memory). Only on the thread that drives the ring, mem_lock held. */
+static void mem_sync(struct sio_engine *e)
+{
+    unsigned i;
+
+    if (!e->table)
+        return;
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        struct mem_range *m = &e->mem[i];
+        struct iovec iov = { NULL, 0 };
+        int r;
+
+        if (m->state == MEM_DEAD) {
+            table_update(e, e->nstage + i, &iov, 1);
+            mem_state(m, MEM_FREE);
+        } else if (m->state == MEM_WANTED) {
+            iov.iov_base = (void *)(uintptr_t)m->addr;
+            iov.iov_len = (size_t)m->len;
+            r = table_update(e, e->nstage + i, &iov, 1);
+            mem_state(m, r ? MEM_REFUSED : MEM_LIVE);
+            if (r)
+                e->mem_errno = -r;
+        }
+    }
+}
+
+/* The table entry of a live range that holds [addr, addr + len), or -1. */
+static int mem_lookup(struct sio_engine *e, unsigned long long addr, unsigned long long len)
+{
+    unsigned k;
+
+    for (k = 0; k < MEM_ENTRIES; k++) {
+        unsigned i = (e->mem_hint + k) % MEM_ENTRIES;
+        struct mem_range *m = &e->mem[i];
+
+        if (__atomic_load_n(&m->state, __ATOMIC_ACQUIRE) == MEM_LIVE && addr >= m->addr &&
+            addr + len <= m->addr + m->len) {
+            e->mem_hint = i;
+            return (int)(e->nstage + i);
+        }
+    }
+    return -1;
+}
+
+static int ring_owner(struct sio_engine *e)
+{
+    return !e->ring.single || e->ring.owner == (pid_t)syscall(__NR_gettid);
+}
+
+/* sio_register_mem's work, mem_lock held. */
+static int register_mem(struct sio_engine *e, unsigned long long a, unsigned long long len)
+{
+    unsigned long long pos;
+    unsigned i, need = 0, have = 0;
+
+    if (!len || a + len < a)
+        return -EINVAL;
+    if (e->use_aio || !e->table)
+        return -EOPNOTSUPP;
+    for (pos = a; pos < a + len; pos += FIXED_MAX)
+        need++;
+    for (i = 0; i < MEM_ENTRIES; i++)
+        have += e->mem[i].state == MEM_FREE;
+    /* already asked for: how it stands */
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        struct mem_range *m = &e->mem[i];
+
+        if (m->addr != a)
+            continue;
+        if (m->state == MEM_LIVE)
+            return 0;
+        if (m->state == MEM_WANTED)
+            return (int)need;
+        if (m->state == MEM_REFUSED)
+            return -e->mem_errno;
+    }
+    if (need > have)
+        return -ENOSPC;
+    for (pos = a, i = 0; pos < a + len; i++) {
+        struct mem_range *m = &e->mem[i];
+
+        if (m->state != MEM_FREE)
+            continue;
+        m->addr = pos;
+        m->len = a + len - pos < FIXED_MAX ? a + len - pos : FIXED_MAX;
+        mem_state(m, MEM_WANTED);
+        pos += m->len;
+    }
+    if (!ring_owner(e))
+        return (int)need;
+    mem_sync(e);
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        struct mem_range *m = &e->mem[i];
+
+        if (m->state == MEM_REFUSED && m->addr >= a && m->addr + m->len <= a + len)
+            return -e->mem_errno;
+    }
+    return 0;
+}
+
+int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len)
+{
+    int rc;
+
+    pthread_mutex_lock(&e->mem_lock);
+    rc = register_mem(e, (unsigned long long)(uintptr_t)addr, len);
+    pthread_mutex_unlock(&e->mem_lock);
+    return rc;
+}
+
+int sio_unregister_mem(struct sio_engine *e, void *addr, unsigned long long len)
+{
+    unsigned long long a = (unsigned long long)(uintptr_t)addr;
+    unsigned i;
+    int n = 0;
+
+    pthread_mutex_lock(&e->mem_lock);
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        struct mem_range *m = &e->mem[i];
+
+        if (m->state == MEM_FREE || m->addr < a || m->addr + m->len > a + len)
+            continue;
+        mem_state(m, m->state == MEM_LIVE ? MEM_DEAD : MEM_FREE);
+        n++;
+    }
+    if (n && !e->use_aio && ring_owner(e))
+        mem_sync(e);
+    pthread_mutex_unlock(&e->mem_lock);
+    return n;
+}
+
+int sio_mem_table(struct sio_engine *e, unsigned *live, unsigned *pending, int *refused_errno)
+{
+    unsigned i;
+
+    int table;
+
+    pthread_mutex_lock(&e->mem_lock);
+    *live = *pending = 0;
+    for (i = 0; i < MEM_ENTRIES; i++) {
+        *live += e->mem[i].state == MEM_LIVE || e->mem[i].state == MEM_DEAD;
+        *pending += e->mem[i].state == MEM_WANTED || e->mem[i].state == MEM_DEAD;
+    }
+    *refused_errno = e->mem_errno;
+    table = e->table && !e->use_aio;
+    pthread_mutex_unlock(&e->mem_lock);
+    return table;
 }
 
 struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsigned nslots,
@@ -595,6 +838,7 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
         say(err, errlen, "out of memory");
         return NULL;
     }
+    pthread_mutex_init(&e->mem_lock, NULL);
     e->options = options;
     e->depth = depth;
     e->slot_bytes = slot_bytes;
@@ -652,8 +896,11 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
             goto fail;
     } else {
         register_stage(e);
-        snprintf(e->path_reason, sizeof(e->path_reason), "io_uring_setup succeeded%s",
-                 e->fixed ? ", staging registered" : ", staging not registered");
+        snprintf(e->path_reason, sizeof(e->path_reason), "io_uring_setup succeeded%s%s",
+                 e->fixed ? ", staging registered" : ", staging not registered",
+                 (options & SIO_OPT_NO_FIXED) ? " (fixed buffers off)"
+                 : e->table ? ", memory registrable (sparse buffer table)"
+                 : ", memory not registrable (no sparse buffer table)");
     }
     return e;
 fail:
@@ -661,6 +908,7 @@ fail:
         cu.ev_destroy(e->events[i]);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    pthread_mutex_destroy(&e->mem_lock);
     free(e);
     return NULL;
 }
@@ -681,6 +929,7 @@ void sio_close(struct sio_engine *e)
         ring_close(&e->ring);
     free(e->slots), free(e->free_list), free(e->held);
     free(e->c_dst), free(e->c_src), free(e->c_size), free(e->c_slots);
+    pthread_mutex_destroy(&e->mem_lock);
     free(e);
 }
 
@@ -893,7 +1142,13 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
         return;
     }
     if (p->to_mem) {
-        ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s, -1);
+        int idx = e->table ? mem_lookup(e, (unsigned long long)(uintptr_t)addr, len) : -1;
+
+        if (idx >= 0) {
+            op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+            st->fixed_mem++;
+        }
+        ring_push(&e->ring, op, fd[p->entry], addr, len, p->pos + p->done, s, idx);
         return;
     }
     if (e->fixed)
@@ -1397,22 +1652,28 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     int rc;
 
     e->split_entries = 0;
+    pthread_mutex_lock(&e->mem_lock);
     if (!e->use_aio && e->ring.single && e->ring.owner != (pid_t)syscall(__NR_gettid)) {
         /* a ring of one thread, driven now by another: set it up again for this one */
         ring_close(&e->ring);
         e->fixed = 0;
+        e->table = 0;
         if (ring_setup(&e->ring, e->depth, 1, NULL, 0)) {
             uring_reason(e->path_reason, sizeof(e->path_reason), errno);
             e->use_aio = 1;
             if (aio_q_setup(&e->aio, e->depth, e->nslots, err, errlen)) {
                 e->use_aio = 0;
                 e->ring.fd = -1;
+                pthread_mutex_unlock(&e->mem_lock);
                 return -1;
             }
         } else {
             register_stage(e);
         }
     }
+    if (!e->use_aio)
+        mem_sync(e);
+    pthread_mutex_unlock(&e->mem_lock);
     rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
     st->aio = e->use_aio;
     st->split = e->split;

@@ -25,6 +25,9 @@ struct sio_stats {
     unsigned long long split;        /* O_DIRECT reads of twice this and up went in pieces of it
                                         (0: slot-sized pieces only) */
     unsigned long long split_entries;/* entries cut into such pieces */
+    unsigned long long fixed_mem;    /* pieces read (written) in place through a range of the
+                                        caller's memory registered with the ring
+                                        (sio_register_mem): no page pinning per I/O */
 };
 
 /* Flags of one entry. */
@@ -33,7 +36,7 @@ struct sio_stats {
 #define SIO_ALIGN 4096
 
 /* Options of an engine (sio_open), for measurement: the defaults are the fast ones. */
-#define SIO_OPT_NO_FIXED 1      /* do not register the staging memory with io_uring */
+#define SIO_OPT_NO_FIXED 1      /* register nothing with io_uring: staging nor memory */
 #define SIO_OPT_NO_IO_THREAD 2  /* CUDA loads: one thread does the I/O and the copies */
 #define SIO_OPT_POLL 4          /* wait for completions by polling, not sleeping */
 
@@ -68,6 +71,28 @@ void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes);
 /* The submission path: 0 io_uring, 1 Linux AIO (io_uring_setup refused, or P2PHUB_IO_URING=0
  * in the environment); `reason` gets why, for the log. */
 int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen);
+
+/* Register [addr, addr + len) of the caller's host memory with the ring (fixed buffers, in
+ * pieces of at most 1 GiB): O_DIRECT reads in place into it then skip pinning its pages per
+ * read. Any thread may call it, also while another runs a batch on the engine; the kernel's
+ * table changes on the thread that drives the ring, at once where that is the caller, else at
+ * the start of the next sio_run. Returns 0 once the range is in the kernel's table, the
+ * entries it waits with for the ring's thread (> 0; ask again after a batch), or why not:
+ * -ENOSPC when the table is full, -EOPNOTSUPP where the ring has no sparse buffer table (older
+ * kernels, Linux AIO), the kernel's refusal (-ENOMEM over the memlock limit, -EFAULT or
+ * -EOPNOTSUPP for memory it will not pin for long). Memory not registered is read into as
+ * before. The memory must stay mapped until sio_unregister_mem. */
+int sio_register_mem(struct sio_engine *e, void *addr, unsigned long long len);
+
+/* Give up every registered range inside [addr, addr + len): no read uses them from now on;
+ * the kernel lets go of their pages at once on the ring's thread, else at the next sio_run or
+ * sio_close. Returns the entries given up. */
+int sio_unregister_mem(struct sio_engine *e, void *addr, unsigned long long len);
+
+/* The caller's ranges: `live` entries in the kernel's table (given-up ones it still holds
+ * included), `pending` entries to install or remove at the next batch, `refused_errno` why the
+ * kernel last refused a range (0: never). Returns 1 when the ring has a sparse buffer table. */
+int sio_mem_table(struct sio_engine *e, unsigned *live, unsigned *pending, int *refused_errno);
 
 /* The host-only ceiling: n reads (fd O_DIRECT or not) of len[i] bytes at off[i], `depth` in
  * flight, each into its own slot of `buf` (depth slots of slot_bytes). Returns 0, or -errno. */

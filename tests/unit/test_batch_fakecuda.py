@@ -64,6 +64,22 @@ g.wait(60)
 got = np.fromfile(out, np.uint8)
 for o, m in zip(woffs, wsrc):
     assert np.array_equal(got[o:o + 65536], mem[m:m + 65536])
+# one batch into the fake GPU and into host memory: only the host engine's ring registers
+# the host memory, and the bytes land in both
+host = hub.alloc_host(1 << 20)
+hview = np.frombuffer(host.mmap(), np.uint8)
+mix = hub.load_batch(storage=path, offsets=[0, 8192, 65536], lengths=4096, memory=[reg, host],
+                     memory_index=[0, 1, 1], mem_offsets=[0, 0, 4096], direct=True)
+mix.wait(60)
+assert np.array_equal(mem[:4096], data[:4096])
+assert np.array_equal(hview[:4096], data[8192:12288])
+assert np.array_equal(hview[4096:8192], data[65536:69632])
+cuda_eng = hub.engines.batch_engine(FakeCudaOps(), 0)
+host_eng = hub.engines.batch_engine(staged.HostOps(), 0)
+assert cuda_eng.mem_table()["live"] == 0, cuda_eng.mem_table()
+if host_eng.mem_table()["table"]:
+    assert host_eng.mem_table()["live"] == 1, host_eng.mem_table()
+del hview
 print("ok", st["batch_copy_api"], g.stats["batch_copy_api"], st["io_thread"], g.stats["io_thread"])
 hub.close()
 """
