@@ -61,12 +61,7 @@ class AccessFence(Fence):
 
     def _bind(self, src: Fence) -> None:
         self._source = src
-        with src._lock:
-            pending = not src._done
-            if pending:
-                src._callbacks.append(self._from_source)
-        if not pending:
-            self._from_source(src)
+        src.then(self._from_source)
 
     def _from_source(self, src: Fence) -> None:
         self._ordering._retire(self.access)

@@ -41,8 +41,10 @@ class Fence:
         self._done = False
         self._ev: threading.Event | None = None  # made only when a thread blocks
         self._exc: BaseException | None = None
-        self._callbacks: list[Callable[["Fence"], None]] = []
-        self._words: list[tuple["WordPool", int, int]] = []  # (pool, slot, value) to store
+        self._callbacks: list[Callable[["Fence"], None]] | None = None   # made on first use
+        # (pool, slot, value) to store at completion; a list only once a stream waits (most
+        # fences never get one: fewer objects for the cycle collector per fence)
+        self._words: list[tuple["WordPool", int, int]] | tuple[()] = ()
 
     # ------------------------------------------------------------------ completion side
     def _complete(self, exc: BaseException | None = None) -> bool:
@@ -51,8 +53,8 @@ class Fence:
             if self._done:
                 return False
             self._exc = exc
-            words, self._words = self._words, []
-            callbacks, self._callbacks = self._callbacks, []
+            words, self._words = self._words, ()
+            callbacks, self._callbacks = self._callbacks or (), None
             self._done = True
             ev = self._ev
         if ev is not None:
@@ -144,14 +146,26 @@ class Fence:
         err.__cause__ = exc
         return err
 
-    def add_done_callback(self, fn: Callable[["Fence"], None]) -> None:
+    def _queue_callback(self, fn: Callable[["Fence"], None]) -> bool:
+        """Keep `fn` for completion; False when the fence is already complete."""
         with self._lock:
-            if not self._done:
-                self._callbacks.append(fn)
-                pending = True
+            if self._done:
+                return False
+            if self._callbacks is None:
+                self._callbacks = [fn]
             else:
-                pending = False
-        if pending:
+                self._callbacks.append(fn)
+            return True
+
+    def then(self, fn: Callable[["Fence"], None]) -> None:
+        """Call ``fn(fence)`` once the fence completes, on the thread that completes it (at
+        once when it already has). Unlike add_done_callback, nothing is started to drive a
+        fence that only completes when polled."""
+        if not self._queue_callback(fn):
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[["Fence"], None]) -> None:
+        if self._queue_callback(fn):
             if self.needs_driving:
                 progress().watch(self)
         else:
@@ -189,7 +203,9 @@ class Fence:
         with self._lock:
             pending = not self._done
             if pending:
-                self._words.append((pool, slot, value))
+                if not self._words:
+                    self._words = []
+                self._words.append((pool, slot, value))  # type: ignore[union-attr]
         if not pending:
             pool.store(slot, value)  # completed in between: nothing to wait for
             if self._exc is not None:
