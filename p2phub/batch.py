@@ -713,7 +713,7 @@ class Engines(Resource):
         with self._lock:
             return self._engine_locked(ops, device)
 
-    def push(self, req: "_Request", target: CopyTarget) -> None:
+    def push(self, req: "RequestFence", target: CopyTarget) -> None:
         """Queue one load or save on the engine thread. The engine is looked up and the
         request queued under the table's lock, so configure_batch() closes no engine a
         queued request still refers to."""
@@ -724,7 +724,7 @@ class Engines(Resource):
             if route is None:
                 eng = self._engine_locked(target.ops, target.ordinal)
                 route = self._routes[(target.ops, target.ordinal)] = (eng.handle(), eng.path)
-            req.path = route[1]
+            req.submit_path = route[1]
             (self._queue or self._open_queue()).push(route[0], req)
 
     def enqueue_batch(self, job: tuple[Any, ...]) -> None:
@@ -986,13 +986,13 @@ class _Queue(Resource):
         self._collector.start()
 
     # -------------------------------------------------------------- queueing
-    def push(self, eng: Any, req: "_Request") -> None:
+    def push(self, eng: Any, req: "RequestFence") -> None:
         t = self.lib.sio_queue_push(self.q, eng, req.write, req.fd, req.offset, req.nbytes,
                                     req.mem, req.flags, req.sync)
         if t < 0:
             raise UsageError("the hub's I/O engine is closed")
-        req.ticket = req.fence.ticket = t
-        req.fence.queue = self
+        req.ticket = t
+        req.queue = self
         with self._plock:
             early = self._early.pop(t, None)
             if early is None:
@@ -1084,11 +1084,52 @@ class _Queue(Resource):
 
 
 class RequestFence(Fence):
-    """A single load's or save's fence: completes when the engine thread's result for it is
-    collected; a thread that waits collects results itself rather than wake a collector."""
+    """One hub.load / hub.save queued on the engine thread, and its fence: completes when the
+    engine thread's result for it is collected; a thread that waits collects results itself
+    rather than wake a collector. (The request is the fence: one object less per request for
+    the cycle collector.)"""
 
     queue: "_Queue | None" = None
     ticket = -1
+    submit_path = ""
+
+    def __init__(self, what: str, write: bool, reg: Memory, fd: int, owned: bool, direct: bool,
+                 offset: int, mem: int, nbytes: int, flags: int, progress: Any,
+                 sync: bool) -> None:
+        super().__init__(what, nbytes)
+        self.t0 = _now()
+        self.write, self.reg, self.fd, self.owned, self.direct = write, reg, fd, owned, direct
+        self.offset, self.mem, self.flags = offset, mem, flags
+        self.progress, self.sync = progress, sync
+
+    def finish(self, moved: int, run: int, why: str) -> None:
+        err: BaseException | None = None
+        if moved < 0 or moved < self.nbytes:
+            err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.what,
+                                why or self._short_why())
+        try:
+            self.reg.unhold()
+            if self.owned:
+                os.close(self.fd)
+            if err is None and self.progress is not None:
+                self.progress(self.nbytes)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the fence
+            err = err or exc
+        self.progress = None
+        self.stats.update(seconds=_now() - self.t0, requests=run, direct=self.direct,
+                          submit_path=self.submit_path)
+        self._finish(err)
+
+    def _short_why(self) -> str:
+        """Why a read came up short: the file ends before the range (it shrank)."""
+        if self.write:
+            return ""
+        try:
+            size = staged.size_of(self.fd)
+        except OSError:
+            return ""
+        end = self.offset + self.nbytes
+        return f"the source ends at byte {size}, before {end}" if size < end else ""
 
     def _block(self, timeout: float | None) -> None:
         q = self.queue
@@ -1107,54 +1148,6 @@ class RequestFence(Fence):
                 q.reap()
                 if not self._done:      # another thread collected it and completes it now
                     self._sleep(left)
-
-
-@dataclass(eq=False)
-class _Request:
-    """One hub.load / hub.save queued on the engine thread."""
-    write: bool
-    reg: Memory
-    fd: int
-    owned: bool
-    direct: bool
-    offset: int
-    mem: int
-    nbytes: int
-    flags: int
-    fence: RequestFence
-    progress: Any
-    sync: bool
-    path: str
-    t0: float
-    ticket: int = -1
-
-    def finish(self, moved: int, run: int, why: str) -> None:
-        err: BaseException | None = None
-        if moved < 0 or moved < self.nbytes:
-            err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.fence.what,
-                                why or self._short_why())
-        try:
-            self.reg.unhold()
-            if self.owned:
-                os.close(self.fd)
-            if err is None and self.progress is not None:
-                self.progress(self.nbytes)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the fence
-            err = err or exc
-        self.fence.stats.update(seconds=_now() - self.t0, requests=run, direct=self.direct,
-                                submit_path=self.path)
-        self.fence._finish(err)
-
-    def _short_why(self) -> str:
-        """Why a read came up short: the file ends before the range (it shrank)."""
-        if self.write:
-            return ""
-        try:
-            size = staged.size_of(self.fd)
-        except OSError:
-            return ""
-        end = self.offset + self.nbytes
-        return f"the source ends at byte {size}, before {end}" if size < end else ""
 
 
 def _engine_copies(ops: Any) -> bool:
@@ -1242,8 +1235,8 @@ def _dispatch(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, ow
 def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
            direct: bool, offset: int, reg_offset: int, nbytes: int, what: str, progress: Any,
            sync: bool) -> Fence:
-    t0 = _now()
-    fence = RequestFence(what, nbytes)   # path "staged": the bytes bounce through host memory
+    fence = RequestFence(what, write, reg, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
+                         direct | (tgt.gpu << 1), progress, sync)
     # an ordered access of the memory: a load fills it (producer), a save reads it (consumer);
     # it waits here for the earlier accesses it conflicts with
     access = reg.ordering.acquire(reg_offset, nbytes,
@@ -1253,10 +1246,8 @@ def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned
     except BaseException as exc:
         access.cancel(exc)
         raise
-    req = _Request(write, reg, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
-                   direct | (tgt.gpu << 1), fence, progress, sync, "", t0)
     try:
-        hub.engines.push(req, tgt)
+        hub.engines.push(fence, tgt)
     except BaseException as exc:
         reg.unhold()
         access.cancel(exc)
