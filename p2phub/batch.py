@@ -66,6 +66,7 @@ from . import staged
 from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
+from .ordering.core import FencedAccess
 from .ordering.tracker import AccessKind
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
@@ -1083,24 +1084,34 @@ class _Queue(Resource):
 # ------------------------------------------------------------------ single requests
 
 
-class RequestFence(Fence):
-    """One hub.load / hub.save queued on the engine thread, and its fence: completes when the
-    engine thread's result for it is collected; a thread that waits collects results itself
-    rather than wake a collector. (The request is the fence: one object less per request for
-    the cycle collector.)"""
+class RequestFence(Fence, FencedAccess):
+    """One hub.load / hub.save queued on the engine thread, its fence and its ordered access
+    of the memory, in one object (the fewer objects a request leaves for the cycle collector,
+    the less its passes cost): completes when the engine thread's result for it is collected;
+    a thread that waits collects results itself rather than wake a collector."""
 
-    queue: "_Queue | None" = None
-    ticket = -1
-    submit_path = ""
+    shared_lock = threading.Lock()
+    queue: "_Queue | None"
+    ticket: int
+    submit_path: str
 
     def __init__(self, what: str, write: bool, reg: Memory, fd: int, owned: bool, direct: bool,
                  offset: int, mem: int, nbytes: int, flags: int, progress: Any,
                  sync: bool) -> None:
         super().__init__(what, nbytes)
         self.t0 = _now()
-        self.write, self.reg, self.fd, self.owned, self.direct = write, reg, fd, owned, direct
-        self.offset, self.mem, self.flags = offset, mem, flags
+        self.write, self.reg, self.fd, self.owned = write, reg, fd, owned
+        self.offset, self.mem, self.flags = offset, mem, flags | direct
         self.progress, self.sync = progress, sync
+        # every attribute set later exists from here, in one order, and there are fewer than
+        # 30: the instances then share one key table and none grows a dict of its own (one
+        # object more for the cycle collector)
+        self.ticket, self.queue, self.submit_path = -1, None, ""
+        self.kind, self.start, self.end, self.seq, self._ordering = None, 0, 0, 0, None
+
+    @property
+    def direct(self) -> bool:
+        return bool(self.flags & 1)
 
     def finish(self, moved: int, run: int, why: str) -> None:
         err: BaseException | None = None
@@ -1237,22 +1248,22 @@ def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned
            sync: bool) -> Fence:
     fence = RequestFence(what, write, reg, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
                          direct | (tgt.gpu << 1), progress, sync)
-    # an ordered access of the memory: a load fills it (producer), a save reads it (consumer);
-    # it waits here for the earlier accesses it conflicts with
-    access = reg.ordering.acquire(reg_offset, nbytes,
-                                  AccessKind.NVME_WRITE if write else AccessKind.NVME_READ, what)
+    # the request is an ordered access of the memory: a load fills it (producer), a save reads
+    # it (consumer); it waits here for the earlier accesses it conflicts with, and its
+    # completion releases the range
+    fence.acquire(reg.ordering, reg_offset, nbytes,
+                  AccessKind.NVME_WRITE if write else AccessKind.NVME_READ)
     try:
         reg.hold()
     except BaseException as exc:
-        access.cancel(exc)
+        fence.cancel(exc)
         raise
     try:
         hub.engines.push(fence, tgt)
     except BaseException as exc:
         reg.unhold()
-        access.cancel(exc)
+        fence.cancel(exc)
         raise
-    access.bind(fence)      # (a fence already complete releases the range at once)
     return fence
 
 

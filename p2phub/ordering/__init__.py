@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..memory import Memory
-from .core import AccessFence, GpuAccess, Ordering, as_fence, bind
+from .core import AccessFence, FencedAccess, GpuAccess, Ordering, as_fence, bind
 from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
 from .fence import Fence, HostFence, SourceFence, WordPool, completed, progress
 from .tracker import CONSUMERS, PRODUCERS, Access, AccessKind, RangeTracker
 
-__all__ = ["Access", "AccessFence", "AccessKind", "CONSUMERS", "Fence", "FenceError",
+__all__ = ["Access", "AccessFence", "AccessKind", "CONSUMERS", "Fence", "FencedAccess", "FenceError",
            "FenceTimeout", "GpuAccess", "HostFence", "Ordering", "OrderingError",
            "OrderingTimeout", "PRODUCERS", "RangeTracker", "SourceFence", "WordPool",
            "as_fence", "bind", "completed", "for_registration", "progress", "stream_ops_for"]

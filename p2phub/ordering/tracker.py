@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from .fence import Fence, SourceFence
 
 
-__all__ = ["AccessKind", "Access", "RangeTracker", "PRODUCERS", "CONSUMERS"]
+__all__ = ["AccessKind", "Access", "RangeTracker", "PRODUCERS", "CONSUMERS", "next_seq"]
 
 
 class AccessKind(enum.Enum):
@@ -57,6 +57,7 @@ PRODUCERS = tuple(k for k in AccessKind if k.producer)
 CONSUMERS = tuple(k for k in AccessKind if not k.producer)
 
 _seq = itertools.count(1)
+next_seq = _seq.__next__     # accesses are ordered by when they were declared
 
 
 class Access:
