@@ -1095,13 +1095,13 @@ class RequestFence(Fence, FencedAccess):
     ticket: int
     submit_path: str
 
-    def __init__(self, what: str, write: bool, reg: Memory, fd: int, owned: bool, direct: bool,
+    def __init__(self, name: str, write: bool, reg: Memory, fd: int, owned: bool,
                  offset: int, mem: int, nbytes: int, flags: int, progress: Any,
                  sync: bool) -> None:
-        super().__init__(what, nbytes)
+        super().__init__("", nbytes)
         self.t0 = _now()
-        self.write, self.reg, self.fd, self.owned = write, reg, fd, owned
-        self.offset, self.mem, self.flags = offset, mem, flags | direct
+        self.name, self.write, self.reg, self.fd, self.owned = name, write, reg, fd, owned
+        self.offset, self.mem, self.flags = offset, mem, flags
         self.progress, self.sync = progress, sync
         # every attribute set later exists from here, in one order, and there are fewer than
         # 30: the instances then share one key table and none grows a dict of its own (one
@@ -1112,6 +1112,16 @@ class RequestFence(Fence, FencedAccess):
     @property
     def direct(self) -> bool:
         return bool(self.flags & 1)
+
+    @property  # type: ignore[override]
+    def what(self) -> str:
+        """The request in words, made when asked for (an error, a repr), not per request."""
+        span = f"{self.name}[{self.offset}:+{self.nbytes}]"
+        return f"save {self.reg.what} -> {span}" if self.write else f"load {span} -> {self.reg.what}"
+
+    @what.setter
+    def what(self, _value: str) -> None:
+        pass
 
     def finish(self, moved: int, run: int, why: str) -> None:
         err: BaseException | None = None
@@ -1174,11 +1184,12 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     a fence. The read is queued on the hub's engine thread with whatever else is queued (see
     _Worker); `progress(nbytes)` is called once the bytes are in."""
     reg = staged.check_memory(dest, "the destination")
-    if staged.is_direct_storage(source):
+    if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     tgt = staged.copy_target(reg)
+    engine = _engine_copies(tgt.ops)
     cached = None
-    if isinstance(source, str) and _engine_copies(tgt.ops):
+    if engine and type(source) is str:
         cached = hub.engines.open_file(source, False, direct)
     if cached is not None:
         fd, is_direct, total = cached
@@ -1193,14 +1204,17 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
         if offset < 0 or nbytes <= 0 or offset + nbytes > total:
             raise UsageError(f"{name}: range offset={offset} nbytes={nbytes} is not inside its "
                              f"{total} bytes")
-        check_range(dest_offset, nbytes, reg.length, str(reg))
-        what = f"load {name}[{offset}:+{nbytes}] -> {reg.what}"
+        if dest_offset < 0 or dest_offset + nbytes > reg.length:
+            check_range(dest_offset, nbytes, reg.length, reg)   # type: ignore[arg-type]
+        if engine:
+            return _request(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset,
+                            nbytes, name, progress, True)
     except BaseException:
         if owned:
             os.close(fd)
         raise
-    return _dispatch(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
-                     what, progress, True)
+    return _on_lanes(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
+                     name, progress, True)
 
 
 def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -1214,39 +1228,45 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
         return staged.namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
         nbytes = reg.length - source_offset
-    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, str(reg))
+    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, reg)  # type: ignore[arg-type]
     if offset < 0:
         raise UsageError(f"offset={offset} is negative")
     tgt = staged.copy_target(reg)
     use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
     fd, is_direct, owned, name = staged.open_target(dest, True, use_direct)
-    what = f"save {reg.what} -> {name}[{offset}:+{nbytes}]"
-    return _dispatch(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
-                     what, progress, sync)
-
-
-def _dispatch(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
-              direct: bool, offset: int, reg_offset: int, nbytes: int, what: str,
-              progress: Any, sync: bool) -> Fence:
-    """One checked load or save onto the engine that copies this memory: the Hub's batch
-    engine for host and CUDA memory, the staging lanes for the rest; an fd we opened is
-    closed if it never gets there."""
     try:
-        if not _engine_copies(tgt.ops):
-            return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
-                                   direct, offset, reg_offset, nbytes, what, progress, sync=sync)
-        return _queue(hub, write, reg, tgt, fd, owned, direct, offset, reg_offset, nbytes,
-                      what, progress, sync)
+        if _engine_copies(tgt.ops):
+            return _request(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset,
+                            nbytes, name, progress, sync)
+    except BaseException:
+        if owned:
+            os.close(fd)
+        raise
+    return _on_lanes(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
+                     name, progress, sync)
+
+
+def _on_lanes(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+              direct: bool, offset: int, reg_offset: int, nbytes: int, name: str,
+              progress: Any, sync: bool) -> Fence:
+    """A load or save of memory the batch engine does not copy (a backend's own copies) on
+    the staging lanes; an fd we opened is closed if it never gets there."""
+    span = f"{name}[{offset}:+{nbytes}]"
+    what = f"save {reg.what} -> {span}" if write else f"load {span} -> {reg.what}"
+    try:
+        return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
+                               direct, offset, reg_offset, nbytes, what, progress, sync=sync)
     except BaseException:
         if owned:
             os.close(fd)
         raise
 
 
-def _queue(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
-           direct: bool, offset: int, reg_offset: int, nbytes: int, what: str, progress: Any,
-           sync: bool) -> Fence:
-    fence = RequestFence(what, write, reg, fd, owned, direct, offset, tgt.ptr + reg_offset, nbytes,
+def _request(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
+             direct: bool, offset: int, reg_offset: int, nbytes: int, name: str, progress: Any,
+             sync: bool) -> Fence:
+    """One checked load or save queued on the Hub's engine thread (host and CUDA memory)."""
+    fence = RequestFence(name, write, reg, fd, owned, offset, tgt.ptr + reg_offset, nbytes,
                          direct | (tgt.gpu << 1), progress, sync)
     # the request is an ordered access of the memory: a load fills it (producer), a save reads
     # it (consumer); it waits here for the earlier accesses it conflicts with, and its

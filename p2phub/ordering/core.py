@@ -206,7 +206,8 @@ class Ordering(Resource):
     def admit(self, a: Any, timeout: float | None = None) -> None:
         """Enter `a`, an access whose fields are set (a FencedAccess), and wait for the earlier
         accesses it conflicts with, as ``acquire`` does; withdrawn if that fails."""
-        self._check(a.start, a.end - a.start, a.kind)
+        if a.start < 0 or a.end <= a.start or a.end > self.length:
+            self._check(a.start, a.end - a.start, a.kind)
         self._enter(a)
         if a.deps:
             try:

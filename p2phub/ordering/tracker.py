@@ -164,6 +164,21 @@ class _SortedKeys:
         blk = self._blocks[b]
         return blk[bisect_right(blk, x) - 1]
 
+    def around(self, x: int) -> tuple[int | None, int | None]:
+        """(the largest key <= x, the smallest key >= x), in one lookup."""
+        firsts = self._firsts
+        b = bisect_right(firsts, x) - 1
+        if b < 0:
+            return None, (firsts[0] if firsts else None)
+        blk = self._blocks[b]
+        i = bisect_right(blk, x)
+        below = blk[i - 1]
+        if below == x:
+            return x, x
+        if i < len(blk):
+            return below, blk[i]
+        return below, (firsts[b + 1] if b + 1 < len(firsts) else None)
+
     def irange(self, lo: int, hi: int) -> list[int]:
         """Keys k with lo <= k < hi, ascending."""
         out: list[int] = []
@@ -251,12 +266,17 @@ class RangeTracker:
         s, e = a.start, a.end
         if s >= e:
             raise ValueError(f"empty range {a}")
-        keys = self._keys.irange(self._first_key(s), e)
-        if not keys:  # nothing live in [s, e): one new segment, no neighbour can equal it
-            self._segs[s] = [e, (a,)]
-            self._keys.add(s)
-            self._live += 1
-            return []
+        below, above = self._keys.around(s)
+        if below is None or self._segs[below][0] <= s:
+            if above is None or above >= e:
+                # nothing live in [s, e): one new segment, no neighbour can equal it
+                self._segs[s] = [e, (a,)]
+                self._keys.add(s)
+                self._live += 1
+                return []
+            keys = self._keys.irange(above, e)
+        else:
+            keys = self._keys.irange(below, e)
         seen: dict[int, Access] = {}
         segs = self._segs
         producer = a.kind.producer
