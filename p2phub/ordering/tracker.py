@@ -205,11 +205,14 @@ class _SortedKeys:
 
 
 class RangeTracker:
-    """Live accesses of one registration, on disjoint segments."""
+    """Live accesses of one registration, on disjoint segments. A segment is two dict
+    entries under its start, its end and its accesses (no per-segment container: one object
+    less per live access for the cycle collector)."""
 
     def __init__(self) -> None:
         self._keys = _SortedKeys()
-        self._segs: dict[int, list] = {}   # start -> [end, tuple[Access, ...]]
+        self._end: dict[int, int] = {}                      # start -> end
+        self._accs: dict[int, tuple[Access, ...]] = {}      # start -> accesses, oldest first
         self._live = 0
 
     def __len__(self) -> int:
@@ -223,26 +226,26 @@ class RangeTracker:
     def _first_key(self, start: int) -> int:
         """The key to start a walk of [start, ...) from."""
         k = self._keys.floor(start)
-        if k is not None and self._segs[k][0] > start:
+        if k is not None and self._end[k] > start:
             return k
         return start
 
     def overlapping(self, start: int, end: int) -> list[Access]:
         """Every live access overlapping [start, end), oldest first."""
         seen: dict[int, Access] = {}
-        segs = self._segs
+        accs = self._accs
         for k in self._keys.irange(self._first_key(start), end):
-            for a in segs[k][1]:
+            for a in accs[k]:
                 seen[a.seq] = a
         return [seen[s] for s in sorted(seen)]
 
     def conflicts(self, start: int, end: int, kind: AccessKind) -> list[Access]:
         """Live accesses an access of `kind` on [start, end) must come after, oldest first."""
         seen: dict[int, Access] = {}
-        segs = self._segs
+        accs = self._accs
         producer = kind.producer
         for k in self._keys.irange(self._first_key(start), end):
-            for a in segs[k][1]:
+            for a in accs[k]:
                 if producer or a.kind.producer:
                     seen[a.seq] = a
         if len(seen) < 2:
@@ -254,10 +257,11 @@ class RangeTracker:
         k = self._keys.floor(at)
         if k is None or k == at:
             return
-        seg = self._segs[k]
-        if seg[0] > at:
-            self._segs[at] = [seg[0], seg[1]]
-            seg[0] = at
+        end = self._end[k]
+        if end > at:
+            self._end[at] = end
+            self._accs[at] = self._accs[k]
+            self._end[k] = at
             self._keys.add(at)
 
     def enter(self, a: Access, strict: bool = False) -> list[Access]:
@@ -267,10 +271,11 @@ class RangeTracker:
         if s >= e:
             raise ValueError(f"empty range {a}")
         below, above = self._keys.around(s)
-        if below is None or self._segs[below][0] <= s:
+        if below is None or self._end[below] <= s:
             if above is None or above >= e:
                 # nothing live in [s, e): one new segment, no neighbour can equal it
-                self._segs[s] = [e, (a,)]
+                self._end[s] = e
+                self._accs[s] = (a,)
                 self._keys.add(s)
                 self._live += 1
                 return []
@@ -278,10 +283,10 @@ class RangeTracker:
         else:
             keys = self._keys.irange(below, e)
         seen: dict[int, Access] = {}
-        segs = self._segs
+        accs = self._accs
         producer = a.kind.producer
         for k in keys:
-            for x in segs[k][1]:
+            for x in accs[k]:
                 if producer or x.kind.producer:
                     seen[x.seq] = x
         deps = [seen[q] for q in sorted(seen)]
@@ -295,42 +300,43 @@ class RangeTracker:
             raise ValueError(f"empty range {a}")
         self._split(s)
         self._split(e)
-        segs = self._segs
+        ends, accs = self._end, self._accs
         pos = s
         for k in self._keys.irange(s, e):
             if k > pos:
-                segs[pos] = [k, (a,)]
+                ends[pos], accs[pos] = k, (a,)
                 self._keys.add(pos)
-            seg = segs[k]
-            seg[1] = seg[1] + (a,)
-            pos = seg[0]
+            accs[k] = accs[k] + (a,)
+            pos = ends[k]
         if pos < e:
-            segs[pos] = [e, (a,)]
+            ends[pos], accs[pos] = e, (a,)
             self._keys.add(pos)
         self._live += 1
 
+    def _drop(self, k: int) -> None:
+        del self._end[k]
+        del self._accs[k]
+        self._keys.remove(k)
+
     def remove(self, a: Access) -> None:
         s, e = a.start, a.end
-        segs = self._segs
-        seg = segs.get(s)
-        if seg is not None and seg[0] == e and len(seg[1]) == 1 and seg[1][0] is a:
+        ends, accs = self._end, self._accs
+        mine = accs.get(s)
+        if mine is not None and len(mine) == 1 and mine[0] is a and ends[s] == e:
             # Alone on its own segment: drop it; a gap is left, so nothing to merge.
-            del segs[s]
-            self._keys.remove(s)
+            self._drop(s)
             self._live -= 1
             return
         found = False
         for k in self._keys.irange(s, e):
-            seg = segs[k]
-            accs = seg[1]
-            if a in accs:
+            here = accs[k]
+            if a in here:
                 found = True
-                rest = tuple(x for x in accs if x is not a)
+                rest = tuple(x for x in here if x is not a)
                 if rest:
-                    seg[1] = rest
+                    accs[k] = rest
                 else:
-                    del segs[k]
-                    self._keys.remove(k)
+                    self._drop(k)
         if not found:
             raise KeyError(f"{a} is not live")
         self._live -= 1
@@ -339,19 +345,15 @@ class RangeTracker:
         keys = self._keys.irange(left if left is not None else s, e + 1)
         prev: int | None = None
         for k in keys:
-            if prev is not None:
-                p = segs[prev]
-                c = segs[k]
-                if p[0] == k and p[1] == c[1]:
-                    p[0] = c[0]
-                    del segs[k]
-                    self._keys.remove(k)
-                    continue
+            if prev is not None and ends[prev] == k and accs[prev] == accs[k]:
+                ends[prev] = ends[k]
+                self._drop(k)
+                continue
             prev = k
 
     def segments(self) -> list[tuple[int, int, tuple[Access, ...]]]:
         """(start, end, accesses) of every segment, ascending (for tests and debugging)."""
-        return [(k, self._segs[k][0], self._segs[k][1]) for k in self._keys]
+        return [(k, self._end[k], self._accs[k]) for k in self._keys]
 
     def accesses(self) -> list[Access]:
         seen: dict[int, Access] = {}
