@@ -178,8 +178,8 @@ def test_a_forked_child_neither_uses_nor_releases(kernel: FakeKernel, buf: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     hub = hubmod.Hub(mode="p2p")
     reg = hub.register_dmabuf(buf)
-    parent = os.getpid()
-    monkeypatch.setattr(os, "getpid", lambda: parent + 1)
+    from p2phub import _resource
+    monkeypatch.setattr(_resource, "_this_pid", os.getpid() + 1)   # as in a forked child
     with pytest.raises(UsageError, match="forked child"):
         reg.dma_pages("0000:00:04.0")
     with pytest.raises(UsageError, match="forked child"):

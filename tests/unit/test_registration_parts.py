@@ -195,10 +195,28 @@ def test_a_forked_child_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     r = Resource()
     r._mark_owner()
     r._check_owner()
-    monkeypatch.setattr(os, "getpid", lambda: r._pid + 1)
+    from p2phub import _resource
+    monkeypatch.setattr(_resource, "_this_pid", r._pid + 1)   # as in a forked child
     assert r.foreign
     with pytest.raises(UsageError, match="forked child"):
         r._check_owner()
+
+
+def test_a_real_forked_child_is_refused() -> None:
+    """The owner check follows a real fork() (the pid is kept current by an at-fork hook)."""
+    r = Resource()
+    r._mark_owner()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            r._check_owner()
+            code = 1
+        except UsageError:
+            code = 0 if r.foreign else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    r._check_owner()                  # the parent still owns it
 
 
 def test_the_package_root_exports_the_public_api() -> None:
