@@ -324,7 +324,9 @@ class RangeTracker:
         mine = accs.get(s)
         if mine is not None and len(mine) == 1 and mine[0] is a and ends[s] == e:
             # Alone on its own segment: drop it; a gap is left, so nothing to merge.
-            self._drop(s)
+            del ends[s]
+            del accs[s]
+            self._keys.remove(s)
             self._live -= 1
             return
         found = False
