@@ -955,7 +955,7 @@ class _Ignored:
     """A reservation's place in the pending table: its completion carries nothing."""
 
     @staticmethod
-    def finish(moved: int, run: int, why: str) -> None:
+    def finish(moved: int, run: int, why: str, settled: bool = False) -> None:
         pass
 
 
@@ -1036,8 +1036,9 @@ class _Queue(Resource):
                     self._early[first + k] = (res[k], runs[k])
                 else:
                     done.append((req, res[k], runs[k]))
+        _settle(done)
         for req, moved, run in done:
-            req.finish(moved, run, self._why(moved) if moved < 0 else "")
+            req.finish(moved, run, self._why(moved) if moved < 0 else "", True)
         return n
 
     def wait(self, ticket: int, timeout: float | None) -> bool:
@@ -1123,13 +1124,18 @@ class RequestFence(Fence, FencedAccess):
     def what(self, _value: str) -> None:
         pass
 
-    def finish(self, moved: int, run: int, why: str) -> None:
+    def finish(self, moved: int, run: int, why: str, settled: bool = False) -> None:
+        """Complete with the engine's result; `settled`: its range and its hold on the memory
+        were already released (_settle, for a batch of results at once)."""
         err: BaseException | None = None
         if moved < 0 or moved < self.nbytes:
             err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.what,
                                 why or self._short_why())
+        if settled:
+            self._ordering = None
         try:
-            self.reg.unhold()
+            if not settled:
+                self.reg.unhold()
             if self.owned:
                 os.close(self.fd)
             if err is None and self.progress is not None:
@@ -1169,6 +1175,23 @@ class RequestFence(Fence, FencedAccess):
                 q.reap()
                 if not self._done:      # another thread collected it and completes it now
                     self._sleep(left)
+
+
+def _settle(done: list[tuple[Any, int, int]]) -> None:
+    """For results collected together: release each memory's ranges under one hold of its
+    ordering's lock and drop its holds at once (per request, both would be a lock round each)."""
+    groups: dict[int, tuple[Memory, list[RequestFence]]] = {}
+    for req, _moved, _run in done:
+        if req is _Ignored:
+            continue
+        g = groups.get(id(req.reg))
+        if g is None:
+            groups[id(req.reg)] = (req.reg, [req])
+        else:
+            g[1].append(req)
+    for reg, reqs in groups.values():
+        reg.ordering.retire_all(reqs)
+        reg.unhold(len(reqs))
 
 
 def _engine_copies(ops: Any) -> bool:

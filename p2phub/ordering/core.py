@@ -148,8 +148,9 @@ class FencedAccess(Fence):
     def __repr__(self) -> str:
         if not self.seq:            # not declared yet
             return super().__repr__()
-        return (f"#{self.seq} {self.kind.label} [{self.start:#x}, +{self.length:#x}) of "
-                f"{self.owner} ({self.what})")
+        owner = self.owner
+        return (f"#{self.seq} {self.kind.label} [{self.start:#x}, +{self.length:#x})"
+                f"{' of ' + owner if owner else ''} ({self.what})")
 
     __str__ = __repr__
 
@@ -294,6 +295,16 @@ class Ordering(Resource):
             # The work's own fence (an RDMA request, a notification) can never count now:
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
+
+    def retire_all(self, accesses: list[Any]) -> None:
+        """``retire`` for many, under one hold of the lock (a batch of completed requests)."""
+        remove = self._tracker.remove
+        with self._lock:
+            for a in accesses:
+                try:
+                    remove(a)
+                except KeyError:    # withdrawn meanwhile
+                    pass
 
     def retire(self, a: Access) -> None:
         """The access's work is over (or never started): its range is released (the

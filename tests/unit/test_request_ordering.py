@@ -101,6 +101,7 @@ def test_a_queued_request_leaves_one_object_for_the_cycle_collector(blocks) -> N
             done = (len(gc.get_objects()) - before) / n
         finally:
             gc.enable()
+        assert mem.holds == 0 and len(mem.ordering) == 0   # released in bulk, all of them
         # the request itself, and while queued the tuple of its range in the tracker
         assert queued <= 2.1, queued
         assert done <= 1.1, done
