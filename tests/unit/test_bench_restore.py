@@ -25,6 +25,7 @@ def test_restore_bench_in_host_memory(tmp_path, capsys) -> None:
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0, rep
     assert rep["schema"] == "p2phub.bench.restore/1" and rep["device"] == "host"
+    assert rep["primed"] is True
     for row in rep["sizes"].values():
         assert row["count"] == 64
         assert len(row["per_s"]["p2phub"]) == 3 and len(row["per_s"]["ceiling"]) == 3
@@ -83,3 +84,11 @@ def test_cli_knows_restore(capsys) -> None:
     assert main(["bench", "restore", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--sizes" in out and "--memory" in out and "--max-bytes" in out
+
+
+def test_restore_bench_without_priming(tmp_path, capsys) -> None:
+    f = str(tmp_path / "bench.bin")
+    rc = main(["bench", "restore", "--file", f, "--size", "4M", "--count", "16", "--sizes", "4K",
+               "--runs", "1", "--methods", "p2phub", "--device", "host", "--no-prime", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["primed"] is False and rep["sizes"]["4096"]["verified"]["p2phub"]
