@@ -1099,7 +1099,11 @@ class RequestFence(Fence, FencedAccess):
     def __init__(self, name: str, write: bool, reg: Memory, fd: int, owned: bool,
                  offset: int, mem: int, nbytes: int, flags: int, progress: Any,
                  sync: bool) -> None:
-        super().__init__("", nbytes)
+        # the fields of Fence and staged.Fence, set in this one frame (it runs once per
+        # request; tests/unit/test_request_ordering.py checks that none is missing)
+        self._lock, self._done, self._ev, self._exc = self.shared_lock, False, None, None
+        self._callbacks, self._words = None, ()
+        self.nbytes, self.stats = nbytes, {}
         self.t0 = _now()
         self.name, self.write, self.reg, self.fd, self.owned = name, write, reg, fd, owned
         self.offset, self.mem, self.flags = offset, mem, flags
@@ -1194,9 +1198,12 @@ def _settle(done: list[tuple[Any, int, int]]) -> None:
         reg.unhold(len(reqs))
 
 
+# the copy engines whose copies the batch engine issues itself (memcpy, the CUDA driver)
+_ENGINE_OPS = ("host", "cuda")
+
+
 def _engine_copies(ops: Any) -> bool:
-    """The batch engine issues this copy engine's copies itself (memcpy, the CUDA driver)."""
-    return getattr(ops, "name", "") in ("host", "cuda")
+    return getattr(ops, "name", "") in _ENGINE_OPS
 
 
 def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -1209,8 +1216,10 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     reg = staged.check_memory(dest, "the destination")
     if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
-    tgt = staged.copy_target(reg)
-    engine = _engine_copies(tgt.ops)
+    tgt = reg.copy_target()
+    if tgt.ops is None:
+        staged.copy_target(reg)         # raises: nothing here copies to this memory
+    engine = getattr(tgt.ops, "name", "") in _ENGINE_OPS
     cached = None
     if engine and type(source) is str:
         cached = hub.engines.open_file(source, False, direct)

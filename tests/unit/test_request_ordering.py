@@ -105,3 +105,19 @@ def test_a_queued_request_leaves_one_object_for_the_cycle_collector(blocks) -> N
         # the request itself, and while queued the tuple of its range in the tracker
         assert queued <= 2.1, queued
         assert done <= 1.1, done
+
+
+def test_a_request_has_every_field_a_fence_has(blocks) -> None:
+    """RequestFence sets the fields of its base classes itself (one frame per request):
+    none may be missing."""
+    from p2phub import staged
+    from p2phub.batch import RequestFence
+
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(BLOCK)
+        req = hub.load(blocks, mem, 0, BLOCK, 0)
+        req.wait(10)
+        assert type(req) is RequestFence
+        base = staged.Fence("a fence", BLOCK)
+        assert set(vars(base)) - {"what"} <= set(vars(req))
+        assert req.stats["requests"] >= 1 and not req.failed()
