@@ -209,15 +209,7 @@ class Ordering(Resource):
         accesses it conflicts with, as ``acquire`` does; withdrawn if that fails."""
         if a.start < 0 or a.end <= a.start or a.end > self.length:
             self._check(a.start, a.end - a.start, a.kind)
-        with self._lock:        # _enter, inline: this runs once per single load or save
-            if self._closed:
-                raise UsageError(f"{self.owner} is closed{self._closed_reason}")
-            deps = self._tracker.enter(a, self.strict)
-            if deps:
-                if self.strict:
-                    raise OrderingError(f"{a} conflicts with the live {deps[0]} (strict "
-                                        "ordering)", a, deps[0])
-                a.deps = deps
+        self._enter(a)
         if a.deps:
             try:
                 self.wait_deps(a, self.timeout if timeout is None else timeout)
