@@ -1121,8 +1121,7 @@ class RequestFence(Fence, FencedAccess):
     @property  # type: ignore[override]
     def what(self) -> str:
         """The request in words, made when asked for (an error, a repr), not per request."""
-        span = f"{self.name}[{self.offset}:+{self.nbytes}]"
-        return f"save {self.reg.what} -> {span}" if self.write else f"load {span} -> {self.reg.what}"
+        return _words(self.write, self.name, self.offset, self.nbytes, self.reg)
 
     @what.setter
     def what(self, _value: str) -> None:
@@ -1179,6 +1178,12 @@ class RequestFence(Fence, FencedAccess):
                 q.reap()
                 if not self._done:      # another thread collected it and completes it now
                     self._sleep(left)
+
+
+def _words(write: bool, name: str, offset: int, nbytes: int, reg: Memory) -> str:
+    """A single load or save, in words."""
+    span = f"{name}[{offset}:+{nbytes}]"
+    return f"save {reg.what} -> {span}" if write else f"load {span} -> {reg.what}"
 
 
 def _settle(done: list[tuple[Any, int, int]]) -> None:
@@ -1283,8 +1288,7 @@ def _on_lanes(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, ow
               progress: Any, sync: bool) -> Fence:
     """A load or save of memory the batch engine does not copy (a backend's own copies) on
     the staging lanes; an fd we opened is closed if it never gets there."""
-    span = f"{name}[{offset}:+{nbytes}]"
-    what = f"save {reg.what} -> {span}" if write else f"load {span} -> {reg.what}"
+    what = _words(write, name, offset, nbytes, reg)
     try:
         return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
                                direct, offset, reg_offset, nbytes, what, progress, sync=sync)
