@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import logging
 import threading
 import time
 import weakref
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from ._resource import Resource
 from .errors import P2PHubOSError, StagedModeError, UsageError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import mmap
@@ -174,6 +177,9 @@ class MemoryShare:
         self.released = False
         self.holds = 0                  # transfers in flight (Memory.hold)
         self.hold_lock = threading.Lock()
+        # a close forced past transfers in flight: their fences failed at once, but an engine
+        # may still read into the memory, so the last unhold frees it
+        self.free_when_idle: Any = None
 
     @property
     def what(self) -> str:
@@ -292,6 +298,14 @@ class Memory(Resource):
         share = self._share
         with share.hold_lock:
             share.holds -= n
+            free = None
+            if share.holds == 0 and share.free_when_idle is not None:
+                free, share.free_when_idle = share.free_when_idle, None
+        if free is not None:
+            try:
+                free()
+            except Exception:  # noqa: BLE001 - the transfer's own completion must go on
+                log.exception("freeing %s after its last transfer", self)
 
     @property
     def holds(self) -> int:
@@ -419,8 +433,15 @@ class Memory(Resource):
             if not force:
                 share.check_holds(str(self))
             self._closed = True     # no new hold from here on
+            deferred = share.holds > 0
+            if deferred:
+                share.free_when_idle = self._free
         share.released = True
-        self._free()
+        if deferred:
+            log.info("%s: closed with %d transfer(s) in flight; freed when the last ends",
+                     self, share.holds)
+        else:
+            self._free()
 
     def _free(self) -> None:
         """Free what this memory holds (after _release's checks)."""

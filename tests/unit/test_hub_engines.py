@@ -199,3 +199,66 @@ def test_saves_and_loads_of_one_file_keep_their_order(tmp_path, held: bool) -> N
             assert np.array_equal(views[1], src_a), f"round {rnd}: the batch load missed the saves"
             assert np.array_equal(views[3], src_c), f"round {rnd}: a load missed the batch save"
         del views
+
+
+FORCED = r"""
+import sys
+import time
+import numpy as np
+from p2phub.hub import Hub
+from p2phub.ordering import FenceError
+
+def memfd_maps():
+    return sum(1 for line in open("/proc/self/maps") if "memfd:" in line)
+
+path = sys.argv[1]
+data = np.fromfile(path, np.uint8)
+with Hub(mode="staged") as hub:
+    base = memfd_maps()
+    for how in ("load", "load_batch"):
+        mem = hub.alloc_host(1 << 20)
+        keep = hub.alloc_host(1 << 20)      # still open: nothing may land in it by mistake
+        with hub.engines.paused():          # the engine has not started these yet
+            if how == "load":
+                fences = [hub.load(path, mem, k * 4096, 4096, k * 4096) for k in range(64)]
+            else:
+                fences = [hub.load_batch(storage=path, offsets=np.arange(64) * 4096,
+                                         lengths=4096, memory=mem,
+                                         mem_offsets=np.arange(64) * 4096)]
+            mem.close(force=True, timeout=0.2)
+            assert mem.closed and mem.holds > 0, mem.holds
+            if how == "load":                # single requests fail at once, with the reason
+                for f in fences:
+                    try:
+                        f.wait(0)
+                        raise AssertionError("a forced close left a request standing")
+                    except FenceError as exc:
+                        assert "closed" in str(exc), exc
+        for f in fences:                     # a batch completes when the engine has run it
+            f.exception(60)
+        # the engine runs them now, into memory the close has not freed yet
+        hub.load(path, keep, 0, 65536, 0).wait(60)
+        view = np.frombuffer(keep.mmap(), np.uint8)
+        assert np.array_equal(view[:65536], data[:65536])
+        assert not view[65536:].any()
+        del view
+        keep.close()
+        for _ in range(500):                # freed by the last transfer's completion
+            if mem.holds == 0 and memfd_maps() == base:
+                break
+            time.sleep(0.01)
+        assert mem.holds == 0 and memfd_maps() == base, (mem.holds, memfd_maps(), base)
+print("ok")
+"""
+
+
+def test_a_forced_close_frees_memory_only_after_its_transfers(tmp_path) -> None:
+    """close(force=True) fails the fences of transfers still queued at once, but the memory
+    stays mapped until the engine has run them (it reads into it); then it is freed. Before,
+    the engine wrote into unmapped memory and the process died."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    res = subprocess.run([sys.executable, "-c", FORCED, str(src)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    assert res.stdout.split() == ["ok"]
