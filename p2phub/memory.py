@@ -14,8 +14,9 @@ uses only what is written here:
 - its order: ``ordering`` and ``gpu_access(...)`` (p2phub.ordering);
 - what a copy engine needs: ``copy_target()`` (the address its bytes start at, the copy
   operations that reach them, the device ordinal) and ``hold()`` / ``unhold()`` around a
-  transfer in flight (close() refuses with EBUSY while one is held; forced, it fails their
-  fences, and the memory is freed by the last unhold, since an engine may still reach it);
+  transfer in flight (close() refuses with EBUSY while one is held; forced, the accesses
+  in flight fail at once, and the memory is freed by the last unhold, since an engine may
+  still reach it);
 - how it reaches a device: ``path(device)`` says which path a device would take
   and why (`MemPath`), ``bind(device)`` takes it (`Binding`: the kernel handle a
   device maps, or the staged lane), and refuses with an error naming why. The
