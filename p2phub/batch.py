@@ -1091,6 +1091,8 @@ class RequestFence(Fence, FencedAccess):
     the less its passes cost): completes when the engine thread's result for it is collected;
     a thread that waits collects results itself rather than wake a collector."""
 
+    # one lock for every request: a fence's critical sections are a few assignments and never
+    # nest, and a lock per request is one more object for the cycle collector to walk
     shared_lock = threading.Lock()
     queue: "_Queue | None"
     ticket: int

@@ -34,14 +34,10 @@ class Fence:
 
     #: True when completion only happens if someone calls _poll (queue/CQ/host word).
     needs_driving = False
-    #: A lock all fences of a subclass share, for fences made by the thousand (one per I/O
-    #: request): a fence's critical sections are a few assignments and never nest, and a
-    #: lock per fence is one more object for the cycle collector to walk. None: one each.
-    shared_lock: Any = None
 
     def __init__(self, what: str = "") -> None:
         self.what = what
-        self._lock = self.shared_lock or threading.Lock()
+        self._lock = threading.Lock()
         self._done = False
         self._ev: threading.Event | None = None  # made only when a thread blocks
         self._exc: BaseException | None = None
