@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..errors import P2PHubOSError, UsageError
 from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
 from .fence import Fence, SourceFence, WordPool, progress
-from .tracker import Access, AccessKind, RangeTracker, next_seq
+from .tracker import Access, AccessKind, AccessRange, RangeTracker, next_seq
 from .._resource import Resource
 
 __all__ = ["Ordering", "AccessFence", "FencedAccess", "GpuAccess", "as_fence"]
@@ -94,7 +94,7 @@ class AccessFence(Fence):
                     self._from_source(src)
 
 
-class FencedAccess(Fence):
+class FencedAccess(Fence, AccessRange):
     """A fence that is also the record of the access its work makes: one object where an
     Access, its AccessFence and the work's own fence would be three. For work made by the
     thousand (single loads and saves): fewer objects per request for the cycle collector and
@@ -118,17 +118,6 @@ class FencedAccess(Fence):
     def fence(self) -> "FencedAccess":
         return self
 
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-    @property
-    def producer(self) -> bool:
-        return self.kind.producer
-
-    def overlaps(self, start: int, end: int) -> bool:
-        return self.start < end and start < self.end
-
     def acquire(self, ordering: "Ordering", offset: int, length: int, kind: AccessKind, *,
                 timeout: float | None = None) -> None:
         """Declare this fence's work as an access of `ordering` (``Ordering.acquire``'s rules,
@@ -148,9 +137,7 @@ class FencedAccess(Fence):
     def __repr__(self) -> str:
         if not self.seq:            # not declared yet
             return super().__repr__()
-        owner = self.owner
-        return (f"#{self.seq} {self.kind.label} [{self.start:#x}, +{self.length:#x})"
-                f"{' of ' + owner if owner else ''} ({self.what})")
+        return self.describe()
 
     __str__ = __repr__
 

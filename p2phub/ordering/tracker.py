@@ -20,7 +20,8 @@ from typing import Any, Iterator
 from .fence import Fence, SourceFence
 
 
-__all__ = ["AccessKind", "Access", "RangeTracker", "PRODUCERS", "CONSUMERS", "next_seq"]
+__all__ = ["AccessKind", "Access", "AccessRange", "RangeTracker", "PRODUCERS", "CONSUMERS",
+           "next_seq"]
 
 
 class AccessKind(enum.Enum):
@@ -60,7 +61,39 @@ _seq = itertools.count(1)
 next_seq = _seq.__next__     # accesses are ordered by when they were declared
 
 
-class Access:
+class AccessRange:
+    """What an access says of itself from its kind, range, sequence number, owner and words:
+    shared by Access and p2phub.ordering.FencedAccess (a fence that is its own access)."""
+
+    __slots__ = ()
+    kind: AccessKind
+    start: int
+    end: int
+    seq: int
+    owner: str
+    what: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def producer(self) -> bool:
+        return self.kind.producer
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and start < self.end
+
+    def describe(self) -> str:
+        s = f"{self.kind.label} [{self.start:#x}, +{self.length:#x})"
+        if self.owner:
+            s += f" of {self.owner}"
+        if self.what:
+            s += f" ({self.what})"
+        return f"#{self.seq} {s}"
+
+
+class Access(AccessRange):
     """One declared access to bytes [start, end) of a registration."""
 
     __slots__ = ("kind", "start", "end", "what", "owner", "seq", "deps", "fence", "__weakref__")
@@ -76,14 +109,6 @@ class Access:
         self.deps: list[Access] = []
         self.fence: Any = None       # its ordering.core.AccessFence, set when entered
 
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-    @property
-    def producer(self) -> bool:
-        return self.kind.producer
-
     def bind(self, source: object) -> Fence:
         """Tie this access to the completion of its work (a Fence or an NVMe future): when
         that completes, the range is released and ``self.fence`` completes the same way."""
@@ -97,16 +122,8 @@ class Access:
         assert self.fence is not None
         self.fence._ordering.withdraw(self, exc)
 
-    def overlaps(self, start: int, end: int) -> bool:
-        return self.start < end and start < self.end
-
     def __repr__(self) -> str:
-        s = f"{self.kind.label} [{self.start:#x}, +{self.length:#x})"
-        if self.owner:
-            s += f" of {self.owner}"
-        if self.what:
-            s += f" ({self.what})"
-        return f"#{self.seq} {s}"
+        return self.describe()
 
     __str__ = __repr__
 
