@@ -1205,12 +1205,9 @@ def _settle(done: list[tuple[Any, int, int]]) -> None:
         reg.unhold(len(reqs))
 
 
-# the copy engines whose copies the batch engine issues itself (memcpy, the CUDA driver)
-_ENGINE_OPS = ("host", "cuda")
-
-
 def _engine_copies(ops: Any) -> bool:
-    return getattr(ops, "name", "") in _ENGINE_OPS
+    """The batch engine issues this copy engine's copies itself (memcpy, the CUDA driver)."""
+    return getattr(ops, "name", "") in ("host", "cuda")
 
 
 def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -1223,10 +1220,8 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     reg = staged.check_memory(dest, "the destination")
     if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
-    tgt = reg.copy_target()
-    if tgt.ops is None:
-        staged.copy_target(reg)         # raises: nothing here copies to this memory
-    engine = getattr(tgt.ops, "name", "") in _ENGINE_OPS
+    tgt = staged.copy_target(reg)
+    engine = _engine_copies(tgt.ops)
     cached = None
     if engine and type(source) is str:
         cached = hub.engines.open_file(source, False, direct)
@@ -1245,15 +1240,12 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
                              f"{total} bytes")
         if dest_offset < 0 or dest_offset + nbytes > reg.length:
             check_range(dest_offset, nbytes, reg.length, reg)   # type: ignore[arg-type]
-        if engine:
-            return _request(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset,
-                            nbytes, name, progress, True)
     except BaseException:
         if owned:
             os.close(fd)
         raise
-    return _on_lanes(hub, False, reg, tgt, fd, owned, is_direct, offset, dest_offset, nbytes,
-                     name, progress, True)
+    return _dispatch(hub, False, engine, reg, tgt, fd, owned, is_direct, offset, dest_offset,
+                     nbytes, name, progress, True)
 
 
 def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None = None,
@@ -1273,27 +1265,23 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     tgt = staged.copy_target(reg)
     use_direct = direct and offset % ALIGN == 0 and nbytes % ALIGN == 0
     fd, is_direct, owned, name = staged.open_target(dest, True, use_direct)
-    try:
-        if _engine_copies(tgt.ops):
-            return _request(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset,
-                            nbytes, name, progress, sync)
-    except BaseException:
-        if owned:
-            os.close(fd)
-        raise
-    return _on_lanes(hub, True, reg, tgt, fd, owned, is_direct, offset, source_offset, nbytes,
-                     name, progress, sync)
+    return _dispatch(hub, True, _engine_copies(tgt.ops), reg, tgt, fd, owned, is_direct, offset,
+                     source_offset, nbytes, name, progress, sync)
 
 
-def _on_lanes(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
-              direct: bool, offset: int, reg_offset: int, nbytes: int, name: str,
+def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarget, fd: int,
+              owned: bool, direct: bool, offset: int, reg_offset: int, nbytes: int, name: str,
               progress: Any, sync: bool) -> Fence:
-    """A load or save of memory the batch engine does not copy (a backend's own copies) on
-    the staging lanes; an fd we opened is closed if it never gets there."""
-    what = _words(write, name, offset, nbytes, reg)
+    """One checked load or save onto what copies this memory: the Hub's engine thread for host
+    and CUDA memory (`engine`), the staging lanes for a backend's own copies; an fd we opened
+    is closed if it never gets there."""
     try:
-        return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
-                               direct, offset, reg_offset, nbytes, what, progress, sync=sync)
+        if engine:
+            return _request(hub, write, reg, tgt, fd, owned, direct, offset, reg_offset, nbytes,
+                            name, progress, sync)
+        return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned, direct,
+                               offset, reg_offset, nbytes,
+                               _words(write, name, offset, nbytes, reg), progress, sync=sync)
     except BaseException:
         if owned:
             os.close(fd)
