@@ -24,8 +24,8 @@ The batch returns one fence (``BatchFence``: wait, done, exception, add_done_cal
 await, on_stream); with ``per_entry=True``, ``fence.entries`` holds one fence per entry.
 ``fence.results`` gives each entry's bytes moved, or -errno; ``fence.stats`` the engine's
 figures and, per file, whether it was read with O_DIRECT or through the page cache (by
-default, ``direct="auto"``, entries of 1 MiB and up are read through the page cache and the
-smaller ones with O_DIRECT: see ``configure_batch``).
+default, ``direct="auto"``, every read is O_DIRECT where the file system has it;
+``configure_batch(buffered_from=N)`` sends entries of N bytes and up through the page cache).
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
 queue, staging slots registered with the ring (fixed buffers) and reused. A load into GPU
@@ -81,10 +81,10 @@ log = logging.getLogger(__name__)
 DEFAULT_DEPTH = 128
 DEFAULT_SLOT = 512 << 10
 DEFAULT_SLOTS = 256
-# direct="auto" reads entries of this size and up through the page cache: on the virtio disk
-# measured (docs/benchmarks.md, restore) 1 MiB buffered reads ran 1.3x O_DIRECT ones, smaller
-# reads 1.1x to 1.4x slower buffered
-DEFAULT_BUFFERED_FROM = 1 << 20
+# direct="auto" reads entries of this size and up through the page cache (0: none). Off: on the
+# H200's virtio disk O_DIRECT reads of 1-16 MiB ran 1.0x-1.3x buffered ones, and 2-5x on the
+# development host (docs/benchmarks.md, "Large reads O_DIRECT by default")
+DEFAULT_BUFFERED_FROM = 0
 _OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
 _MAX_OPEN_FILES = 64     # paths whose open file the engines keep for per-request loads
 _now = time.perf_counter
@@ -396,7 +396,7 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
             aligned = not bool(((off[used] | ln[used]) % ALIGN).any())
             f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
             p.files.append(f)
-            if (direct == "auto" and not write and f.owned and f.direct
+            if (direct == "auto" and p.buffered_from and not write and f.owned and f.direct
                     and bool((used & (ln >= p.buffered_from)).any())):
                 try:
                     f.fd_buffered = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC)
@@ -614,7 +614,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
-    bytes and up go through the page cache. For measurement: `fixed_buffers=False` stops the
+    bytes and up go through the page cache (0, the default: none; for a disk whose page cache
+    reads large ranges faster than O_DIRECT). For measurement: `fixed_buffers=False` stops the
     engine registering its staging memory and the host memory loads land in with io_uring
     (nothing is pinned beyond what a read is in flight on); `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
@@ -666,8 +667,8 @@ class Engines(Resource):
             raise UsageError(f"slot={slot} must be a positive multiple of {ALIGN}")
         if slots < 1:
             raise UsageError(f"slots={slots} must be positive")
-        if buffered_from <= 0:
-            raise UsageError(f"buffered_from={buffered_from} must be positive")
+        if buffered_from < 0:
+            raise UsageError(f"buffered_from={buffered_from} must be 0 (never) or positive")
         if split is not None and (split < 0 or split % ALIGN):
             raise UsageError(f"split={split} must be 0 or a positive multiple of {ALIGN}")
         with self._lock:
@@ -854,8 +855,8 @@ def load_batch(hub: "Hub", entries: Sequence[Any] | None = None, *, storage: Any
     """Read every entry's `length` bytes at `offset` of its storage into its memory at the
     memory offset. See the module's doc for the forms; returns one BatchFence. direct: True
     reads with O_DIRECT where the file system has it, False through the page cache, "auto"
-    (default) O_DIRECT for entries under configure_batch's `buffered_from` (1 MiB) and the
-    page cache for larger ones (two fds on a path; an fd given is used as it is)."""
+    (default) O_DIRECT, except entries of configure_batch's `buffered_from` bytes and up when
+    it is set, through the page cache (two fds on a path; an fd given is used as it is)."""
     return _batch(hub, False, entries, storage, offsets, lengths, memory, mem_offsets,
                   storage_index, memory_index, per_entry, direct, False)
 

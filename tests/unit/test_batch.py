@@ -195,6 +195,20 @@ def test_scattered_writes(hub, tmp_path, where) -> None:
             os.unlink(path)
 
 
+def test_auto_reads_every_entry_o_direct_by_default(hub, disk_file) -> None:
+    path, data = disk_file
+    mem = bytearray(8 * MiB)
+    with hub.register(mem) as reg:
+        entries = [(path, 4096, 4 * MiB, reg, 0), (path, 123, 5000, reg, 4 * MiB + 8192)]
+        f = hub.load_batch(entries)
+        f.wait(60)
+        assert f.stats["io"] == {path: "O_DIRECT"}
+        for _st, o, ln, _r, d in entries:
+            assert bytes(mem[d:d + ln]) == data[o:o + ln].tobytes()
+    with pytest.raises(UsageError, match="buffered_from=-1"):
+        batch.configure_batch(hub, buffered_from=-1)
+
+
 def test_auto_reads_large_entries_through_the_page_cache(hub, disk_file) -> None:
     path, data = disk_file
     batch.configure_batch(hub, depth=8, slot=256 * KiB, slots=16, buffered_from=MiB)
