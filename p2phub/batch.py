@@ -655,7 +655,8 @@ class Engines(Resource):
         # per-request loads and saves by path reuse one open file per (path, direction,
         # O_DIRECT) while the path names the same inode: a stat per request instead of an
         # open, an fstat and a close (fds replaced by a rename are closed with the engines)
-        self._files: dict[tuple[str, bool, bool], tuple[int, int, int, bool]] = {}
+        self._files: dict[tuple[str, bool, bool], tuple[int, int, int, bool, bytes]] = {}
+        self._file_same: Any = None     # staged_io's sio_file_same, once a file is open
         self._stale_fds: list[int] = []
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
@@ -788,16 +789,18 @@ class Engines(Resource):
         """(fd, O_DIRECT in use, size) of a regular file `name` from the engines' open files,
         opened on first use; None where the caller should open it itself (not a regular file
         yet, or the table is full)."""
+        key = (name, write, direct)
+        ent = self._files.get(key)
+        if ent is not None:
+            size = self._file_same(ent[4], ent[1], ent[2])   # one stat, in C
+            if size >= 0:
+                return ent[0], ent[3], size
         try:
             st = os.stat(name)
         except OSError:
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
-        key = (name, write, direct)
-        ent = self._files.get(key)
-        if ent is not None and ent[1] == st.st_dev and ent[2] == st.st_ino:
-            return ent[0], ent[3], st.st_size
         if ent is None and len(self._files) >= _MAX_OPEN_FILES:
             return None
         fd, is_direct, _owned, _ = staged.open_target(name, write, direct)
@@ -809,7 +812,10 @@ class Engines(Resource):
             old = self._files.get(key)
             if old is not None:
                 self._stale_fds.append(old[0])   # requests in flight may still read it
-            self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct)
+            self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct, os.fsencode(name))
+            if self._file_same is None:
+                from .staged_io import load as load_sio
+                self._file_same = load_sio().lib.sio_file_same
         return fd, is_direct, fst.st_size
 
     def worker_locked(self) -> "_Worker":
@@ -1106,7 +1112,7 @@ class RequestFence(Fence, FencedAccess):
         # request; tests/unit/test_request_ordering.py checks that none is missing)
         self._lock, self._done, self._ev, self._exc = self.shared_lock, False, None, None
         self._callbacks, self._words = None, ()
-        self.nbytes, self.stats = nbytes, {}
+        self.nbytes, self._secs, self._run = nbytes, 0.0, -1
         self.t0 = _now()
         self.name, self.write, self.reg, self.fd, self.owned = name, write, reg, fd, owned
         self.offset, self.mem, self.flags = offset, mem, flags
@@ -1120,6 +1126,15 @@ class RequestFence(Fence, FencedAccess):
     @property
     def direct(self) -> bool:
         return bool(self.flags & 1)
+
+    @property  # type: ignore[override]
+    def stats(self) -> dict[str, Any]:
+        """Once complete: its seconds, the length of the engine run it went in (`requests`),
+        O_DIRECT and the submission path; made when asked for ({} before)."""
+        if self._run < 0:
+            return {}
+        return {"seconds": self._secs, "requests": self._run, "direct": self.direct,
+                "submit_path": self.submit_path}
 
     @property  # type: ignore[override]
     def what(self) -> str:
@@ -1149,8 +1164,7 @@ class RequestFence(Fence, FencedAccess):
         except BaseException as exc:  # noqa: BLE001 - delivered through the fence
             err = err or exc
         self.progress = None
-        self.stats.update(seconds=_now() - self.t0, requests=run, direct=self.direct,
-                          submit_path=self.submit_path)
+        self._secs, self._run = _now() - self.t0, run
         self._finish(err)
 
     def _short_why(self) -> str:

@@ -153,6 +153,10 @@ long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns);
  * length of the run result i completed in. */
 unsigned long long sio_queue_reap(struct sio_queue *q, unsigned long long *first,
                                   long long *results, unsigned *runs, unsigned long long max);
+/* The size of the regular file `path` when it is still the file (dev, ino) an fd was opened
+ * on; -1 when it is not (replaced, gone, not regular, any stat error): one stat for the
+ * open files that per-request loads reuse, without building Python's stat result. */
+long long sio_file_same(const char *path, unsigned long long dev, unsigned long long ino);
 /* runs of single requests, requests, the longest run; the last engine failure's message */
 void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
                      unsigned long long *requests, unsigned long long *biggest,

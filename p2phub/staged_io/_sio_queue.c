@@ -398,6 +398,16 @@ long long sio_queue_push(struct sio_queue *q, struct sio_engine *e, int write, i
     return q_push(q, &it);
 }
 
+long long sio_file_same(const char *path, unsigned long long dev, unsigned long long ino)
+{
+    struct stat st;
+
+    if (stat(path, &st) || !S_ISREG(st.st_mode) || (unsigned long long)st.st_dev != dev ||
+        (unsigned long long)st.st_ino != ino)
+        return -1;
+    return (long long)st.st_size;
+}
+
 long long sio_queue_reserve(struct sio_queue *q)
 {
     struct sioq_item it = { .kind = SIOQ_RESERVED, .fd = -1 };
