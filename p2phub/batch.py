@@ -67,7 +67,7 @@ from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
 from .ordering.core import FencedAccess
-from .ordering.tracker import AccessKind
+from .ordering.tracker import AccessKind, next_seq
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
 
@@ -1106,8 +1106,8 @@ class RequestFence(Fence, FencedAccess):
     submit_path: str
 
     def __init__(self, name: str, write: bool, reg: Memory, fd: int, owned: bool,
-                 offset: int, mem: int, nbytes: int, flags: int, progress: Any,
-                 sync: bool) -> None:
+                 offset: int, reg_offset: int, mem: int, nbytes: int, flags: int,
+                 progress: Any, sync: bool) -> None:
         # the fields of Fence and staged.Fence, set in this one frame (it runs once per
         # request; tests/unit/test_request_ordering.py checks that none is missing)
         self._lock, self._done, self._ev, self._exc = self.shared_lock, False, None, None
@@ -1121,7 +1121,11 @@ class RequestFence(Fence, FencedAccess):
         # 30: the instances then share one key table and none grows a dict of its own (one
         # object more for the cycle collector)
         self.ticket, self.queue, self.submit_path = -1, None, ""
-        self.kind, self.start, self.end, self.seq, self._ordering = None, 0, 0, 0, None
+        # its access of the memory (FencedAccess.acquire's fields): a load fills the range
+        # (producer), a save reads it (consumer); Ordering.admit enters it
+        self.kind = AccessKind.NVME_WRITE if write else AccessKind.NVME_READ
+        self.start, self.end = reg_offset, reg_offset + nbytes
+        self.seq, self._ordering = next_seq(), reg.ordering
 
     @property
     def direct(self) -> bool:
@@ -1307,13 +1311,11 @@ def _request(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, own
              direct: bool, offset: int, reg_offset: int, nbytes: int, name: str, progress: Any,
              sync: bool) -> Fence:
     """One checked load or save queued on the Hub's engine thread (host and CUDA memory)."""
-    fence = RequestFence(name, write, reg, fd, owned, offset, tgt.ptr + reg_offset, nbytes,
-                         direct | (tgt.gpu << 1), progress, sync)
-    # the request is an ordered access of the memory: a load fills it (producer), a save reads
-    # it (consumer); it waits here for the earlier accesses it conflicts with, and its
-    # completion releases the range
-    fence.acquire(reg.ordering, reg_offset, nbytes,
-                  AccessKind.NVME_WRITE if write else AccessKind.NVME_READ)
+    fence = RequestFence(name, write, reg, fd, owned, offset, reg_offset, tgt.ptr + reg_offset,
+                         nbytes, direct | (tgt.gpu << 1), progress, sync)
+    # the request is an ordered access of the memory: it waits here for the earlier accesses
+    # it conflicts with, and its completion releases the range
+    fence._ordering.admit(fence)
     try:
         reg.hold()
     except BaseException as exc:

@@ -196,6 +196,42 @@ class _SortedKeys:
             return below, blk[i]
         return below, (firsts[b + 1] if b + 1 < len(firsts) else None)
 
+    def add_in_gap(self, x: int, limit: int, ends: dict[int, int]) -> bool:
+        """Add x when [x, limit) is free: no key in it, and the key below x (if any) ends at
+        or before x by `ends`. The new-segment case of RangeTracker.enter in one lookup (a
+        walk of around() and then add() finds the same block twice)."""
+        firsts = self._firsts
+        b = bisect_right(firsts, x) - 1
+        if b < 0:
+            if firsts and firsts[0] < limit:
+                return False
+            if not firsts:
+                self._blocks.append([x])
+                firsts.append(x)
+                self._n = 1
+                return True
+            b, i = 0, 0
+        else:
+            blk = self._blocks[b]
+            i = bisect_right(blk, x)
+            below = blk[i - 1]
+            if below == x or ends[below] > x:
+                return False
+            above = blk[i] if i < len(blk) else (firsts[b + 1] if b + 1 < len(firsts) else None)
+            if above is not None and above < limit:
+                return False
+        blk = self._blocks[b]
+        blk.insert(i, x)
+        if i == 0:
+            firsts[b] = x
+        self._n += 1
+        if len(blk) > 2 * self.LOAD:
+            half = blk[self.LOAD:]
+            del blk[self.LOAD:]
+            self._blocks.insert(b + 1, half)
+            firsts.insert(b + 1, half[0])
+        return True
+
     def irange(self, lo: int, hi: int) -> list[int]:
         """Keys k with lo <= k < hi, ascending."""
         out: list[int] = []
@@ -287,18 +323,13 @@ class RangeTracker:
         s, e = a.start, a.end
         if s >= e:
             raise ValueError(f"empty range {a}")
-        below, above = self._keys.around(s)
-        if below is None or self._end[below] <= s:
-            if above is None or above >= e:
-                # nothing live in [s, e): one new segment, no neighbour can equal it
-                self._end[s] = e
-                self._accs[s] = (a,)
-                self._keys.add(s)
-                self._live += 1
-                return []
-            keys = self._keys.irange(above, e)
-        else:
-            keys = self._keys.irange(below, e)
+        if self._keys.add_in_gap(s, e, self._end):
+            # nothing live in [s, e): one new segment, no neighbour can equal it
+            self._end[s] = e
+            self._accs[s] = (a,)
+            self._live += 1
+            return []
+        keys = self._keys.irange(self._first_key(s), e)
         seen: dict[int, Access] = {}
         accs = self._accs
         producer = a.kind.producer

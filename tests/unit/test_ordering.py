@@ -144,6 +144,25 @@ def test_sorted_keys_around_matches_a_scan(keys, probes) -> None:
         assert k.irange(x, x + 20) == [y for y in ordered if x <= y < x + 20]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), max_size=80))
+def test_sorted_keys_add_in_gap_matches_a_scan(ranges) -> None:
+    """add_in_gap adds a start exactly when its range overlaps no range added before (by a
+    plain scan), and the keys stay sorted across small blocks."""
+    from p2phub.ordering.tracker import _SortedKeys
+
+    class Small(_SortedKeys):
+        LOAD = 2
+
+    k, ends = Small(), {}
+    for s, n in ranges:
+        free = all(e <= s or s + n <= b for b, e in ends.items())
+        assert k.add_in_gap(s, s + n, ends) == free
+        if free:
+            ends[s] = s + n
+        assert list(k) == sorted(ends) and len(k) == len(ends)
+
+
 def test_removing_an_unknown_access_is_an_error() -> None:
     t = RangeTracker()
     with pytest.raises(KeyError):
