@@ -528,6 +528,8 @@ class _Engine(Resource):
             stats["submit_path_reason"] = self.path_reason
             stats["split_bytes"] = int(st.split)
             stats["split_entries"] = int(st.split_entries)
+            # the staging carved for this run: larger, fewer slots for large entries
+            stats["slot_bytes"], stats["slots"] = int(st.slot_bytes), int(st.slots)
             if self._unsettled:
                 self._settle(eng)
             if rc < 0:

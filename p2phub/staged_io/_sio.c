@@ -33,6 +33,12 @@
  * so that a few large reads still fill the queue as many small ones do. Off by default:
  * slot-sized pieces (512 KiB-1 MiB) measured faster than 256 KiB ones on a virtio disk */
 #define SIO_SPLIT_DEFAULT 0ULL
+/* A run whose entries average this much or more reads (writes) in pieces this large: the
+ * staging memory is carved into fewer, larger slots for it (carve_slots), never into fewer
+ * than GANG_MIN_SLOTS. On the H200's virtio disk 16 MiB O_DIRECT reads in 2 MiB pieces ran
+ * 1.12x 1 MiB ones with the same bytes in flight (docs/benchmarks.md). */
+#define GANG_BYTES (2ULL << 20)
+#define GANG_MIN_SLOTS 32
 /* a host load waits for 1/REAP_SHARE of the reads in flight at a time */
 #define REAP_SHARE 8
 #define MAX_COPY_BATCH 512
@@ -492,6 +498,7 @@ struct sio_engine {
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
     unsigned fixed_slots;       /* slots per registered buffer (each at most FIXED_MAX) */
+    unsigned base_fixed_slots;  /* the same in base slots */
     int table;                  /* the ring has a sparse buffer table: the staging buffers
                                    first (nstage of them), then MEM_ENTRIES for memory */
     unsigned nstage;
@@ -500,8 +507,11 @@ struct sio_engine {
     int mem_errno;              /* why the kernel last refused a range (0: never) */
     pthread_mutex_t mem_lock;
     unsigned depth;
-    unsigned long long slot_bytes;
-    unsigned nslots;
+    /* the staging memory: base_nslots slots of base_slot_bytes as opened, carved for the run
+     * in progress into nslots slots of slot_bytes, gang base slots each (carve_slots); the
+     * per-slot arrays are base_nslots long */
+    unsigned long long base_slot_bytes, slot_bytes;
+    unsigned base_nslots, nslots, gang;
     char *stage;
     CUstream stream;
     void *ctx;                  /* the CUDA context current when it was opened */
@@ -630,7 +640,7 @@ static int table_setup(struct sio_engine *e, unsigned n)
  * caller's ranges again at its first batch. */
 static void register_stage(struct sio_engine *e)
 {
-    unsigned per = (unsigned)(FIXED_MAX / e->slot_bytes), n = 0, i;
+    unsigned per = (unsigned)(FIXED_MAX / e->base_slot_bytes), n = 0, i;
     struct iovec *iov = NULL;
 
     e->table = 0;
@@ -644,15 +654,15 @@ static void register_stage(struct sio_engine *e)
     if (e->options & SIO_OPT_NO_FIXED)
         return;     /* nothing registered: the caller's memory neither */
     if (per) {
-        n = (e->nslots + per - 1) / per;
+        n = (e->base_nslots + per - 1) / per;
         iov = calloc(n, sizeof(*iov));
         if (!iov)
             return;
         for (i = 0; i < n; i++) {
             unsigned first = i * per;
-            unsigned cnt = e->nslots - first < per ? e->nslots - first : per;
-            iov[i].iov_base = e->stage + (unsigned long long)first * e->slot_bytes;
-            iov[i].iov_len = (size_t)(cnt * e->slot_bytes);
+            unsigned cnt = e->base_nslots - first < per ? e->base_nslots - first : per;
+            iov[i].iov_base = e->stage + (unsigned long long)first * e->base_slot_bytes;
+            iov[i].iov_len = (size_t)(cnt * e->base_slot_bytes);
         }
     }
     if (table_setup(e, n + MEM_ENTRIES) == 0) {
@@ -660,12 +670,14 @@ static void register_stage(struct sio_engine *e)
         e->nstage = n;
         if (n && table_update(e, 0, iov, n) == 0) {
             e->fixed = 1;
-            e->fixed_slots = per;
+            e->base_fixed_slots = per;
+            e->fixed_slots = per / e->gang;
         }
     } else if (n &&
                syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS, iov, n) == 0) {
         e->fixed = 1;
-        e->fixed_slots = per;
+        e->base_fixed_slots = per;
+        e->fixed_slots = per / e->gang;
     }
     free(iov);
 }
@@ -842,8 +854,9 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
     pthread_mutex_init(&e->mem_lock, NULL);
     e->options = options;
     e->depth = depth;
-    e->slot_bytes = slot_bytes;
-    e->nslots = nslots;
+    e->slot_bytes = e->base_slot_bytes = slot_bytes;
+    e->nslots = e->base_nslots = nslots;
+    e->gang = 1;
     e->stage = stage;
     e->stream = (CUstream)(uintptr_t)stream;
     e->slots = calloc(nslots, sizeof(*e->slots));
@@ -1645,6 +1658,35 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
     return ret < 0 ? -1 : failed;
 }
 
+/* Slots as large as the run's entries want: gang base slots make one slot, gang a power of
+ * two with gang x base at most the entries' mean length and GANG_BYTES, at least
+ * GANG_MIN_SLOTS slots left, and no slot across two registered buffers. Only while every
+ * slot is free (between runs); otherwise the carving stays. */
+static void carve_slots(struct sio_engine *e, unsigned long long n, const unsigned long long *len)
+{
+    unsigned long long sum = 0, want, i;
+    unsigned k = 1;
+
+    for (i = 0; i < n; i++)
+        sum += len[i];
+    want = n ? sum / n : 0;
+    if (want > GANG_BYTES)
+        want = GANG_BYTES;
+    while (2ULL * k * e->base_slot_bytes <= want && e->base_nslots / (2 * k) >= GANG_MIN_SLOTS &&
+           (!e->fixed || e->base_fixed_slots % (2 * k) == 0))
+        k *= 2;
+    if (k == e->gang || e->nfree != e->nslots || e->held_count || e->c_nslots)
+        return;
+    e->gang = k;
+    e->slot_bytes = e->base_slot_bytes * k;
+    e->nslots = e->base_nslots / k;
+    e->fixed_slots = e->base_fixed_slots / k;
+    e->held_head = 0;
+    e->nfree = e->nslots;
+    for (i = 0; i < e->nslots; i++)
+        e->free_list[i] = (unsigned)(e->nslots - 1 - i);
+}
+
 int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
             const unsigned long long *off, const unsigned long long *len,
             const unsigned long long *mem, const unsigned char *flags, long long *result,
@@ -1662,7 +1704,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
         if (ring_setup(&e->ring, e->depth, 1, NULL, 0)) {
             uring_reason(e->path_reason, sizeof(e->path_reason), errno);
             e->use_aio = 1;
-            if (aio_q_setup(&e->aio, e->depth, e->nslots, err, errlen)) {
+            if (aio_q_setup(&e->aio, e->depth, e->base_nslots, err, errlen)) {
                 e->use_aio = 0;
                 e->ring.fd = -1;
                 pthread_mutex_unlock(&e->mem_lock);
@@ -1675,7 +1717,10 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     if (!e->use_aio)
         mem_sync(e);
     pthread_mutex_unlock(&e->mem_lock);
+    carve_slots(e, n, len);
     rc = run_batch(e, write, n, fd, off, len, mem, flags, result, st, err, errlen);
+    st->slot_bytes = e->slot_bytes;
+    st->slots = e->nslots;
     st->aio = e->use_aio;
     st->split = e->split;
     st->split_entries = e->split_entries;

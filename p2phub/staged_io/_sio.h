@@ -28,6 +28,8 @@ struct sio_stats {
     unsigned long long fixed_mem;    /* pieces read (written) in place through a range of the
                                         caller's memory registered with the ring
                                         (sio_register_mem): no page pinning per I/O */
+    unsigned long long slot_bytes;   /* the staging slots this run was carved into: their */
+    unsigned long long slots;        /* size and count (larger, fewer for large entries) */
 };
 
 /* Flags of one entry. */

@@ -79,6 +79,18 @@ host_eng = hub.engines.batch_engine(staged.HostOps(), 0)
 assert cuda_eng.mem_table()["live"] == 0, cuda_eng.mem_table()
 if host_eng.mem_table()["table"]:
     assert host_eng.mem_table()["live"] == 1, host_eng.mem_table()
+# large entries: the staging carved into 512 KiB slots (8 base slots each, 32 of them) for
+# that run, the base slots again for the next
+batch.configure_batch(hub, depth=8, slot=64 << 10, slots=256,
+                      io_thread=os.environ.get("IO_THREAD") == "1")
+for ln, carved in ((1 << 20, (512 << 10, 32)), (4096, (64 << 10, 256))):
+    boffs = rng.integers(0, (data.size - ln) // 4096, 6) * 4096
+    bdst = np.arange(6) * (2 << 20) + 4096
+    b = hub.load_batch(storage=path, offsets=boffs, lengths=ln, memory=reg, mem_offsets=bdst)
+    b.wait(60)
+    assert (b.stats["slot_bytes"], b.stats["slots"]) == carved, b.stats
+    for o, d in zip(boffs, bdst):
+        assert np.array_equal(mem[d:d + ln], data[o:o + ln]), (ln, o, d)
 del hview
 print("ok", st["batch_copy_api"], g.stats["batch_copy_api"], st["io_thread"], g.stats["io_thread"])
 hub.close()

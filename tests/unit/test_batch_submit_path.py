@@ -145,3 +145,46 @@ def test_buffered_reads_are_not_split(data_file) -> None:
         reg.close()
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("how", ["io_uring", "aio", "nofixed"])
+def test_large_entries_get_larger_slots_and_small_ones_the_base_slots(data_file, tmp_path,
+                                                                      monkeypatch, how) -> None:
+    """A run of large entries carves the staging memory into fewer, larger slots (up to 2 MiB,
+    at least 32 of them); the next run of small entries gets the base slots back. Reads into
+    memory off a page boundary go through the slots, so every byte crosses them; a save of
+    large entries from such memory lands whole in the file."""
+    path, data = data_file
+    if how == "aio":
+        monkeypatch.setenv("P2PHUB_IO_URING", "0")
+    h = Hub(mode="staged")
+    batch.configure_batch(h, depth=32, slot=64 * KiB, slots=256, fixed_buffers=how != "nofixed")
+    try:
+        mem = mmap.mmap(-1, 24 * MiB)
+        reg = h.register(mem)
+        m = np.frombuffer(mem, np.uint8)
+        rng = np.random.default_rng(11)
+        for ln, slot_bytes, slots in ((1 * MiB, 512 * KiB, 32), (4 * KiB, 64 * KiB, 256),
+                                      (256 * KiB, 256 * KiB, 64)):
+            n = 20
+            offs = rng.integers(0, (data.size - ln) // 4096, n) * 4096
+            dst = np.arange(n) * (ln + 4096) + 512
+            f = h.load_batch(storage=path, offsets=offs, lengths=np.full(n, ln), memory=reg,
+                             mem_offsets=dst, direct=True)
+            f.wait(60)
+            assert (f.stats["slot_bytes"], f.stats["slots"]) == (slot_bytes, slots)
+            assert f.stats["in_place"] == 0
+            for o, d in zip(offs, dst):
+                assert np.array_equal(m[d:d + ln], data[o:o + ln]), (ln, o, d)
+        out = str(tmp_path / "out.bin")
+        n, ln = 8, 2 * MiB
+        f = h.save_batch(storage=out, offsets=np.arange(n) * ln, lengths=np.full(n, ln),
+                         memory=reg, mem_offsets=np.arange(n) * ln + 512)
+        f.wait(60)
+        assert (f.stats["slot_bytes"], f.stats["slots"]) == (512 * KiB, 32)
+        written = np.fromfile(out, np.uint8)
+        assert written.size == n * ln and np.array_equal(written, m[512:512 + n * ln])
+        del m
+        reg.close()
+    finally:
+        h.close()
