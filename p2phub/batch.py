@@ -67,6 +67,7 @@ from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
 from .ordering.core import FencedAccess
+from .ordering.fence import Fence as _PlainFence
 from .ordering.tracker import AccessKind, next_seq
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
@@ -1171,7 +1172,10 @@ class RequestFence(Fence, FencedAccess):
             err = err or exc
         self.progress = None
         self._secs, self._run = _now() - self.t0, run
-        self._finish(err)
+        if settled:     # nothing left to retire: complete it as the plain fence it now is
+            _complete_fence(self, err)
+        else:
+            self._finish(err)
 
     def _short_why(self) -> str:
         """Why a read came up short: the file ends before the range (it shrank)."""
@@ -1201,6 +1205,9 @@ class RequestFence(Fence, FencedAccess):
                 q.reap()
                 if not self._done:      # another thread collected it and completes it now
                     self._sleep(left)
+
+
+_complete_fence = _PlainFence._complete
 
 
 def _words(write: bool, name: str, offset: int, nbytes: int, reg: Memory) -> str:
@@ -1297,39 +1304,32 @@ def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarge
     and CUDA memory (`engine`), the staging lanes for a backend's own copies; an fd we opened
     is closed if it never gets there."""
     try:
-        if engine:
-            return _request(hub, write, reg, tgt, fd, owned, direct, offset, reg_offset, nbytes,
-                            name, progress, sync)
-        return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned, direct,
-                               offset, reg_offset, nbytes,
-                               _words(write, name, offset, nbytes, reg), progress, sync=sync)
+        if not engine:
+            return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
+                                   direct, offset, reg_offset, nbytes,
+                                   _words(write, name, offset, nbytes, reg), progress, sync=sync)
+        fence = RequestFence(name, write, reg, fd, owned, offset, reg_offset,
+                             tgt.ptr + reg_offset, nbytes, direct | (tgt.gpu << 1), progress,
+                             sync)
+        # the request is an ordered access of the memory: it waits here for the earlier
+        # accesses it conflicts with, and its completion releases the range
+        fence._ordering.admit(fence)
+        try:
+            reg.hold()
+        except BaseException as exc:
+            fence.cancel(exc)
+            raise
+        try:
+            hub.engines.push(fence, tgt)
+        except BaseException as exc:
+            reg.unhold()
+            fence.cancel(exc)
+            raise
+        return fence
     except BaseException:
         if owned:
             os.close(fd)
         raise
-
-
-def _request(hub: "Hub", write: bool, reg: Memory, tgt: CopyTarget, fd: int, owned: bool,
-             direct: bool, offset: int, reg_offset: int, nbytes: int, name: str, progress: Any,
-             sync: bool) -> Fence:
-    """One checked load or save queued on the Hub's engine thread (host and CUDA memory)."""
-    fence = RequestFence(name, write, reg, fd, owned, offset, reg_offset, tgt.ptr + reg_offset,
-                         nbytes, direct | (tgt.gpu << 1), progress, sync)
-    # the request is an ordered access of the memory: it waits here for the earlier accesses
-    # it conflicts with, and its completion releases the range
-    fence._ordering.admit(fence)
-    try:
-        reg.hold()
-    except BaseException as exc:
-        fence.cancel(exc)
-        raise
-    try:
-        hub.engines.push(fence, tgt)
-    except BaseException as exc:
-        reg.unhold()
-        fence.cancel(exc)
-        raise
-    return fence
 
 
 def _register_host(eng: _Engine, mems: list[_Mem]) -> None:

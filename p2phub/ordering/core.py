@@ -277,13 +277,8 @@ class Ordering(Resource):
 
     def retire_all(self, accesses: list[Any]) -> None:
         """``retire`` for many, under one hold of the lock (a batch of completed requests)."""
-        remove = self._tracker.remove
         with self._lock:
-            for a in accesses:
-                try:
-                    remove(a)
-                except KeyError:    # withdrawn meanwhile
-                    pass
+            self._tracker.remove_all(accesses)     # those withdrawn meanwhile are skipped
 
     def retire(self, a: Access) -> None:
         """The access's work is over (or never started): its range is released (the

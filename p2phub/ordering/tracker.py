@@ -401,6 +401,24 @@ class RangeTracker:
                 continue
             prev = k
 
+    def remove_all(self, accesses: list[Access]) -> None:
+        """remove() for each, skipping those not live (withdrawn meanwhile); one frame for
+        the usual case of an access alone on its own segment (a batch of completions)."""
+        ends, accs, drop_key = self._end, self._accs, self._keys.remove
+        for a in accesses:
+            s = a.start
+            mine = accs.get(s)
+            if mine is not None and len(mine) == 1 and mine[0] is a and ends[s] == a.end:
+                del ends[s]
+                del accs[s]
+                drop_key(s)
+                self._live -= 1
+                continue
+            try:
+                self.remove(a)
+            except KeyError:
+                pass
+
     def segments(self) -> list[tuple[int, int, tuple[Access, ...]]]:
         """(start, end, accesses) of every segment, ascending (for tests and debugging)."""
         return [(k, self._end[k], self._accs[k]) for k in self._keys]
