@@ -67,7 +67,6 @@ from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
 from .ordering.core import FencedAccess
-from .ordering.fence import Fence as _PlainFence
 from .ordering.tracker import AccessKind, next_seq
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
@@ -1108,8 +1107,8 @@ class RequestFence(Fence, FencedAccess):
     ticket: int
     submit_path: str
 
-    def __init__(self, name: str, write: bool, reg: Memory, fd: int, owned: bool,
-                 offset: int, reg_offset: int, mem: int, nbytes: int, flags: int,
+    def __init__(self, name: str, write: bool, reg: Memory, ordering: Any, fd: int,
+                 owned: bool, offset: int, reg_offset: int, mem: int, nbytes: int, flags: int,
                  progress: Any, sync: bool) -> None:
         # the fields of Fence and staged.Fence, set in this one frame (it runs once per
         # request; tests/unit/test_request_ordering.py checks that none is missing)
@@ -1128,7 +1127,7 @@ class RequestFence(Fence, FencedAccess):
         # (producer), a save reads it (consumer); Ordering.admit enters it
         self.kind = AccessKind.NVME_WRITE if write else AccessKind.NVME_READ
         self.start, self.end = reg_offset, reg_offset + nbytes
-        self.seq, self._ordering = next_seq(), reg.ordering
+        self.seq, self._ordering = next_seq(), ordering
 
     @property
     def direct(self) -> bool:
@@ -1173,7 +1172,7 @@ class RequestFence(Fence, FencedAccess):
         self.progress = None
         self._secs, self._run = _now() - self.t0, run
         if settled:     # nothing left to retire: complete it as the plain fence it now is
-            _complete_fence(self, err)
+            super(FencedAccess, self)._complete(err)
         else:
             self._finish(err)
 
@@ -1205,9 +1204,6 @@ class RequestFence(Fence, FencedAccess):
                 q.reap()
                 if not self._done:      # another thread collected it and completes it now
                     self._sleep(left)
-
-
-_complete_fence = _PlainFence._complete
 
 
 def _words(write: bool, name: str, offset: int, nbytes: int, reg: Memory) -> str:
@@ -1308,12 +1304,13 @@ def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarge
             return staged.on_lanes(hub, "save" if write else "load", reg, tgt, fd, owned,
                                    direct, offset, reg_offset, nbytes,
                                    _words(write, name, offset, nbytes, reg), progress, sync=sync)
-        fence = RequestFence(name, write, reg, fd, owned, offset, reg_offset,
+        ordering = reg.ordering
+        fence = RequestFence(name, write, reg, ordering, fd, owned, offset, reg_offset,
                              tgt.ptr + reg_offset, nbytes, direct | (tgt.gpu << 1), progress,
                              sync)
         # the request is an ordered access of the memory: it waits here for the earlier
         # accesses it conflicts with, and its completion releases the range
-        fence._ordering.admit(fence)
+        ordering.admit(fence)
         try:
             reg.hold()
         except BaseException as exc:
