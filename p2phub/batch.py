@@ -615,7 +615,9 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
                     split: int | None = None, poll: bool = False) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
-    than a slot is read in slot-sized pieces); with direct="auto", reads of `buffered_from`
+    than a slot is read in slot-sized pieces; a run whose entries average twice a slot or more
+    gets fewer, larger slots of the same memory, up to 2 MiB: ``fence.stats["slot_bytes"]``,
+    ``["slots"]``); with direct="auto", reads of `buffered_from`
     bytes and up go through the page cache (0, the default: none; for a disk whose page cache
     reads large ranges faster than O_DIRECT). For measurement: `fixed_buffers=False` stops the
     engine registering its staging memory and the host memory loads land in with io_uring
