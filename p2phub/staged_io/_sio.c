@@ -1665,15 +1665,15 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
 static void carve_slots(struct sio_engine *e, unsigned long long n, const unsigned long long *len)
 {
     unsigned long long sum = 0, want, i;
+    unsigned long long per = FIXED_MAX / e->base_slot_bytes;  /* base slots per registered
+                                                                 buffer, registered or not */
     unsigned k = 1;
 
-    for (i = 0; i < n; i++)
-        sum += len[i];
+    for (i = 0; i < n; i++)     /* each capped: no overflow, no one entry decides */
+        sum += len[i] < GANG_BYTES ? len[i] : GANG_BYTES;
     want = n ? sum / n : 0;
-    if (want > GANG_BYTES)
-        want = GANG_BYTES;
     while (2ULL * k * e->base_slot_bytes <= want && e->base_nslots / (2 * k) >= GANG_MIN_SLOTS &&
-           (!e->fixed || e->base_fixed_slots % (2 * k) == 0))
+           per % (2 * k) == 0)
         k *= 2;
     if (k == e->gang || e->nfree != e->nslots || e->held_count || e->c_nslots)
         return;

@@ -188,3 +188,28 @@ def test_large_entries_get_larger_slots_and_small_ones_the_base_slots(data_file,
         reg.close()
     finally:
         h.close()
+
+
+def test_slots_of_an_odd_size_gang_only_within_one_registered_buffer(data_file) -> None:
+    """96 KiB slots: 10,922 of them fit one 1 GiB registered buffer, an even number but not a
+    multiple of 4, so 1 MiB entries get slots of two (192 KiB), never four."""
+    path, data = data_file
+    h = Hub(mode="staged")
+    batch.configure_batch(h, depth=32, slot=96 * KiB, slots=256)
+    try:
+        mem = mmap.mmap(-1, 12 * MiB)
+        reg = h.register(mem)
+        n, ln = 10, 1 * MiB
+        offs = np.arange(n) * ln + 4096
+        dst = np.arange(n) * (ln + 4096) + 512
+        f = h.load_batch(storage=path, offsets=offs, lengths=np.full(n, ln), memory=reg,
+                         mem_offsets=dst, direct=True)
+        f.wait(60)
+        assert (f.stats["slot_bytes"], f.stats["slots"]) == (192 * KiB, 128)
+        m = np.frombuffer(mem, np.uint8)
+        for o, d in zip(offs, dst):
+            assert np.array_equal(m[d:d + ln], data[o:o + ln])
+        del m
+        reg.close()
+    finally:
+        h.close()
