@@ -435,17 +435,23 @@ class Hub(Resource):
         return out + [path for reg in self._staging.registrations() for path in reg.paths()]
 
     def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
-             dest_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
+             dest_offset: int = 0, *, direct: bool = True,
+             progress: Any = None) -> Any:  # -> p2phub.staged fence
         """Read storage (file, block device, NVMe namespace) into a registration; a fence.
-        Queued on the same engine as load_batch, with every other request queued with it."""
+        Queued on the same engine as load_batch, with every other request queued with it
+        (see p2phub.batch.load for the arguments)."""
         self._check_open()
-        return batch.load(self, source, dest, offset, nbytes, dest_offset, **kw)  # type: ignore[arg-type]
+        return batch.load(self, source, dest, offset, nbytes, dest_offset, direct=direct,
+                          progress=progress)
 
     def save(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
-             source_offset: int = 0, **kw: object) -> Any:  # -> p2phub.staged fence
-        """Write a registration to storage (file, block device, NVMe namespace); a fence."""
+             source_offset: int = 0, *, direct: bool = True, sync: bool = True,
+             progress: Any = None) -> Any:  # -> p2phub.staged fence
+        """Write a registration to storage (file, block device, NVMe namespace); a fence
+        (see p2phub.batch.save)."""
         self._check_open()
-        return batch.save(self, source, dest, offset, nbytes, source_offset, **kw)  # type: ignore[arg-type]
+        return batch.save(self, source, dest, offset, nbytes, source_offset, direct=direct,
+                          sync=sync, progress=progress)
 
     def load_batch(self, entries: Any = None, **kw: Any) -> Any:  # -> p2phub.batch.BatchFence
         """Many (storage, offset, length, memory, memory offset) reads in one call, checked
