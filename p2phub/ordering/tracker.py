@@ -257,15 +257,27 @@ class _SortedKeys:
             yield from blk
 
 
+def _members(x: "Access | tuple[Access, ...]") -> tuple[Access, ...]:
+    """A segment's accesses as a tuple (a lone access is kept bare)."""
+    return x if type(x) is tuple else (x,)  # type: ignore[return-value]
+
+
+def _same(x: object, y: object) -> bool:
+    """Two segments hold the same accesses (canonical: bare when alone, a tuple of 2+)."""
+    return x is y or (type(x) is tuple and type(y) is tuple and x == y)
+
+
 class RangeTracker:
     """Live accesses of one registration, on disjoint segments. A segment is two dict
-    entries under its start, its end and its accesses (no per-segment container: one object
-    less per live access for the cycle collector)."""
+    entries under its start, its end and its accesses: the access itself when it is alone
+    there, else a tuple of them (no per-segment container, and no tuple for a lone access:
+    each is an object less per live access for the cycle collector)."""
 
     def __init__(self) -> None:
         self._keys = _SortedKeys()
         self._end: dict[int, int] = {}                      # start -> end
-        self._accs: dict[int, tuple[Access, ...]] = {}      # start -> accesses, oldest first
+        # start -> its access, or a tuple of 2+ accesses oldest first (_members)
+        self._accs: dict[int, Any] = {}
         self._live = 0
 
     def __len__(self) -> int:
@@ -288,7 +300,7 @@ class RangeTracker:
         seen: dict[int, Access] = {}
         accs = self._accs
         for k in self._keys.irange(self._first_key(start), end):
-            for a in accs[k]:
+            for a in _members(accs[k]):
                 seen[a.seq] = a
         return [seen[s] for s in sorted(seen)]
 
@@ -298,7 +310,7 @@ class RangeTracker:
         accs = self._accs
         producer = kind.producer
         for k in self._keys.irange(self._first_key(start), end):
-            for a in accs[k]:
+            for a in _members(accs[k]):
                 if producer or a.kind.producer:
                     seen[a.seq] = a
         if len(seen) < 2:
@@ -326,7 +338,7 @@ class RangeTracker:
         if self._keys.add_in_gap(s, e, self._end):
             # nothing live in [s, e): one new segment, no neighbour can equal it
             self._end[s] = e
-            self._accs[s] = (a,)
+            self._accs[s] = a
             self._live += 1
             return []
         keys = self._keys.irange(self._first_key(s), e)
@@ -334,7 +346,7 @@ class RangeTracker:
         accs = self._accs
         producer = a.kind.producer
         for k in keys:
-            for x in accs[k]:
+            for x in _members(accs[k]):
                 if producer or x.kind.producer:
                     seen[x.seq] = x
         deps = [seen[q] for q in sorted(seen)]
@@ -352,12 +364,12 @@ class RangeTracker:
         pos = s
         for k in self._keys.irange(s, e):
             if k > pos:
-                ends[pos], accs[pos] = k, (a,)
+                ends[pos], accs[pos] = k, a
                 self._keys.add(pos)
-            accs[k] = accs[k] + (a,)
+            accs[k] = _members(accs[k]) + (a,)
             pos = ends[k]
         if pos < e:
-            ends[pos], accs[pos] = e, (a,)
+            ends[pos], accs[pos] = e, a
             self._keys.add(pos)
         self._live += 1
 
@@ -369,8 +381,7 @@ class RangeTracker:
     def remove(self, a: Access) -> None:
         s, e = a.start, a.end
         ends, accs = self._end, self._accs
-        mine = accs.get(s)
-        if mine is not None and len(mine) == 1 and mine[0] is a and ends[s] == e:
+        if accs.get(s) is a and ends[s] == e:
             # Alone on its own segment: drop it; a gap is left, so nothing to merge.
             del ends[s]
             del accs[s]
@@ -379,12 +390,14 @@ class RangeTracker:
             return
         found = False
         for k in self._keys.irange(s, e):
-            here = accs[k]
-            if a in here:
+            here = _members(accs[k])
+            if any(x is a for x in here):
                 found = True
                 rest = tuple(x for x in here if x is not a)
-                if rest:
+                if len(rest) > 1:
                     accs[k] = rest
+                elif rest:
+                    accs[k] = rest[0]
                 else:
                     self._drop(k)
         if not found:
@@ -395,7 +408,7 @@ class RangeTracker:
         keys = self._keys.irange(left if left is not None else s, e + 1)
         prev: int | None = None
         for k in keys:
-            if prev is not None and ends[prev] == k and accs[prev] == accs[k]:
+            if prev is not None and ends[prev] == k and _same(accs[prev], accs[k]):
                 ends[prev] = ends[k]
                 self._drop(k)
                 continue
@@ -407,8 +420,7 @@ class RangeTracker:
         ends, accs, drop_key = self._end, self._accs, self._keys.remove
         for a in accesses:
             s = a.start
-            mine = accs.get(s)
-            if mine is not None and len(mine) == 1 and mine[0] is a and ends[s] == a.end:
+            if accs.get(s) is a and ends[s] == a.end:
                 del ends[s]
                 del accs[s]
                 drop_key(s)
@@ -421,7 +433,7 @@ class RangeTracker:
 
     def segments(self) -> list[tuple[int, int, tuple[Access, ...]]]:
         """(start, end, accesses) of every segment, ascending (for tests and debugging)."""
-        return [(k, self._end[k], self._accs[k]) for k in self._keys]
+        return [(k, self._end[k], _members(self._accs[k])) for k in self._keys]
 
     def accesses(self) -> list[Access]:
         seen: dict[int, Access] = {}
