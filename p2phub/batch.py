@@ -816,10 +816,10 @@ class Engines(Resource):
             old = self._files.get(key)
             if old is not None:
                 self._stale_fds.append(old[0])   # requests in flight may still read it
-            self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct, os.fsencode(name))
-            if self._file_same is None:
+            if self._file_same is None:     # before the entry: readers take no lock
                 from .staged_io import load as load_sio
                 self._file_same = load_sio().lib.sio_file_same
+            self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct, os.fsencode(name))
         return fd, is_direct, fst.st_size
 
     def worker_locked(self) -> "_Worker":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, bisect_right
 from typing import Any, Iterator
 
 from .fence import Fence, SourceFence
@@ -142,17 +142,21 @@ class _SortedKeys:
         return self._n
 
     def add(self, x: int) -> None:
-        self._n += 1
         if not self._blocks:
             self._blocks.append([x])
             self._firsts.append(x)
+            self._n = 1
             return
-        b = bisect_right(self._firsts, x) - 1
-        if b < 0:
-            b = 0
+        b = max(bisect_right(self._firsts, x) - 1, 0)
+        self._insert_at(b, bisect_right(self._blocks[b], x), x)
+
+    def _insert_at(self, b: int, i: int, x: int) -> None:
+        """Put x at position i of block b (where it sorts), splitting a block grown too long."""
         blk = self._blocks[b]
-        insort(blk, x)
-        self._firsts[b] = blk[0]
+        blk.insert(i, x)
+        if i == 0:
+            self._firsts[b] = x
+        self._n += 1
         if len(blk) > 2 * self.LOAD:
             half = blk[self.LOAD:]
             del blk[self.LOAD:]
@@ -181,35 +185,18 @@ class _SortedKeys:
         blk = self._blocks[b]
         return blk[bisect_right(blk, x) - 1]
 
-    def around(self, x: int) -> tuple[int | None, int | None]:
-        """(the largest key <= x, the smallest key >= x), in one lookup."""
-        firsts = self._firsts
-        b = bisect_right(firsts, x) - 1
-        if b < 0:
-            return None, (firsts[0] if firsts else None)
-        blk = self._blocks[b]
-        i = bisect_right(blk, x)
-        below = blk[i - 1]
-        if below == x:
-            return x, x
-        if i < len(blk):
-            return below, blk[i]
-        return below, (firsts[b + 1] if b + 1 < len(firsts) else None)
-
     def add_in_gap(self, x: int, limit: int, ends: dict[int, int]) -> bool:
         """Add x when [x, limit) is free: no key in it, and the key below x (if any) ends at
-        or before x by `ends`. The new-segment case of RangeTracker.enter in one lookup (a
-        walk of around() and then add() finds the same block twice)."""
+        or before x by `ends`. The new-segment case of RangeTracker.enter in one lookup of
+        x's block, which the insertion reuses."""
         firsts = self._firsts
         b = bisect_right(firsts, x) - 1
         if b < 0:
-            if firsts and firsts[0] < limit:
-                return False
             if not firsts:
-                self._blocks.append([x])
-                firsts.append(x)
-                self._n = 1
+                self.add(x)
                 return True
+            if firsts[0] < limit:
+                return False
             b, i = 0, 0
         else:
             blk = self._blocks[b]
@@ -220,16 +207,7 @@ class _SortedKeys:
             above = blk[i] if i < len(blk) else (firsts[b + 1] if b + 1 < len(firsts) else None)
             if above is not None and above < limit:
                 return False
-        blk = self._blocks[b]
-        blk.insert(i, x)
-        if i == 0:
-            firsts[b] = x
-        self._n += 1
-        if len(blk) > 2 * self.LOAD:
-            half = blk[self.LOAD:]
-            del blk[self.LOAD:]
-            self._blocks.insert(b + 1, half)
-            firsts.insert(b + 1, half[0])
+        self._insert_at(b, i, x)
         return True
 
     def irange(self, lo: int, hi: int) -> list[int]:

@@ -498,7 +498,6 @@ struct sio_engine {
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
     unsigned fixed_slots;       /* slots per registered buffer (each at most FIXED_MAX) */
-    unsigned base_fixed_slots;  /* the same in base slots */
     int table;                  /* the ring has a sparse buffer table: the staging buffers
                                    first (nstage of them), then MEM_ENTRIES for memory */
     unsigned nstage;
@@ -670,13 +669,11 @@ static void register_stage(struct sio_engine *e)
         e->nstage = n;
         if (n && table_update(e, 0, iov, n) == 0) {
             e->fixed = 1;
-            e->base_fixed_slots = per;
             e->fixed_slots = per / e->gang;
         }
     } else if (n &&
                syscall(__NR_io_uring_register, e->ring.fd, IORING_REGISTER_BUFFERS, iov, n) == 0) {
         e->fixed = 1;
-        e->base_fixed_slots = per;
         e->fixed_slots = per / e->gang;
     }
     free(iov);
@@ -1467,7 +1464,8 @@ out:
     return ret == -2 ? -2 : ret < 0 ? -1 : x.failed;
 }
 
-/* After an engine failure: nothing is in flight; every slot is free again. */
+/* After an engine failure, or carving the slots anew: nothing is in flight; every slot is
+ * free again. */
 static void reset_slots(struct sio_engine *e)
 {
     unsigned long long i;
@@ -1475,7 +1473,7 @@ static void reset_slots(struct sio_engine *e)
     if (e->stream)
         cu.stream_sync(e->stream);
     e->done_seq = e->next_seq;
-    e->held_count = 0;
+    e->held_head = e->held_count = 0;
     e->c_n = e->c_nslots = 0;
     e->nfree = e->nslots;
     for (i = 0; i < e->nslots; i++)
@@ -1680,11 +1678,8 @@ static void carve_slots(struct sio_engine *e, unsigned long long n, const unsign
     e->gang = k;
     e->slot_bytes = e->base_slot_bytes * k;
     e->nslots = e->base_nslots / k;
-    e->fixed_slots = e->base_fixed_slots / k;
-    e->held_head = 0;
-    e->nfree = e->nslots;
-    for (i = 0; i < e->nslots; i++)
-        e->free_list[i] = (unsigned)(e->nslots - 1 - i);
+    e->fixed_slots = (unsigned)(per / k);
+    reset_slots(e);     /* every slot free, in the new carving */
 }
 
 int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd,
