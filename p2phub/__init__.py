@@ -24,12 +24,14 @@ _EXPORTS = {
     "ModuleInfo": "device", "get_info": "device",
     "StagedModeError": "errors", "StagedRegistration": "staged", "OrderingError": "ordering",
     "Memory": "memory", "MemPath": "memory", "PathKind": "memory",
+    "StorageFile": "files",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .device import ModuleInfo, get_info
+    from .files import StorageFile
     from .errors import (ModuleNotLoadedError, P2PHubError, P2PHubOSError, RevokedError,
                          StagedModeError, UsageError)
     from .hostmem import Udmabuf, VgemBuffer

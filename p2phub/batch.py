@@ -68,6 +68,7 @@ from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
 from .ordering.core import FencedAccess
 from .ordering.tracker import AccessKind, next_seq
+from .files import StorageFile
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
 from ._resource import Resource
 
@@ -662,6 +663,9 @@ class Engines(Resource):
         self._files: dict[tuple[str, bool, bool], tuple[int, int, int, bool, bytes]] = {}
         self._file_same: Any = None     # staged_io's sio_file_same, once a file is open
         self._stale_fds: list[int] = []
+        # hub.open()'s files, closed with the engines (after the queued work that reads them)
+        self._storage_files: set[StorageFile] = set()
+        self._drained = threading.Event()   # the engines closed: nothing queued runs any more
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
                         fixed_buffers: bool, io_thread: bool, split: int | None = None,
@@ -822,6 +826,40 @@ class Engines(Resource):
             self._files[key] = (fd, fst.st_dev, fst.st_ino, is_direct, os.fsencode(name))
         return fd, is_direct, fst.st_size
 
+    def open_storage(self, path: "str | os.PathLike[str]", mode: str,
+                     direct: bool) -> StorageFile:
+        """hub.open(): a StorageFile of this hub, closed with its engines at the latest."""
+        with self._lock:
+            self._check_taking()
+        f = StorageFile(self, path, mode, direct=direct)
+        with self._lock:
+            if not self._stopping:
+                self._storage_files.add(f)
+                return f
+        f.close()
+        self._check_taking()    # raises: the hub closed meanwhile
+        return f    # pragma: no cover
+
+    def forget(self, f: StorageFile) -> None:
+        with self._lock:
+            self._storage_files.discard(f)
+
+    def wait_queued(self) -> None:
+        """Return once every load, save and batch queued on the engine thread before the call
+        has run (at once where nothing was ever queued; when the engines are closing, once
+        they closed)."""
+        with self._lock:
+            stopping, q = self._stopping, self._queue
+            mark = q.reserve() if q is not None and not stopping else None
+        if stopping:
+            self._drained.wait()
+            return
+        if q is not None and mark is not None:
+            try:
+                q.wait_reached(mark)
+            finally:
+                q.release(mark)
+
     def worker_locked(self) -> "_Worker":
         if self._worker is None:
             self._worker = _Worker()
@@ -832,13 +870,18 @@ class Engines(Resource):
             self._stopping = True   # no new requests or batches from here on
             worker, self._worker = self._worker, None
             queue = self._queue
-        if worker is not None:
-            worker.close()      # plans and runs the batches queued, ends the thread
-        if queue is not None:
-            queue.close()       # runs the requests queued, delivers every result
+        try:
+            if worker is not None:
+                worker.close()      # plans and runs the batches queued, ends the thread
+            if queue is not None:
+                queue.close()       # runs the requests queued, delivers every result
+        finally:
+            self._drained.set()
         with self._lock:
-            owned: list[Resource] = [*self._batch.values(), *self._stagers.values()]
+            owned: list[Resource] = [*self._batch.values(), *self._stagers.values(),
+                                     *self._storage_files]
             self._batch, self._stagers, self._routes = {}, {}, {}
+            self._storage_files = set()
             fds = [e[0] for e in self._files.values()] + self._stale_fds
             self._files, self._stale_fds = {}, []
         _close_each(owned)
@@ -1244,6 +1287,8 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     a fence. The read is queued on the hub's engine thread with whatever else is queued (see
     _Worker); `progress(nbytes)` is called once the bytes are in."""
     reg = staged.check_memory(dest, "the destination")
+    if type(source) is StorageFile:
+        return _load_open(hub, source, reg, offset, nbytes, dest_offset, progress)
     if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     tgt = staged.copy_target(reg)
@@ -1281,6 +1326,8 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace); with `sync`
     the file is fsynced before the fence completes."""
     reg = staged.check_memory(source, "the source")
+    if type(dest) is StorageFile:
+        return _save_open(hub, reg, dest, offset, nbytes, source_offset, sync, progress)
     if staged.is_direct_storage(dest):
         return staged.namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
@@ -1293,6 +1340,40 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     fd, is_direct, owned, name = staged.open_target(dest, True, use_direct)
     return _dispatch(hub, True, _engine_copies(tgt.ops), reg, tgt, fd, owned, is_direct, offset,
                      source_offset, nbytes, name, progress, sync)
+
+
+def _load_open(hub: "Hub", f: StorageFile, reg: Memory, offset: int, nbytes: int | None,
+               dest_offset: int, progress: Any) -> Fence:
+    """hub.load of a hub.open() file: no system call before the engine's read."""
+    if f.engines is not hub.engines:
+        raise UsageError(f"{f!r} was opened by another hub")
+    nbytes = f.read_range(offset, nbytes)
+    if dest_offset < 0 or dest_offset + nbytes > reg.length:
+        check_range(dest_offset, nbytes, reg.length, reg)   # type: ignore[arg-type]
+    tgt = staged.copy_target(reg)
+    if _engine_copies(tgt.ops):
+        return _dispatch(hub, False, True, reg, tgt, f.fd, False, f.direct, offset,
+                         dest_offset, nbytes, f.name, progress, True)
+    # the staging lanes run outside the engine queue that f.close() waits for: their own fd
+    return _dispatch(hub, False, False, reg, tgt, os.dup(f.fd), True, f.direct, offset,
+                     dest_offset, nbytes, f.name, progress, True)
+
+
+def _save_open(hub: "Hub", reg: Memory, f: StorageFile, offset: int, nbytes: int | None,
+               source_offset: int, sync: bool, progress: Any) -> Fence:
+    """hub.save to a hub.open() file (opened "r+", "w" or "a")."""
+    if f.engines is not hub.engines:
+        raise UsageError(f"{f!r} was opened by another hub")
+    if nbytes is None:
+        nbytes = reg.length - source_offset
+    source_offset, nbytes = check_range(source_offset, nbytes, reg.length, reg)  # type: ignore[arg-type]
+    fd, direct = f.write_fd(offset, nbytes)
+    tgt = staged.copy_target(reg)
+    engine = _engine_copies(tgt.ops)
+    if not engine:
+        fd = os.dup(fd)
+    return _dispatch(hub, True, engine, reg, tgt, fd, not engine, direct, offset,
+                     source_offset, nbytes, f.name, progress, sync)
 
 
 def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarget, fd: int,

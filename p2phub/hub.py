@@ -42,6 +42,7 @@ from ._resource import Resource
 from .backend import GpuRange
 from .device import Device, ModuleInfo, ioctl_error
 from .errors import P2PHubOSError, RevokedError, UsageError
+from .files import StorageFile
 from .memory import DRAIN_TIMEOUT_S, Device as BindTarget, Memory, MemoryShare, MemPath
 from .pci import PciAddress
 from .policy import PathPolicy
@@ -433,6 +434,16 @@ class Hub(Resource):
         why."""
         out = [path for pin in list(self._pins) for path in pin.paths.values()]
         return out + [path for reg in self._staging.registrations() for path in reg.paths()]
+
+    def open(self, path: "str | os.PathLike[str]", mode: str = "r", *,
+             direct: bool = True) -> "StorageFile":
+        """A file or block device opened once for many load()/save() calls (and the batch
+        calls): a request on it makes no open or stat of its own. mode "r" (read), "r+"
+        (read and write), "w" (created or truncated), "a" (created if missing); `direct`:
+        O_DIRECT where the file system has it. Close it (or leave it to hub.close()): the
+        close waits for the requests queued on it. See p2phub.files."""
+        self._check_open()
+        return self.engines.open_storage(path, mode, direct)
 
     def load(self, source: object, dest: object, offset: int = 0, nbytes: int | None = None,
              dest_offset: int = 0, *, direct: bool = True,

@@ -22,6 +22,9 @@ reach, is as warm for the first method as for the last):
   p2phub:perrequest
                hub.load(file, reg, offset, size, dest_offset) per request, all issued, then
                the fences awaited together (p2phub-load is the same method)
+  p2phub:perrequest:file
+               the same on a file opened once, as kvikio's CuFile is (hub.open(file) inside
+               the timed span; each request then makes no open or stat of its own)
   kvikioN      kvikio.CuFile(file).pread(view, size, offset) futures, its thread pool at N
                threads (kvikio8, kvikio16, kvikio64), awaited together
   nixl-posix   host memory only: the pip nixl package's POSIX plugin (DRAM <- FILE, one READ
@@ -51,7 +54,9 @@ from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_cac
                          make_file)
 
 SCHEMA = "p2phub.bench.restore/1"
-METHODS = "ceiling,p2phub,p2phub:perrequest,kvikio8,kvikio16,kvikio64,torch"
+METHODS = ("ceiling,p2phub,p2phub:perrequest,p2phub:perrequest:file,kvikio8,kvikio16,kvikio64,"
+           "torch")
+PER_REQUEST = ("p2phub-load", "p2phub:perrequest", "p2phub:perrequest:file")
 KVIKIO = ("kvikio8", "kvikio16", "kvikio64")
 NIXL = ("nixl-posix", "nixl-posix:uring")
 
@@ -268,6 +273,17 @@ class P2PHubLoad(P2PHubBatch):
         return time.perf_counter() - t0
 
 
+class P2PHubLoadFile(P2PHubLoad):
+    def run(self, path: str, offs: Any, dsts: Any, size: int) -> float:
+        t0 = time.perf_counter()
+        with self.hub.open(path) as f:
+            fences = [self.hub.load(f, self.reg, int(o), size, int(d))
+                      for o, d in zip(offs, dsts)]
+            for fe in fences:
+                fe.wait()
+        return time.perf_counter() - t0
+
+
 class Kvikio:
     def __init__(self, dest: Dest, threads: int) -> None:
         try:
@@ -436,8 +452,9 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
         try:
             if name == "ceiling":
                 impl[name] = Ceiling(args.file, depths, max_size)
-            elif name in ("p2phub-load", "p2phub:perrequest"):
-                impl[name] = P2PHubLoad(dest, args.mode, args.depth, _parse_size(args.slot))
+            elif name in PER_REQUEST:
+                cls = P2PHubLoadFile if name.endswith(":file") else P2PHubLoad
+                impl[name] = cls(dest, args.mode, args.depth, _parse_size(args.slot))
             elif name == "p2phub" or name.startswith("p2phub:"):
                 depth, slot, direct, engine = _variant(name, args.depth, _parse_size(args.slot))
                 impl[name] = P2PHubBatch(dest, args.mode, depth, slot, direct, engine)
@@ -527,21 +544,23 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
         med = row["median_per_s"]
         ratios: dict[str, float] = {}
         if "p2phub" in med:
-            for other in ("ceiling", "ceiling_without_open", *KVIKIO, "torch", "p2phub-load",
-                          "p2phub:perrequest", *NIXL):
+            for other in ("ceiling", "ceiling_without_open", *KVIKIO, "torch", *PER_REQUEST,
+                          *NIXL):
                 if med.get(other):
                     ratios[f"p2phub_vs_{other}"] = round(med["p2phub"] / med[other], 3)
             for group, names in (("kvikio", KVIKIO), ("nixl", NIXL)):
                 best = [med[k] for k in names if med.get(k)]
                 if best:
                     ratios[f"p2phub_vs_best_{group}"] = round(med["p2phub"] / max(best), 3)
-        per = med.get("p2phub:perrequest") or med.get("p2phub-load")
-        if per:
+        kv = [med[k] for k in KVIKIO if med.get(k)]
+        for tag, per in (("perrequest", med.get("p2phub:perrequest") or med.get("p2phub-load")),
+                         ("perrequest_file", med.get("p2phub:perrequest:file"))):
+            if not per:
+                continue
             if med.get("p2phub"):
-                ratios["perrequest_vs_p2phub"] = round(per / med["p2phub"], 3)
-            kv = [med[k] for k in KVIKIO if med.get(k)]
+                ratios[f"{tag}_vs_p2phub"] = round(per / med["p2phub"], 3)
             if kv:
-                ratios["perrequest_vs_best_kvikio"] = round(per / max(kv), 3)
+                ratios[f"{tag}_vs_best_kvikio"] = round(per / max(kv), 3)
         row["ratios"] = ratios
         if "p2phub" in impl:
             row["p2phub_batch"] = impl["p2phub"].info()["last_batch"]
@@ -590,7 +609,7 @@ def render(report: dict) -> None:
 def _check_methods(names: list[str]) -> None:
     """A method name the bench does not know is a usage error (exit 4), before anything runs."""
     for name in names:
-        known = (name in ("ceiling", "torch", "p2phub", "p2phub-load", "p2phub:perrequest")
+        known = (name in ("ceiling", "torch", "p2phub", *PER_REQUEST)
                  or name in NIXL or (name.startswith("kvikio") and (name[6:] or "8").isdigit()))
         if name.startswith("p2phub:") and not known:
             try:

@@ -1,5 +1,6 @@
 """The Hub owns its I/O engines: after hub.close() no thread, fd or locked memory the Hub
-started is left, whichever calls ran (load, save, load_batch, save_batch) and with the reads
+started is left, whichever calls ran (load, save, load_batch, save_batch, on a path or a file
+from hub.open()) and with the reads
 on the copying thread or on their own; and single requests share the batch engine (issued
 together, they reach it as one submission). The CUDA copy path runs against the stand-in
 libcuda.so.1 of test_batch_fakecuda, in a child process."""
@@ -97,10 +98,18 @@ for io_thread in (False, True):
             d = (2 << 20) | k * 4096
             assert np.array_equal(mem[d:d + 4096], data[o:o + 4096])
         assert all(fe.stats["requests"] >= 1 for fe in fences)
+        # files opened once: one closed by its with-block, one left to hub.close()
+        sf = hub.open(path)
+        hub.load(sf, reg, 8192, 8192, 3 << 20).wait(60)
+        assert np.array_equal(mem[3 << 20:(3 << 20) + 8192], data[8192:16384])
+        with hub.open(out, "r+") as wf:
+            hub.save(reg, wf, 0, 4096, 3 << 20).wait(60)
+            hub.save(reg, wf, 100, 1000, 3 << 20).wait(60)   # unaligned: a buffered fd
     del view
     during = state()
     assert any(n == "p2phub-batch" for n in during[0].values()), during[0]
     hub.close()
+    assert sf.closed
     after = state()
     threads = {i: n for i, n in after[0].items() if i not in before[0]}
     assert not threads, f"threads left: {threads}"

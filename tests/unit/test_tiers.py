@@ -26,7 +26,7 @@ CORE = {"p2phub", "p2phub.errors", "p2phub.uapi", "p2phub.device", "p2phub.pci",
         "p2phub.arrays", "p2phub.blockuse", "p2phub.exitcodes", "p2phub._cffi_build",
         "p2phub.memory", "p2phub.capabilities", "p2phub.policy", "p2phub.log", "p2phub.deps",
         "p2phub.metrics"}
-ENGINE_PREFIXES = ("p2phub.hub", "p2phub.staged", "p2phub.nvme", "p2phub.rdma",
+ENGINE_PREFIXES = ("p2phub.hub", "p2phub.files", "p2phub.staged", "p2phub.nvme", "p2phub.rdma",
                    "p2phub.ordering", "p2phub.kv", "p2phub.batch", "p2phub.staged_io",
                    "p2phub.nixl")
 TOOL_PREFIXES = ("p2phub.doctor", "p2phub.commands", "p2phub.cli", "p2phub.__main__")

@@ -1,0 +1,163 @@
+"""Storage opened once for many loads and saves: ``hub.open(path)``.
+
+``hub.load(path, ...)`` per request has to ask the file system, every time, whether the path
+still names the file it opened before (a ``stat``: a path walk and a system call). A
+connector that restores many blocks of one file opens it once instead, as kvikio's ``CuFile``
+and NIXL's registered fds do, and passes the open file to each call: the request then makes
+no system call before the engine's own read. The file's size is kept and asked again only
+when a read reaches past it (the file grew); a read of a file that shrank comes back short
+and its fence says so.
+
+An open file belongs to its Hub. ``close()`` (its with-block, or ``hub.close()``) waits for
+every load and save queued on it before, then closes the fd: a request never reads an fd
+number the process has since reused.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Protocol
+
+from ._resource import Resource
+from .errors import P2PHubOSError, UsageError
+from .staged import ALIGN
+
+
+class Engines(Protocol):
+    """What an open file needs of its Hub's engines (p2phub.batch.Engines)."""
+
+    def wait_queued(self) -> None: ...
+
+    def forget(self, f: "StorageFile") -> None: ...
+
+# mode -> (open flags, readable, writable)
+_MODES = {
+    "r": (os.O_RDONLY, True, False),
+    "r+": (os.O_RDWR, True, True),
+    "w": (os.O_RDWR | os.O_CREAT | os.O_TRUNC, True, True),
+    "a": (os.O_RDWR | os.O_CREAT, True, True),     # created if missing, never truncated
+}
+
+
+class StorageFile(Resource):
+    """A file or block device open for ``hub.load``/``hub.save`` (and the batch calls, like
+    any open file). ``direct``: opened O_DIRECT (asked for, and the file system has it).
+    Saves of a range that O_DIRECT cannot write (not 4 KiB-aligned) go through a second,
+    buffered fd of the same open file, opened on first need."""
+
+    def __init__(self, engines: "Engines", path: "str | os.PathLike[str]", mode: str = "r",
+                 *, direct: bool = True) -> None:
+        if mode not in _MODES:
+            raise UsageError(f"mode={mode!r}: want one of {', '.join(map(repr, _MODES))}")
+        self.name = os.fspath(path)
+        self.mode = mode
+        flags, self.readable, self.writable = _MODES[mode]
+        flags |= os.O_CLOEXEC
+        self.engines = engines
+        self.fd, self.direct = -1, False
+        if direct:
+            try:
+                self.fd, self.direct = os.open(self.name, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:    # EINVAL: no O_DIRECT here, use the page cache
+                    raise _open_error(exc, self.name) from None
+        if self.fd < 0:
+            try:
+                self.fd = os.open(self.name, flags, 0o644)
+            except OSError as exc:
+                raise _open_error(exc, self.name) from None
+        self._buffered_fd = -1
+        try:
+            st = os.fstat(self.fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise UsageError(f"{self.name} is a directory: want a file or a block device")
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+                raise UsageError(f"{self.name} is not a regular file or a block device")
+            self.block_device = stat.S_ISBLK(st.st_mode)
+            self._size = self._ask_size()
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._mark_owner()
+
+    # ------------------------------------------------------------------ sizes and ranges
+    def _ask_size(self) -> int:
+        if self.block_device:
+            return os.lseek(self.fd, 0, os.SEEK_END)
+        return os.fstat(self.fd).st_size
+
+    @property
+    def size(self) -> int:
+        """The file's size now (asked of the file system)."""
+        self._check_open()
+        self._size = self._ask_size()
+        return self._size
+
+    def read_range(self, offset: int, nbytes: int | None) -> int:
+        """The length of a read of `nbytes` (None: to the end) at `offset`, checked inside the
+        file; the size is asked again only when the range reaches past the one last seen."""
+        if self._closed:
+            self._check_open()
+        if not self.readable:
+            raise UsageError(f"{self.name} is open for writing only")
+        size = self._size
+        if nbytes is None or offset + nbytes > size:
+            size = self.size
+            if nbytes is None:
+                nbytes = size - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > size:
+            raise UsageError(f"{self.name}: range offset={offset} nbytes={nbytes} is not "
+                             f"inside its {size} bytes")
+        return nbytes
+
+    def write_fd(self, offset: int, nbytes: int) -> tuple[int, bool]:
+        """(fd, O_DIRECT) for a save of `nbytes` at `offset`: the O_DIRECT fd when the range is
+        aligned, else the buffered one."""
+        self._check_open()
+        if not self.writable:
+            raise UsageError(f"{self.name} is open for reading only (hub.open(path, 'r+'))")
+        if offset < 0:
+            raise UsageError(f"offset={offset} is negative")
+        if not self.direct or (offset % ALIGN == 0 and nbytes % ALIGN == 0):
+            return self.fd, self.direct
+        if self._buffered_fd < 0:
+            # the same open file without O_DIRECT (the path may name another file by now)
+            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+            if self._buffered_fd < 0:
+                self._buffered_fd = fd
+            else:
+                os.close(fd)
+        return self._buffered_fd, False
+
+    def fileno(self) -> int:
+        """The O_DIRECT fd where there is one (the batch calls read it as any open file's)."""
+        self._check_open()
+        return self.fd
+
+    # ------------------------------------------------------------------ closing
+    def _close(self) -> None:
+        # every request queued before this point has run: none reads the fds after they go
+        self.engines.wait_queued()
+        self.engines.forget(self)
+        for fd in (self.fd, self._buffered_fd):
+            if fd >= 0:
+                os.close(fd)
+
+    def _abandon(self) -> None:
+        """A forked child: its copies of the fds, nothing queued in it."""
+        for fd in (self.fd, self._buffered_fd):
+            if fd >= 0:
+                os.close(fd)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._size} bytes"
+        return (f"<StorageFile {self.name} {self.mode}"
+                f"{' O_DIRECT' if self.direct else ''} {state}>")
+
+
+def _open_error(exc: OSError, name: str) -> Exception:
+    if exc.errno == errno.EISDIR:
+        return UsageError(f"{name} is a directory: want a file or a block device")
+    return P2PHubOSError(exc.errno or errno.EIO, f"open {name}")
