@@ -37,12 +37,12 @@ T = TypeVar("T", bound="Resource")
 
 # This process's pid, kept current across fork() (asked on every use of every resource:
 # os.getpid() is a system call each time)
-_this_pid = os.getpid()
+this_pid = os.getpid()
 
 
 def _forked() -> None:
-    global _this_pid
-    _this_pid = os.getpid()
+    global this_pid
+    this_pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -97,17 +97,17 @@ class Resource:
 
     # ------------------------------------------------------------------ ownership
     def _mark_owner(self) -> None:
-        self._pid = _this_pid
+        self._pid = this_pid
 
     @property
     def foreign(self) -> bool:
         """True in a forked child of the process that made this object."""
-        return self._pid != 0 and self._pid != _this_pid
+        return self._pid != 0 and self._pid != this_pid
 
     def _check_owner(self) -> None:
-        if self._pid != 0 and self._pid != _this_pid:
+        if self._pid != 0 and self._pid != this_pid:
             raise UsageError(f"{self!r} belongs to process {self._pid}; a forked child "
-                             f"({_this_pid}) cannot use it: open its own Hub")
+                             f"({this_pid}) cannot use it: open its own Hub")
 
     def _check_open(self) -> None:
         if self._closed:

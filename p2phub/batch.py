@@ -1008,10 +1008,6 @@ _REAP_MAX = 4096
 class _Ignored:
     """A reservation's place in the pending table: its completion carries nothing."""
 
-    @staticmethod
-    def finish(moved: int, run: int, why: str, settled: bool = False) -> None:
-        pass
-
 
 class _Queue(Resource):
     """The Hub's engine thread (staged_io/_sio_queue.c): single loads and saves are queued
@@ -1088,7 +1084,7 @@ class _Queue(Resource):
                 req = pop(first + k, None)
                 if req is None:
                     self._early[first + k] = (res[k], runs[k])
-                else:
+                elif req is not _Ignored:       # a reservation's place: nothing to complete
                     done.append((req, res[k], runs[k]))
         _settle(done)
         for req, moved, run in done:
@@ -1139,15 +1135,19 @@ class _Queue(Resource):
 # ------------------------------------------------------------------ single requests
 
 
+_LOAD_KIND, _SAVE_KIND = AccessKind.NVME_READ, AccessKind.NVME_WRITE
+# one lock for every request: a fence's critical sections are a few assignments and never
+# nest, and a lock per request is one more object for the cycle collector to walk
+_SHARED_LOCK = threading.Lock()
+
+
 class RequestFence(Fence, FencedAccess):
     """One hub.load / hub.save queued on the engine thread, its fence and its ordered access
     of the memory, in one object (the fewer objects a request leaves for the cycle collector,
     the less its passes cost): completes when the engine thread's result for it is collected;
     a thread that waits collects results itself rather than wake a collector."""
 
-    # one lock for every request: a fence's critical sections are a few assignments and never
-    # nest, and a lock per request is one more object for the cycle collector to walk
-    shared_lock = threading.Lock()
+    shared_lock = _SHARED_LOCK
     queue: "_Queue | None"
     ticket: int
     submit_path: str
@@ -1157,22 +1157,40 @@ class RequestFence(Fence, FencedAccess):
                  progress: Any, sync: bool) -> None:
         # the fields of Fence and staged.Fence, set in this one frame (it runs once per
         # request; tests/unit/test_request_ordering.py checks that none is missing)
-        self._lock, self._done, self._ev, self._exc = self.shared_lock, False, None, None
-        self._callbacks, self._words = None, ()
-        self.nbytes, self._secs, self._run = nbytes, 0.0, -1
+        # (one statement each: an assignment of more than three names builds a tuple)
+        self._lock = _SHARED_LOCK
+        self._done = False
+        self._ev = None
+        self._exc = None
+        self._callbacks = None
+        self._words = ()
+        self.nbytes = nbytes
+        self._secs = 0.0
+        self._run = -1
         self.t0 = _now()
-        self.name, self.write, self.reg, self.fd, self.owned = name, write, reg, fd, owned
-        self.offset, self.mem, self.flags = offset, mem, flags
-        self.progress, self.sync = progress, sync
+        self.name = name
+        self.write = write
+        self.reg = reg
+        self.fd = fd
+        self.owned = owned
+        self.offset = offset
+        self.mem = mem
+        self.flags = flags
+        self.progress = progress
+        self.sync = sync
         # every attribute set later exists from here, in one order, and there are fewer than
         # 30: the instances then share one key table and none grows a dict of its own (one
         # object more for the cycle collector)
-        self.ticket, self.queue, self.submit_path = -1, None, ""
+        self.ticket = -1
+        self.queue = None
+        self.submit_path = ""
         # its access of the memory (FencedAccess.acquire's fields): a load fills the range
         # (producer), a save reads it (consumer); Ordering.admit enters it
-        self.kind = AccessKind.NVME_WRITE if write else AccessKind.NVME_READ
-        self.start, self.end = reg_offset, reg_offset + nbytes
-        self.seq, self._ordering = next_seq(), ordering
+        self.kind = _SAVE_KIND if write else _LOAD_KIND
+        self.start = reg_offset
+        self.end = reg_offset + nbytes
+        self.seq = next_seq()
+        self._ordering = ordering
 
     @property
     def direct(self) -> bool:
@@ -1199,6 +1217,12 @@ class RequestFence(Fence, FencedAccess):
     def finish(self, moved: int, run: int, why: str, settled: bool = False) -> None:
         """Complete with the engine's result; `settled`: its range and its hold on the memory
         were already released (_settle, for a batch of results at once)."""
+        self._secs = _now() - self.t0
+        self._run = run
+        if settled and moved == self.nbytes and not self.owned and self.progress is None:
+            self._ordering = None       # the usual request: nothing to close, call or report
+            super(FencedAccess, self)._complete(None)
+            return
         err: BaseException | None = None
         if moved < 0 or moved < self.nbytes:
             err = P2PHubOSError(-moved if moved < 0 else errno.EIO, self.what,
@@ -1215,7 +1239,7 @@ class RequestFence(Fence, FencedAccess):
         except BaseException as exc:  # noqa: BLE001 - delivered through the fence
             err = err or exc
         self.progress = None
-        self._secs, self._run = _now() - self.t0, run
+        self._secs = _now() - self.t0
         if settled:     # nothing left to retire: complete it as the plain fence it now is
             super(FencedAccess, self)._complete(err)
         else:
@@ -1261,14 +1285,15 @@ def _settle(done: list[tuple[Any, int, int]]) -> None:
     """For results collected together: release each memory's ranges under one hold of its
     ordering's lock and drop its holds at once (per request, both would be a lock round each)."""
     groups: dict[int, tuple[Memory, list[RequestFence]]] = {}
+    reg, reqs = None, None       # the last one's group: results mostly come in runs of one memory
     for req, _moved, _run in done:
-        if req is _Ignored:
-            continue
-        g = groups.get(id(req.reg))
-        if g is None:
-            groups[id(req.reg)] = (req.reg, [req])
-        else:
-            g[1].append(req)
+        if req.reg is not reg:
+            reg = req.reg
+            g = groups.get(id(reg))
+            if g is None:
+                g = groups[id(reg)] = (reg, [])
+            reqs = g[1]
+        reqs.append(req)    # type: ignore[union-attr]
     for reg, reqs in groups.values():
         reg.ordering.retire_all(reqs)
         reg.unhold(len(reqs))
@@ -1286,9 +1311,9 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest` at `dest_offset`;
     a fence. The read is queued on the hub's engine thread with whatever else is queued (see
     _Worker); `progress(nbytes)` is called once the bytes are in."""
-    reg = staged.check_memory(dest, "the destination")
     if type(source) is StorageFile:
-        return _load_open(hub, source, reg, offset, nbytes, dest_offset, progress)
+        return load_open(hub, source, dest, offset, nbytes, dest_offset, progress)
+    reg = staged.check_memory(dest, "the destination")
     if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
     tgt = staged.copy_target(reg)
@@ -1342,15 +1367,18 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
                      source_offset, nbytes, name, progress, sync)
 
 
-def _load_open(hub: "Hub", f: StorageFile, reg: Memory, offset: int, nbytes: int | None,
-               dest_offset: int, progress: Any) -> Fence:
+def load_open(hub: "Hub", f: StorageFile, dest: Any, offset: int, nbytes: int | None,
+              dest_offset: int, progress: Any) -> Fence:
     """hub.load of a hub.open() file: no system call before the engine's read."""
+    reg = staged.check_memory(dest, "the destination")
     if f.engines is not hub.engines:
         raise UsageError(f"{f!r} was opened by another hub")
     nbytes = f.read_range(offset, nbytes)
     if dest_offset < 0 or dest_offset + nbytes > reg.length:
         check_range(dest_offset, nbytes, reg.length, reg)   # type: ignore[arg-type]
-    tgt = staged.copy_target(reg)
+    tgt = reg.copy_target()
+    if tgt.ops is None:
+        staged.copy_target(reg)     # raises, naming why no engine copies to it
     if _engine_copies(tgt.ops):
         return _dispatch(hub, False, True, reg, tgt, f.fd, False, f.direct, offset,
                          dest_offset, nbytes, f.name, progress, True)

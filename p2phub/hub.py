@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Protocol
 
-from . import batch, capabilities, hostmem, sources, staged, uapi
+from . import _resource, batch, capabilities, hostmem, sources, staged, uapi
 from ._resource import Resource
 from .backend import GpuRange
 from .device import Device, ModuleInfo, ioctl_error
@@ -450,8 +450,13 @@ class Hub(Resource):
              progress: Any = None) -> Any:  # -> p2phub.staged fence
         """Read storage (file, block device, NVMe namespace) into a registration; a fence.
         Queued on the same engine as load_batch, with every other request queued with it
-        (see p2phub.batch.load for the arguments)."""
-        self._check_open()
+        (see p2phub.batch.load for the arguments). On a hub.open() file `direct` is the
+        file's own."""
+        # _check_open() inline (once per request; the memory checks its own state)
+        if self._closed or self._pid != _resource.this_pid:
+            self._check_open()
+        if type(source) is StorageFile:
+            return batch.load_open(self, source, dest, offset, nbytes, dest_offset, progress)
         return batch.load(self, source, dest, offset, nbytes, dest_offset, direct=direct,
                           progress=progress)
 
@@ -460,7 +465,8 @@ class Hub(Resource):
              progress: Any = None) -> Any:  # -> p2phub.staged fence
         """Write a registration to storage (file, block device, NVMe namespace); a fence
         (see p2phub.batch.save)."""
-        self._check_open()
+        if self._closed or self._pid != _resource.this_pid:
+            self._check_open()
         return batch.save(self, source, dest, offset, nbytes, source_offset, direct=direct,
                           sync=sync, progress=progress)
 

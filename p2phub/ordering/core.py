@@ -177,27 +177,26 @@ class Ordering(Resource):
         self._check(offset, length, kind)
         a = Access(kind, offset, offset + length, what, self.owner)
         a.fence = AccessFence(a, self)
-        self._enter(a)
+        self.admit(a, wait=False)
         return a
 
-    def _enter(self, a: Any) -> None:
+    def admit(self, a: Any, timeout: float | None = None, *, wait: bool = True) -> None:
+        """Enter `a`, an access whose fields are set (a FencedAccess), and wait for the earlier
+        accesses it conflicts with, as ``acquire`` does; withdrawn if that fails. `wait`
+        False: enter it only (``a.deps`` lists what it must come after). One frame: single
+        requests enter here by the thousand."""
+        if a.start < 0 or a.end <= a.start or a.end > self.length:
+            self._check(a.start, a.end - a.start, a.kind)
         with self._lock:
             if self._closed:
                 raise UsageError(f"{self.owner} is closed{self._closed_reason}")
             deps = self._tracker.enter(a, self.strict)
-            if deps and self.strict:
-                raise OrderingError(f"{a} conflicts with the live {deps[0]} (strict ordering)",
-                                    a, deps[0])
             if deps:
+                if self.strict:
+                    raise OrderingError(f"{a} conflicts with the live {deps[0]} (strict "
+                                        "ordering)", a, deps[0])
                 a.deps = deps
-
-    def admit(self, a: Any, timeout: float | None = None) -> None:
-        """Enter `a`, an access whose fields are set (a FencedAccess), and wait for the earlier
-        accesses it conflicts with, as ``acquire`` does; withdrawn if that fails."""
-        if a.start < 0 or a.end <= a.start or a.end > self.length:
-            self._check(a.start, a.end - a.start, a.kind)
-        self._enter(a)
-        if a.deps:
+        if deps and wait:
             try:
                 self.wait_deps(a, self.timeout if timeout is None else timeout)
             except BaseException as exc:

@@ -120,3 +120,33 @@ def test_without_the_driver_batch_copy(torch, src) -> None:
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_per_request_loads_and_saves_of_an_open_file(torch, src, tmp_path) -> None:
+    """hub.open() once, then hub.load per request into GPU memory (checked on the GPU) and
+    hub.save per request back to a file (checked against the file)."""
+    path, data = src
+    gpu_file = torch.from_numpy(data).cuda()
+    size, n = 4 * KiB, 2048
+    rng = np.random.default_rng(11)
+    offs = rng.integers(0, (data.size - size) // 4096, n) * 4096
+    offs[::5] += 77                                      # some unaligned
+    dsts = rng.permutation(n).astype(np.int64) * size
+    t = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    out = tmp_path / "out.bin"
+    with Hub(mode="staged") as hub, hub.register(t) as reg:
+        with hub.open(path) as f:
+            fences = [hub.load(f, reg, int(o), size, int(d)) for o, d in zip(offs, dsts)]
+            for fe in fences:
+                fe.wait(120)
+        torch.cuda.synchronize()
+        assert _check_on_gpu(torch, t, gpu_file, offs, dsts, size)
+        with hub.open(out, "w") as g:
+            saves = [hub.save(reg, g, k * size, size, int(dsts[k]), sync=False)
+                     for k in range(64)]
+            for fe in saves:
+                fe.wait(120)
+    got = np.fromfile(out, np.uint8)
+    for k in range(64):
+        o = int(offs[k])
+        assert np.array_equal(got[k * size:(k + 1) * size], data[o:o + size])

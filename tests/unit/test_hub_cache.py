@@ -179,7 +179,7 @@ def test_a_forked_child_neither_uses_nor_releases(kernel: FakeKernel, buf: int,
     hub = hubmod.Hub(mode="p2p")
     reg = hub.register_dmabuf(buf)
     from p2phub import _resource
-    monkeypatch.setattr(_resource, "_this_pid", os.getpid() + 1)   # as in a forked child
+    monkeypatch.setattr(_resource, "this_pid", os.getpid() + 1)   # as in a forked child
     with pytest.raises(UsageError, match="forked child"):
         reg.dma_pages("0000:00:04.0")
     with pytest.raises(UsageError, match="forked child"):

@@ -196,7 +196,7 @@ def test_a_forked_child_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     r._mark_owner()
     r._check_owner()
     from p2phub import _resource
-    monkeypatch.setattr(_resource, "_this_pid", r._pid + 1)   # as in a forked child
+    monkeypatch.setattr(_resource, "this_pid", r._pid + 1)   # as in a forked child
     assert r.foreign
     with pytest.raises(UsageError, match="forked child"):
         r._check_owner()
