@@ -33,6 +33,11 @@ reach, is as warm for the first method as for the last):
   torch        O_DIRECT preads into two pinned buffers, each copied to the GPU on a stream while
                the next is read (double-buffered)
 
+Per method and run the report also keeps the process's CPU per read (cpu_us_per_read) and
+the cycle collector's time in the timed span with its full collections (gc_ms: [ms, full]);
+a full collection runs before every timed span, so that none owed by what ran before (the
+setup, the previous method) lands in the next method's time.
+
 Every byte of a sample of requests is checked on the destination (on the GPU for GPU
 memory) against the file's pattern. Figures are requests per second; medians over --runs.
 Large reads keep the batch's bytes under --max-bytes: a size gets min(--count, max-bytes /
@@ -42,6 +47,7 @@ size) requests (the report's `count` per size).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -60,6 +66,31 @@ PER_REQUEST = ("p2phub-load", "p2phub:perrequest", "p2phub:perrequest:file")
 KVIKIO = ("kvikio8", "kvikio16", "kvikio64")
 NIXL = ("nixl-posix", "nixl-posix:uring")
 
+
+
+class GcClock:
+    """Time the cycle collector ran (every generation) while installed: a method's run that
+    allocates an object per request pays for collections of the whole process's heap (the
+    report's gc_ms per method and run)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0          # collections of the oldest generation
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
 
 
 def _prime(path: str, offs: Any, size: int) -> None:
@@ -444,7 +475,8 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
     report: dict[str, Any] = {
         "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": _machine(), "file": args.file, "file_bytes": file_size, "count": args.count,
-        "runs": args.runs, "primed": args.prime, "device": kind, "methods": methods,
+        "runs": args.runs, "primed": args.prime, "collected_before_each": True,
+        "device": kind, "methods": methods,
         "sizes": {}, "errors": {}, "info": {},
     }
     impl: dict[str, Any] = {}
@@ -511,9 +543,15 @@ def run_bench(args: argparse.Namespace, step: Callable[[str], None] | None = Non
                         continue
                     dest.clear()
                     cache = drop_caches(args.file)
+                    # every method starts with the collector's slate clean: a full collection
+                    # owed by what ran before (the setup, another method) is not its to pay
+                    gc.collect()
                     cpu0 = time.process_time()
-                    dt = m.run(args.file, offs, dsts, size)
+                    with GcClock() as gcc:
+                        dt = m.run(args.file, offs, dsts, size)
                     dest.sync()
+                    row.setdefault("gc_ms", {}).setdefault(name, []).append(
+                        [round(gcc.seconds * 1e3, 2), gcc.full])
                     # CPU of the whole process (every thread a method started) per read: on
                     # a host shared with other work, steadier than the wall clock
                     row.setdefault("cpu_us_per_read", {}).setdefault(name, []).append(
