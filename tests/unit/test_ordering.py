@@ -64,6 +64,19 @@ class TrackerModel(RuleBasedStateMachine):
         a = self.live.pop(i % len(self.live))
         self.t.remove(a)
 
+    @precondition(lambda self: self.live)
+    @rule(picks=st.lists(st.integers(0, 10_000), min_size=1, max_size=8), stale=st.booleans())
+    def remove_all(self, picks: list[int], stale: bool) -> None:
+        """Completions retired together: lone segments and shared ones in any order, and an
+        access no longer live (withdrawn meanwhile) skipped."""
+        chosen: list[Access] = []
+        for i in picks:
+            if self.live:
+                chosen.append(self.live.pop(i % len(self.live)))
+        if stale:
+            chosen.insert(len(chosen) // 2, Access(AccessKind.NVME_READ, 0, 1))
+        self.t.remove_all(chosen)
+
     @rule(start=st.integers(0, SPACE - 1), length=st.integers(1, SPACE))
     def query(self, start: int, length: int) -> None:
         end = min(SPACE, start + length)
