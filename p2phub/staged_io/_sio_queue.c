@@ -14,9 +14,12 @@
 #define SIOQ_FEED_NS 2000000LL
 /* the reaper waits for more completions while requests keep arriving this recently ... */
 #define SIOQ_BUSY_NS 50000LL
-/* ... but never for longer than this after the first one, nor past this many */
-#define SIOQ_REAP_DELAY_NS 1000000LL
-#define SIOQ_REAP_BATCH 256
+/* ... but never for longer than this after the first one, nor past this many. While a
+ * thread issues requests back to back, every wake-up of the reaper takes the GIL from it
+ * and walks objects that thread just wrote on another core: few, large collections cost
+ * the issuer least (a thread that waits collects its own results at once). */
+#define SIOQ_REAP_DELAY_NS 8000000LL
+#define SIOQ_REAP_BATCH 2048
 
 struct sioq_item {
     struct sio_engine *e;
