@@ -265,6 +265,15 @@ def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
                 f.fd = os.open(f.name, flags, 0o644)
             except OSError as exc:
                 raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i}: open {f.name}") from None
+    elif isinstance(target, StorageFile):
+        # a hub.open() file: the batch reads a duplicate, so the file's close never waits for
+        # (or races) the batch's planning
+        if (write and not target.writable) or (not write and not target.readable):
+            raise P2PHubOSError(errno.EBADF, f"entry {i}: {target.name}",
+                                f"open for {'reading' if write else 'writing'} only")
+        buffered = target.direct and not direct     # an unaligned write, or direct=False
+        f.fd, f.owned, f.name = target.dup(buffered), True, target.name
+        f.direct = target.direct and not buffered
     else:
         if isinstance(target, int) and not isinstance(target, bool):
             f.fd, f.name = target, f"fd {target}"
@@ -397,7 +406,8 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
             aligned = not bool(((off[used] | ln[used]) % ALIGN).any())
             f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
             p.files.append(f)
-            if (direct == "auto" and p.buffered_from and not write and f.owned and f.direct
+            if (direct == "auto" and p.buffered_from and not write and f.direct
+                    and isinstance(target, (str, os.PathLike))
                     and bool((used & (ln >= p.buffered_from)).any())):
                 try:
                     f.fd_buffered = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC)
@@ -724,13 +734,17 @@ class Engines(Resource):
         with self._lock:
             return self._engine_locked(ops, device)
 
-    def push(self, req: "RequestFence", target: CopyTarget) -> None:
+    def push(self, req: "RequestFence", target: CopyTarget,
+             file: StorageFile | None = None) -> None:
         """Queue one load or save on the engine thread. The engine is looked up and the
         request queued under the table's lock, so configure_batch() closes no engine a
-        queued request still refers to."""
+        queued request still refers to, and a `file` from hub.open() that began to close
+        (its close reserves its mark under this lock) takes no request queued after it."""
         with self._lock:
             if self._stopping or self._closed:
                 self._check_taking()
+            if file is not None and file.closing:
+                raise UsageError(f"{file!r} is closed")
             route = self._routes.get((target.ops, target.ordinal))
             if route is None:
                 eng = self._engine_locked(target.ops, target.ordinal)
@@ -1381,9 +1395,9 @@ def load_open(hub: "Hub", f: StorageFile, dest: Any, offset: int, nbytes: int | 
         staged.copy_target(reg)     # raises, naming why no engine copies to it
     if _engine_copies(tgt.ops):
         return _dispatch(hub, False, True, reg, tgt, f.fd, False, f.direct, offset,
-                         dest_offset, nbytes, f.name, progress, True)
+                         dest_offset, nbytes, f.name, progress, True, f)
     # the staging lanes run outside the engine queue that f.close() waits for: their own fd
-    return _dispatch(hub, False, False, reg, tgt, os.dup(f.fd), True, f.direct, offset,
+    return _dispatch(hub, False, False, reg, tgt, f.dup(), True, f.direct, offset,
                      dest_offset, nbytes, f.name, progress, True)
 
 
@@ -1397,16 +1411,17 @@ def _save_open(hub: "Hub", reg: Memory, f: StorageFile, offset: int, nbytes: int
     source_offset, nbytes = check_range(source_offset, nbytes, reg.length, reg)  # type: ignore[arg-type]
     fd, direct = f.write_fd(offset, nbytes)
     tgt = staged.copy_target(reg)
-    engine = _engine_copies(tgt.ops)
-    if not engine:
-        fd = os.dup(fd)
-    return _dispatch(hub, True, engine, reg, tgt, fd, not engine, direct, offset,
-                     source_offset, nbytes, f.name, progress, sync)
+    if _engine_copies(tgt.ops):
+        return _dispatch(hub, True, True, reg, tgt, fd, False, direct, offset, source_offset,
+                         nbytes, f.name, progress, sync, f)
+    # the lanes: their own fd, as for a load
+    return _dispatch(hub, True, False, reg, tgt, f.dup(buffered=f.direct and not direct), True,
+                     direct, offset, source_offset, nbytes, f.name, progress, sync)
 
 
 def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarget, fd: int,
               owned: bool, direct: bool, offset: int, reg_offset: int, nbytes: int, name: str,
-              progress: Any, sync: bool) -> Fence:
+              progress: Any, sync: bool, file: StorageFile | None = None) -> Fence:
     """One checked load or save onto what copies this memory: the Hub's engine thread for host
     and CUDA memory (`engine`), the staging lanes for a backend's own copies; an fd we opened
     is closed if it never gets there."""
@@ -1428,7 +1443,7 @@ def _dispatch(hub: "Hub", write: bool, engine: bool, reg: Memory, tgt: CopyTarge
             fence.cancel(exc)
             raise
         try:
-            hub.engines.push(fence, tgt)
+            hub.engines.push(fence, tgt, file)
         except BaseException as exc:
             reg.unhold()
             fence.cancel(exc)

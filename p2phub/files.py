@@ -8,9 +8,12 @@ no system call before the engine's own read. The file's size is kept and asked a
 when a read reaches past it (the file grew); a read of a file that shrank comes back short
 and its fence says so.
 
-An open file belongs to its Hub. ``close()`` (its with-block, or ``hub.close()``) waits for
-every load and save queued on it before, then closes the fd: a request never reads an fd
-number the process has since reused.
+An open file belongs to its Hub. ``close()`` (its with-block, or ``hub.close()``) marks it
+closing, waits for every load and save queued on it before, then closes the fd: a request never
+reads or writes an fd number the process has since reused. A request racing the close either
+is queued before the close's mark (and waited for) or is refused: the engine's queue checks
+``closing`` under the lock that orders both. Work that runs outside that queue (the staging
+lanes, a batch's planning) gets its own duplicate of the fd (``dup()``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from typing import Protocol
 
 from ._resource import Resource
@@ -69,6 +73,10 @@ class StorageFile(Resource):
             except OSError as exc:
                 raise _open_error(exc, self.name) from None
         self._buffered_fd = -1
+        # set once close() begins (read by the engine queue under its lock); _lock orders it
+        # with the fds made from this one (dup, the buffered fd)
+        self.closing = False
+        self._lock = threading.Lock()
         try:
             st = os.fstat(self.fd)
             if stat.S_ISDIR(st.st_mode):
@@ -98,8 +106,8 @@ class StorageFile(Resource):
     def read_range(self, offset: int, nbytes: int | None) -> int:
         """The length of a read of `nbytes` (None: to the end) at `offset`, checked inside the
         file; the size is asked again only when the range reaches past the one last seen."""
-        if self._closed:
-            self._check_open()
+        if self.closing:
+            self._check_closing()
         if not self.readable:
             raise UsageError(f"{self.name} is open for writing only")
         size = self._size
@@ -115,29 +123,45 @@ class StorageFile(Resource):
     def write_fd(self, offset: int, nbytes: int) -> tuple[int, bool]:
         """(fd, O_DIRECT) for a save of `nbytes` at `offset`: the O_DIRECT fd when the range is
         aligned, else the buffered one."""
-        self._check_open()
+        self._check_closing()
         if not self.writable:
             raise UsageError(f"{self.name} is open for reading only (hub.open(path, 'r+'))")
         if offset < 0:
             raise UsageError(f"offset={offset} is negative")
         if not self.direct or (offset % ALIGN == 0 and nbytes % ALIGN == 0):
             return self.fd, self.direct
+        with self._lock:
+            self._check_closing()
+            return self._buffered_locked(), False
+
+    def dup(self, buffered: bool = False) -> int:
+        """A duplicate of the fd (`buffered`: of one without O_DIRECT), the caller's to close:
+        for work that runs outside the engine queue that close() waits for."""
+        with self._lock:
+            self._check_closing()
+            return os.dup(self._buffered_locked() if buffered and self.direct else self.fd)
+
+    def _buffered_locked(self) -> int:
         if self._buffered_fd < 0:
             # the same open file without O_DIRECT (the path may name another file by now)
-            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
-            if self._buffered_fd < 0:
-                self._buffered_fd = fd
-            else:
-                os.close(fd)
-        return self._buffered_fd, False
+            flags = (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_CLOEXEC
+            self._buffered_fd = os.open(f"/proc/self/fd/{self.fd}", flags)
+        return self._buffered_fd
 
     def fileno(self) -> int:
-        """The O_DIRECT fd where there is one (the batch calls read it as any open file's)."""
+        """The O_DIRECT fd where there is one."""
         self._check_open()
         return self.fd
 
+    def _check_closing(self) -> None:
+        if self.closing:
+            raise UsageError(f"{self!r} is closed")
+        self._check_open()
+
     # ------------------------------------------------------------------ closing
     def _close(self) -> None:
+        with self._lock:
+            self.closing = True     # from here the engine queue refuses requests on it
         # every request queued before this point has run: none reads the fds after they go
         self.engines.wait_queued()
         self.engines.forget(self)
@@ -152,7 +176,7 @@ class StorageFile(Resource):
                 os.close(fd)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self._size} bytes"
+        state = "closed" if self.closing else f"{self._size} bytes"
         return (f"<StorageFile {self.name} {self.mode}"
                 f"{' O_DIRECT' if self.direct else ''} {state}>")
 

@@ -193,3 +193,99 @@ def test_lane_copies_get_their_own_fd(hub, data_file, tmp_path) -> None:
             hub.save(reg, g, 0, 32 * KiB).wait(30)
         assert out.read_bytes() == data[4096:4096 + 32 * KiB]
         assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_close_racing_requests_never_lets_one_use_a_reused_fd(hub, data_file, tmp_path) -> None:
+    """Loads issued from another thread while the file closes: each is either refused
+    ("closed") or reads the file it was issued on, even when the process opens another file
+    at once and gets the fd number back."""
+    data = data_file.read_bytes()
+    decoy = tmp_path / "decoy.bin"
+    decoy.write_bytes(b"\xee" * len(data))
+    mem = hub.alloc_host(512 * KiB)
+    view = np.frombuffer(mem.mmap(), np.uint8)
+    for rnd in range(8):
+        view[:] = 0
+        f = hub.open(data_file)
+        accepted: list = []
+        refused: list[Exception] = []
+        started = threading.Event()
+
+        def issue() -> None:
+            for k in range(128):
+                try:
+                    accepted.append((k, hub.load(f, mem, k * 4 * KiB, 4 * KiB, k * 4 * KiB)))
+                except UsageError as exc:
+                    refused.append(exc)
+                    return
+                finally:
+                    started.set()
+
+        t = threading.Thread(target=issue)
+        t.start()
+        started.wait(10)
+        time.sleep(0.0005 * rnd)
+        f.close()
+        reused = os.open(decoy, os.O_RDONLY)      # most likely f.fd's number again
+        try:
+            t.join(30)
+            for k, fe in accepted:
+                fe.wait(30)
+                got = view[k * 4 * KiB:(k + 1) * 4 * KiB].tobytes()
+                assert got == data[k * 4 * KiB:(k + 1) * 4 * KiB], f"round {rnd}: request {k}"
+            assert all("closed" in str(e) for e in refused)
+        finally:
+            os.close(reused)
+    assert mem.holds == 0
+    del view
+
+
+def test_batches_on_an_open_file(hub, data_file, tmp_path) -> None:
+    """load_batch/save_batch take an open file like any other storage: a duplicate of its fd
+    (the buffered one for unaligned writes), refused once the file is closed."""
+    data = data_file.read_bytes()
+    mem = hub.alloc_host(64 * KiB)
+    view = np.frombuffer(mem.mmap(), np.uint8)
+    out = tmp_path / "batch-out.bin"
+    with hub.open(data_file) as f, hub.open(out, "w") as g:
+        hub.load_batch(storage=f, offsets=[4 * KiB, 100], lengths=4 * KiB, memory=mem,
+                       mem_offsets=[0, 8 * KiB]).wait(30)
+        assert view[:4 * KiB].tobytes() == data[4 * KiB:8 * KiB]
+        assert view[8 * KiB:12 * KiB].tobytes() == data[100:100 + 4 * KiB]
+        hub.save_batch(storage=g, offsets=[0, 5000], lengths=[4 * KiB, 300], memory=mem,
+                       mem_offsets=[0, 8 * KiB]).wait(30)
+        with pytest.raises(P2PHubOSError, match="open for reading only"):
+            hub.save_batch(storage=f, offsets=[0], lengths=4 * KiB, memory=mem, mem_offsets=[0])
+    got = out.read_bytes()
+    assert got[:4 * KiB] == data[4 * KiB:8 * KiB] and got[5000:5300] == data[100:400]
+    with pytest.raises(UsageError, match="closed"):
+        hub.load_batch(storage=f, offsets=[0], lengths=4 * KiB, memory=mem, mem_offsets=[0])
+    del view
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["load", "save"])
+def test_a_request_past_its_checks_when_the_file_closes_is_refused(hub, data_file,
+                                                                    monkeypatch, write) -> None:
+    """The close completes between a request's checks and its queueing (forced here): the
+    engine queue refuses it, and the memory is left as it was (no hold, no access)."""
+    mem = hub.alloc_host(8 * KiB)
+    hub.load(str(data_file), mem, 0, 4 * KiB).wait(30)      # the engine queue exists
+    f = hub.open(data_file, "r+")
+    name = "write_fd" if write else "read_range"
+    checked = getattr(f, name)
+
+    def then_closed(*args):
+        out = checked(*args)
+        t = threading.Thread(target=f.close)
+        t.start()
+        t.join(10)
+        assert f.closed
+        return out
+
+    monkeypatch.setattr(f, name, then_closed)
+    with pytest.raises(UsageError, match="closed"):
+        if write:
+            hub.save(mem, f, 0, 4 * KiB)
+        else:
+            hub.load(f, mem, 0, 4 * KiB)
+    assert mem.holds == 0 and len(mem.ordering) == 0
