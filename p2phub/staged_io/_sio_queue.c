@@ -12,12 +12,12 @@
 /* a run takes in requests queued while it runs for this long, then ends (its results are
  * published when it ends) */
 #define SIOQ_FEED_NS 2000000LL
-/* the reaper waits for more completions while requests keep arriving this recently ... */
-#define SIOQ_BUSY_NS 50000LL
-/* ... but never for longer than this after the first one, nor past this many. While a
- * thread issues requests back to back, every wake-up of the reaper takes the GIL from it
- * and walks objects that thread just wrote on another core: few, large collections cost
- * the issuer least (a thread that waits collects its own results at once). */
+/* While the engine thread has more to run, the reaper lets results gather, but never for
+ * longer than this after the first one, nor past this many. While a thread issues requests
+ * back to back, every wake-up of the reaper takes the GIL from it and walks objects that
+ * thread just wrote on another core: few, large collections cost the issuer least (a thread
+ * that waits collects its own results at once; a lone request's result, the engine idle
+ * after it, is collected at once). */
 #define SIOQ_REAP_DELAY_NS 8000000LL
 #define SIOQ_REAP_BATCH 2048
 
@@ -64,7 +64,6 @@ struct sio_queue {
     int stop;
     int started;
     int idle;                       /* the thread waits for an item */
-    long long last_push_ns;
     pthread_t thread;
     /* the thread's arrays for one run of requests */
     int *r_fd;
@@ -382,7 +381,6 @@ static long long q_push(struct sio_queue *q, const struct sioq_item *src)
     }
     t = q->head++;
     *q_item(q, t) = *src;
-    q->last_push_ns = now_ns();
     if (q->idle)
         pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
@@ -491,15 +489,17 @@ long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns)
     while (q->completed == q->reaped && !(q->stop && q->reaped == q->head))
         if (pthread_cond_timedwait(&q->done, &q->mu, &dl) == ETIMEDOUT)
             break;
-    /* while requests keep coming, let results gather: one wake-up per many */
+    /* while the engine runs more, let results gather: one wake-up per many (it publishes
+     * results at the end of each run and broadcasts done; it holds mu from there until it
+     * waits idle or starts the next run, so idle is what it will do next) */
     while (q->completed > q->reaped && q->completed - q->reaped < SIOQ_REAP_BATCH &&
-           now_ns() - q->last_push_ns < SIOQ_BUSY_NS) {
+           !q->idle && !q->stop) {
         if (!first)
             first = now_ns();
         left = SIOQ_REAP_DELAY_NS - (now_ns() - first);
         if (left <= 0)
             break;
-        deadline_in(&dl, left < SIOQ_BUSY_NS ? left : SIOQ_BUSY_NS);
+        deadline_in(&dl, left);
         pthread_cond_timedwait(&q->done, &q->mu, &dl);
     }
     left = q->stop && q->reaped == q->head ? -1 : (long long)(q->completed - q->reaped);
