@@ -20,6 +20,9 @@
  * after it, is collected at once). */
 #define SIOQ_REAP_DELAY_NS 8000000LL
 #define SIOQ_REAP_BATCH 2048
+/* a thread whose wait just ended collects the results itself this soon: the reaper stands
+ * back meanwhile rather than take the GIL from it */
+#define SIOQ_HANDOFF_NS 100000LL
 
 struct sioq_item {
     struct sio_engine *e;
@@ -77,6 +80,7 @@ struct sio_queue {
     long long run_start;
     unsigned long long run_n;
     unsigned long long runs, requests, biggest;
+    long long handoff_ns;           /* when a waiter's ticket last completed */
     char err[256];
 };
 
@@ -475,6 +479,8 @@ int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long tim
             break;
     }
     done = q->completed > ticket;
+    if (done)
+        q->handoff_ns = now_ns();
     pthread_mutex_unlock(&q->mu);
     return done;
 }
@@ -491,15 +497,20 @@ long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns)
             break;
     /* while the engine runs more, let results gather: one wake-up per many (it publishes
      * results at the end of each run and broadcasts done; it holds mu from there until it
-     * waits idle or starts the next run, so idle is what it will do next) */
+     * waits idle or starts the next run, so idle is what it will do next); and leave them
+     * to a waiter that just woke for them */
     while (q->completed > q->reaped && q->completed - q->reaped < SIOQ_REAP_BATCH &&
-           !q->idle && !q->stop) {
+           !q->stop) {
+        long long now = now_ns(), handoff = q->handoff_ns + SIOQ_HANDOFF_NS - now;
+
+        if (q->idle && handoff <= 0)
+            break;
         if (!first)
-            first = now_ns();
-        left = SIOQ_REAP_DELAY_NS - (now_ns() - first);
+            first = now;
+        left = SIOQ_REAP_DELAY_NS - (now - first);
         if (left <= 0)
             break;
-        deadline_in(&dl, left);
+        deadline_in(&dl, q->idle && handoff < left ? handoff : left);
         pthread_cond_timedwait(&q->done, &q->mu, &dl);
     }
     left = q->stop && q->reaped == q->head ? -1 : (long long)(q->completed - q->reaped);
