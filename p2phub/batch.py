@@ -1324,9 +1324,8 @@ def load(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
     """Read `nbytes` at byte `offset` of `source` (a file or block device path, an open file,
     an fd, or in P2P mode a p2phub NVMe Namespace) into registration `dest` at `dest_offset`;
     a fence. The read is queued on the hub's engine thread with whatever else is queued (see
-    _Worker); `progress(nbytes)` is called once the bytes are in."""
-    if type(source) is StorageFile:
-        return load_open(hub, source, dest, offset, nbytes, dest_offset, progress)
+    _Worker); `progress(nbytes)` is called once the bytes are in. A hub.open() file goes to
+    load_open instead (Hub.load sends it there)."""
     reg = staged.check_memory(dest, "the destination")
     if type(source) is not str and staged.is_direct_storage(source):
         return staged.namespace_io(hub, "read", source, reg, offset, nbytes, dest_offset)
@@ -1363,10 +1362,9 @@ def save(hub: "Hub", source: Any, dest: Any, offset: int = 0, nbytes: int | None
          progress: Any = None) -> Fence:
     """Write `nbytes` of registration `source` (from `source_offset`) to byte `offset` of
     `dest` (a path, an open file, an fd, or in P2P mode a p2phub NVMe Namespace); with `sync`
-    the file is fsynced before the fence completes."""
+    the file is fsynced before the fence completes. A hub.open() file goes to save_open
+    instead (Hub.save sends it there)."""
     reg = staged.check_memory(source, "the source")
-    if type(dest) is StorageFile:
-        return _save_open(hub, reg, dest, offset, nbytes, source_offset, sync, progress)
     if staged.is_direct_storage(dest):
         return staged.namespace_io(hub, "write", dest, reg, offset, nbytes, source_offset)
     if nbytes is None:
@@ -1401,9 +1399,10 @@ def load_open(hub: "Hub", f: StorageFile, dest: Any, offset: int, nbytes: int | 
                      dest_offset, nbytes, f.name, progress, True)
 
 
-def _save_open(hub: "Hub", reg: Memory, f: StorageFile, offset: int, nbytes: int | None,
-               source_offset: int, sync: bool, progress: Any) -> Fence:
+def save_open(hub: "Hub", source: Any, f: StorageFile, offset: int, nbytes: int | None,
+              source_offset: int, sync: bool, progress: Any) -> Fence:
     """hub.save to a hub.open() file (opened "r+", "w" or "a")."""
+    reg = staged.check_memory(source, "the source")
     if f.engines is not hub.engines:
         raise UsageError(f"{f!r} was opened by another hub")
     if nbytes is None:

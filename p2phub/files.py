@@ -18,14 +18,14 @@ lanes, a batch's planning) gets its own duplicate of the fd (``dup()``).
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
 from typing import Protocol
 
+from . import staged
 from ._resource import Resource
-from .errors import P2PHubOSError, UsageError
+from .errors import UsageError
 from .staged import ALIGN
 
 
@@ -58,49 +58,29 @@ class StorageFile(Resource):
         self.name = os.fspath(path)
         self.mode = mode
         flags, self.readable, self.writable = _MODES[mode]
-        flags |= os.O_CLOEXEC
         self.engines = engines
-        self.fd, self.direct = -1, False
-        if direct:
-            try:
-                self.fd, self.direct = os.open(self.name, flags | os.O_DIRECT, 0o644), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:    # EINVAL: no O_DIRECT here, use the page cache
-                    raise _open_error(exc, self.name) from None
-        if self.fd < 0:
-            try:
-                self.fd = os.open(self.name, flags, 0o644)
-            except OSError as exc:
-                raise _open_error(exc, self.name) from None
+        self.fd, self.direct = staged.open_path(self.name, flags, direct)
         self._buffered_fd = -1
         # set once close() begins (read by the engine queue under its lock); _lock orders it
         # with the fds made from this one (dup, the buffered fd)
         self.closing = False
         self._lock = threading.Lock()
         try:
-            st = os.fstat(self.fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise UsageError(f"{self.name} is a directory: want a file or a block device")
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            mode_bits = os.fstat(self.fd).st_mode
+            if not (stat.S_ISREG(mode_bits) or stat.S_ISBLK(mode_bits) or stat.S_ISDIR(mode_bits)):
                 raise UsageError(f"{self.name} is not a regular file or a block device")
-            self.block_device = stat.S_ISBLK(st.st_mode)
-            self._size = self._ask_size()
+            self._size = staged.size_of(self.fd, self.name)    # refuses a directory
         except BaseException:
             os.close(self.fd)
             raise
         self._mark_owner()
 
     # ------------------------------------------------------------------ sizes and ranges
-    def _ask_size(self) -> int:
-        if self.block_device:
-            return os.lseek(self.fd, 0, os.SEEK_END)
-        return os.fstat(self.fd).st_size
-
     @property
     def size(self) -> int:
         """The file's size now (asked of the file system)."""
         self._check_open()
-        self._size = self._ask_size()
+        self._size = staged.size_of(self.fd, self.name)
         return self._size
 
     def read_range(self, offset: int, nbytes: int | None) -> int:
@@ -165,12 +145,10 @@ class StorageFile(Resource):
         # every request queued before this point has run: none reads the fds after they go
         self.engines.wait_queued()
         self.engines.forget(self)
-        for fd in (self.fd, self._buffered_fd):
-            if fd >= 0:
-                os.close(fd)
+        self._abandon()
 
     def _abandon(self) -> None:
-        """A forked child: its copies of the fds, nothing queued in it."""
+        """Close the fds (alone in a forked child: its copies, nothing queued in it)."""
         for fd in (self.fd, self._buffered_fd):
             if fd >= 0:
                 os.close(fd)
@@ -179,9 +157,3 @@ class StorageFile(Resource):
         state = "closed" if self.closing else f"{self._size} bytes"
         return (f"<StorageFile {self.name} {self.mode}"
                 f"{' O_DIRECT' if self.direct else ''} {state}>")
-
-
-def _open_error(exc: OSError, name: str) -> Exception:
-    if exc.errno == errno.EISDIR:
-        return UsageError(f"{name} is a directory: want a file or a block device")
-    return P2PHubOSError(exc.errno or errno.EIO, f"open {name}")

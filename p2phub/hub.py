@@ -467,6 +467,9 @@ class Hub(Resource):
         (see p2phub.batch.save)."""
         if self._closed or self._pid != _resource.this_pid:
             self._check_open()
+        if type(dest) is StorageFile:
+            return batch.save_open(self, source, dest, offset, nbytes, source_offset, sync,
+                                   progress)
         return batch.save(self, source, dest, offset, nbytes, source_offset, direct=direct,
                           sync=sync, progress=progress)
 

@@ -669,28 +669,33 @@ def check_memory(reg: Any, role: str) -> Memory:
     return reg
 
 
-def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
-    """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
-    if isinstance(target, (str, os.PathLike)):
-        name = os.fspath(target)
-        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        flags |= os.O_CLOEXEC
-        fd, is_direct = -1, False
+def open_path(name: str, flags: int, direct: bool) -> tuple[int, bool]:
+    """(fd, O_DIRECT in use) of path `name` opened with `flags` (O_CLOEXEC added): with
+    `direct`, O_DIRECT where the file system has it, else through the page cache."""
+    flags |= os.O_CLOEXEC
+    fd, is_direct = -1, False
+    try:
         if direct:
             try:
                 fd, is_direct = os.open(name, flags | os.O_DIRECT, 0o644), True
             except OSError as exc:
-                if exc.errno == errno.EISDIR:
-                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
                 if exc.errno != errno.EINVAL:   # a file system without O_DIRECT: buffered
-                    raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+                    raise
         if fd < 0:
-            try:
-                fd = os.open(name, flags, 0o644)
-            except OSError as exc:
-                if exc.errno == errno.EISDIR:
-                    raise UsageError(f"{name} is a directory: want a file or a block device") from None
-                raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+            fd = os.open(name, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EISDIR:
+            raise UsageError(f"{name} is a directory: want a file or a block device") from None
+        raise P2PHubOSError(exc.errno or errno.EIO, f"open {name}") from None
+    return fd, is_direct
+
+
+def open_target(target: Any, write: bool, direct: bool) -> tuple[int, bool, bool, str]:
+    """(fd, O_DIRECT in use, fd is ours, name) for a path, a file object or an fd."""
+    if isinstance(target, (str, os.PathLike)):
+        name = os.fspath(target)
+        fd, is_direct = open_path(name, (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY,
+                                  direct)
         return fd, is_direct, True, name
     if isinstance(target, int) and not isinstance(target, bool):
         return target, False, False, f"fd {target}"
