@@ -230,6 +230,20 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
         of.add_done_callback(one)
 
 
+_NVME_SERIES: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+
+def _nvme_series(bdf: str, kind: str) -> tuple[Any, Any, Any]:
+    """The (commands, bytes, batch seconds) children of one controller and op, looked up
+    once: a batch completes thousands of times a second, and each labels() call takes a
+    lock and builds a key."""
+    s = _NVME_SERIES.get((bdf, kind))
+    if s is None:
+        s = _NVME_SERIES[(bdf, kind)] = (NVME_COMMANDS.labels(bdf, kind), NVME_BYTES.labels(bdf, kind),
+                                         NVME_BATCH_SECONDS.labels(bdf, kind))
+    return s
+
+
 def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
     """A read_batch/write_batch of n requests of nbytes each went to controller `bdf`."""
     if not ENABLED:
@@ -237,12 +251,13 @@ def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
     t0 = time.monotonic()
 
     def done(f: Any) -> None:
+        commands, moved, seconds = _nvme_series(bdf, kind)
         ok = n if f.error is None else int(f.completed) - int(f.failures)
-        NVME_COMMANDS.labels(bdf, kind).inc(max(ok, 0))
-        NVME_BYTES.labels(bdf, kind).inc(max(ok, 0) * nbytes)
+        commands.inc(max(ok, 0))
+        moved.inc(max(ok, 0) * nbytes)
         if f.error is not None:
             NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
-        NVME_BATCH_SECONDS.labels(bdf, kind).observe(time.monotonic() - t0)
+        seconds.observe(time.monotonic() - t0)
         if ok == n:  # every request: bucketed in C over the batch's latency array
             NVME_SECONDS.observe_buckets((bdf, kind), *f.latency_histogram(NVME_SECONDS.bounds_ns))
         elif ok > 0:

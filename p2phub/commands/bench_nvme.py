@@ -37,6 +37,7 @@ from ..pci import normalize
 
 from . import plot
 from .argtypes import comma_list, non_negative, non_negative_seconds, nvme_controller, positive, seconds
+from .gc_clock import GcClock
 from .progress import activity
 
 SCHEMA = "p2phub.bench.nvme/2"
@@ -74,7 +75,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.bs % 512:
         raise UsageError(f"--bs {args.bs} is not a multiple of 512")
 
-def _percentiles(lat_ns: list[int]) -> dict[str, float]:
+def _percentiles(lat_ns: Any) -> dict[str, float]:
     lat = sorted(lat_ns)
     out = {"mean_us": sum(lat) / len(lat) / 1e3}
     for p in PCTS:
@@ -82,25 +83,27 @@ def _percentiles(lat_ns: list[int]) -> dict[str, float]:
     return out
 
 
-def _interleaved(chunks: dict[str, Any], seconds: float, warmup: float) -> dict[str, tuple[int, float, list[int]]]:
+def _interleaved(chunks: dict[str, Any], seconds: float,
+                 warmup: float) -> dict[str, tuple[int, float, Any, float, int]]:
     """Call each run_chunk() -> latencies in turn until each has run `seconds` (after `warmup`
     of each): the sides alternate chunk by chunk, so a machine whose speed drifts (a shared host,
     an emulator) slows them alike. Per side: (requests, seconds spent in its own chunks,
-    latencies)."""
+    latencies, seconds of those the cycle collector ran, full collections among them)."""
     for run_chunk in chunks.values():
         t_end = time.monotonic() + warmup
         while time.monotonic() < t_end:
             run_chunk()
-    acc = {name: [0, 0.0, []] for name in chunks}
+    acc: dict[str, list[Any]] = {name: [0, 0.0, array.array("Q"), GcClock()] for name in chunks}
     while min(a[1] for a in acc.values()) < seconds:
         for name, run_chunk in chunks.items():
-            t0 = time.monotonic()
-            lat = run_chunk()
             a = acc[name]
+            t0 = time.monotonic()
+            with a[3]:
+                lat = run_chunk()
             a[1] += time.monotonic() - t0
             a[0] += len(lat)
             a[2].extend(lat)
-    return {name: (a[0], a[1], a[2]) for name, a in acc.items()}
+    return {name: (a[0], a[1], a[2], a[3].seconds, a[3].full) for name, a in acc.items()}
 
 
 def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, warmup: float) -> dict:
@@ -146,8 +149,9 @@ def bench_engine(bdf: str, nsid: int, qds: list[int], bs: int, seconds: float, w
                                             timeout=5.0, slots=qd, latencies=True)
 
                 got = _interleaved({"public": public_chunk, "c_loop": c_chunk}, seconds, warmup)
-                for side, (total, elapsed, samples) in got.items():
+                for side, (total, elapsed, samples, gc_s, gc_full) in got.items():
                     out[side][f"qd{qd}"] = {"ios": total, "seconds": elapsed, "iops": total / elapsed,
+                                            "gc_ms": round(gc_s * 1e3, 2), "gc_full": gc_full,
                                             **_percentiles(samples)}
                 key = f"qd{qd}"
                 out["public_vs_c_loop"][key] = out["public"][key]["iops"] / out["c_loop"][key]["iops"]

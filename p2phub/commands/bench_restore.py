@@ -56,6 +56,7 @@ from typing import Any, Callable
 from .._resource import Resource
 from ..errors import UsageError
 from .argtypes import comma_list, positive, size_bytes, size_text
+from .gc_clock import GcClock
 from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
                          make_file)
 
@@ -66,31 +67,6 @@ PER_REQUEST = ("p2phub-load", "p2phub:perrequest", "p2phub:perrequest:file")
 KVIKIO = ("kvikio8", "kvikio16", "kvikio64")
 NIXL = ("nixl-posix", "nixl-posix:uring")
 
-
-
-class GcClock:
-    """Time the cycle collector ran (every generation) while installed: a method's run that
-    allocates an object per request pays for collections of the whole process's heap (the
-    report's gc_ms per method and run)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.full = 0          # collections of the oldest generation
-        self._t0 = 0.0
-
-    def _cb(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._t0
-            self.full += info.get("generation") == 2
-
-    def __enter__(self) -> "GcClock":
-        gc.callbacks.append(self._cb)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._cb)
 
 
 def _prime(path: str, offs: Any, size: int) -> None:

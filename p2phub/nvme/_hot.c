@@ -777,27 +777,34 @@ bad:
 int p2h_lat_buckets(const uint32_t *lat, uint32_t n, const uint64_t *bounds,
 		     uint32_t nb, uint64_t *counts, uint64_t *sum)
 {
-	uint64_t total = 0, run = 0;
-	uint32_t i, j, lo, hi;
-	uint64_t per[64];
+	uint64_t total = 0, run = 0, v;
+	uint32_t i, j, lo = 0, hi;
+	uint64_t per[65];
 
 	if (nb > 64)
 		return -EINVAL;
 	memset(per, 0, sizeof(per));
 	for (i = 0; i < n; i++) {
-		/* the first bound at or above lat[i]; nb: above every bound */
+		v = lat[i];
+		total += v;
+		/*
+		 * The first bound at or above v (nb: above every bound). A batch's latencies
+		 * mostly share a bucket: try the last one before searching.
+		 */
+		if ((lo == 0 || bounds[lo - 1] < v) && (lo == nb || v <= bounds[lo])) {
+			per[lo]++;
+			continue;
+		}
 		lo = 0;
 		hi = nb;
 		while (lo < hi) {
 			j = (lo + hi) / 2;
-			if (bounds[j] < lat[i])
+			if (bounds[j] < v)
 				lo = j + 1;
 			else
 				hi = j;
 		}
-		if (lo < nb)
-			per[lo]++;
-		total += lat[i];
+		per[lo]++;	/* per[nb]: above every bound, counted in n only */
 	}
 	for (j = 0; j < nb; j++) {
 		run += per[j];

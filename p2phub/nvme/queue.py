@@ -435,10 +435,17 @@ def bucket_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]") -> 
     of bounds_ns, ascending, how many are at most it; n; their sum)."""
     ffi = hot.ffi
     nb = len(bounds_ns)
+    key = tuple(bounds_ns)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        bounds = _BOUNDS[key] = ffi.new("uint64_t[]", list(key))
     counts, total = ffi.new("uint64_t[]", max(nb, 1)), ffi.new("uint64_t *")
-    if hot.lib.p2h_lat_buckets(lat, n, ffi.new("uint64_t[]", list(bounds_ns)), nb, counts, total):
+    if hot.lib.p2h_lat_buckets(lat, n, bounds, nb, counts, total):
         raise UsageError(f"{nb} histogram bounds: at most 64")
     return list(counts[0:nb]), n, int(total[0])
+
+
+_BOUNDS: dict[tuple[int, ...], Any] = {}   # bucket bounds as the C call takes them, made once
 
 
 @dataclass

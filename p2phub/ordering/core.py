@@ -66,6 +66,9 @@ class AccessFence(Fence):
     def _from_source(self, src: Fence) -> None:
         self._ordering.retire(self.access)
         self._complete(src._exc)
+        # The access and this fence refer to each other, a cycle only the collector frees;
+        # the finished work (an NVMe batch and its buffers) must not wait in it for that.
+        self._source = None
 
     def _poll(self) -> None:
         src = self._source

@@ -110,6 +110,28 @@ def test_batch_latencies_bucketed_in_c_match_the_list(rig) -> None:
     assert plain.latency_histogram(bounds) == ([0] * len(bounds), 0, 0)   # none asked for
 
 
+def test_latency_buckets_in_c_match_bisect_on_any_order() -> None:
+    """The C bucketing tries the previous latency's bucket first: runs in one bucket, values
+    on a bound, above every bound and jumps between far buckets all count as bisect does."""
+    from p2phub.nvme.queue import bucket_latencies
+    hot = _build.load()
+    rnd = random.Random(11)
+    bounds = [5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000, 1_000_000]
+    cases = [
+        [150_000] * 50 + [200_000, 200_001, 199_999] + [4_000] * 7 + [2_000_000, 0, 5_000],
+        [rnd.choice(bounds) + rnd.choice((-1, 0, 1)) for _ in range(500)],
+        sorted(rnd.randrange(0, 3_000_000) for _ in range(500)),
+        [rnd.randrange(0, 3_000_000) for _ in range(500)],
+        [1_000_001] * 10,
+    ]
+    for lat in cases:
+        arr = hot.ffi.new("uint32_t[]", lat)
+        want = sorted(lat)
+        assert bucket_latencies(hot, arr, len(lat), bounds) == (
+            [bisect.bisect_right(want, b) for b in bounds], len(lat), sum(lat))
+    assert bucket_latencies(hot, hot.ffi.new("uint32_t[]", [7, 9]), 2, []) == ([], 2, 16)
+
+
 def test_batch_bad_request_refuses_the_whole_batch(rig) -> None:
     c, dev, hub = rig
     ns = c.namespace(1)

@@ -469,6 +469,47 @@ def test_binding_an_access_to_a_future() -> None:
     assert o.live() == []
 
 
+def test_a_finished_access_lets_its_work_go_without_the_collector() -> None:
+    """An access and its fence refer to each other; the finished work (an NVMe batch and its
+    buffers) must not be held in that cycle until the collector runs."""
+    import gc
+    import weakref
+
+    class Work:  # a future that lets go of its callbacks once done, as NVMe futures do
+        def __init__(self) -> None:
+            self._cbs: list = []
+            self._done = False
+
+        def done(self) -> bool:
+            return self._done
+
+        def exception(self, timeout: float | None = None) -> None:
+            return None
+
+        def add_done_callback(self, cb) -> None:
+            self._cbs.append(cb)
+
+        def finish(self) -> None:
+            self._done = True
+            cbs, self._cbs = self._cbs, []
+            for cb in cbs:
+                cb(self)
+
+    o = Ordering("reg", 4096)
+    gc.disable()
+    try:
+        a = o.acquire(0, 4096, AccessKind.NVME_READ)
+        work = Work()
+        fence = a.bind(work)
+        gone = weakref.ref(work)
+        work.finish()
+        del work
+        assert gone() is None and fence.done() and o.live() == []
+        fence.wait(0)
+    finally:
+        gc.enable()
+
+
 # ----------------------------------------------------------------------------- GPU streams
 
 
