@@ -56,9 +56,9 @@ from typing import Any, Callable
 from .._resource import Resource
 from ..errors import UsageError
 from .argtypes import comma_list, positive, size_bytes, size_text
-from .gc_clock import GcClock
 from .bench_load import (GiB, SEED, TorchMethod, _machine, _parse_size, drop_caches, emit,
                          make_file)
+from .gc_clock import GcClock
 
 SCHEMA = "p2phub.bench.restore/1"
 METHODS = ("ceiling,p2phub,p2phub:perrequest,p2phub:perrequest:file,kvikio8,kvikio16,kvikio64,"
