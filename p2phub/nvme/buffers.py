@@ -79,18 +79,17 @@ class RegMapping:
         self.slot = slot
         self.generation = generation
         self.inflight = 0
-        self.cond = threading.Condition()
+        # guards inflight; nobody sleeps on it (Mappings.quiesce polls, driving the queues)
+        self.lock = threading.Lock()
         self.unmapped = False
 
     def hold(self, count: int = 1) -> None:
-        with self.cond:
+        with self.lock:
             self.inflight += count
 
     def release(self, count: int = 1) -> None:
-        with self.cond:
+        with self.lock:
             self.inflight -= count
-            if self.inflight == 0:
-                self.cond.notify_all()
 
 
 def _same_memory(a: Memory, b: Memory) -> bool:
@@ -191,7 +190,7 @@ class Mappings:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with m.cond:
+            with m.lock:
                 if m.inflight == 0:
                     break
             if deadline is not None and time.monotonic() >= deadline:

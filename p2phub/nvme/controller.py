@@ -412,14 +412,19 @@ class Controller(Resource):
     def _settle_state(self) -> None:
         """Before new work: let a recovery in progress (another thread's) finish, and act on
         news in the status page nobody has acted on yet (a plain load when there is none)."""
-        if self.state.recovering or (self.state is ControllerState.LIVE and self.status_state()):
-            with self.recovery.lock:
-                pass
-            if self.state is ControllerState.LIVE and self.status_state():
-                self.recovery.state_changed(None)
+        st = self.recovery.state
+        if st is ControllerState.LIVE:     # the usual case: one state read, one status load
+            if not self.status_state():
+                return
+        elif not st.recovering:
+            return
+        with self.recovery.lock:
+            pass
+        if self.state is ControllerState.LIVE and self.status_state():
+            self.recovery.state_changed(None)
 
     def _check_usable(self) -> None:
-        if self.state is ControllerState.LIVE:
+        if self.recovery.state is ControllerState.LIVE:
             return
         if self.state.recovering:
             raise ControllerResetError(f"{self.bdf} is being reset; retry")

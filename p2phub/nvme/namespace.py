@@ -390,7 +390,7 @@ class Namespace:
         fut = BatchFuture(qp, ios, n, qd=qd or qp.ntrk, keep=(pl, mapping, c_lbas, c_offs, buf),
                           what=f"{kind} batch of {n} x {nbytes} B nsid={self.nsid}", latencies=latencies)
         fut.mapping = mapping
-        ordered = ordering.declare([Op(kind, buf, offset=lo, nbytes=hi - lo)], [fut.what])
+        ordered = ordering.declare_span(buf, kind, lo, hi - lo, fut.what)
         try:
             token = self._declare(buf, mapping, lo, hi - lo, kind)
         except BaseException as exc:

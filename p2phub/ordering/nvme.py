@@ -71,6 +71,17 @@ def declare(ops: Sequence[Any], what: Iterable[str] | None = None,
     return out
 
 
+def declare_span(buf: Any, kind: str, offset: int, nbytes: int, what: str) -> Declared:
+    """``declare`` for a batch that is one access: same-sized requests over one span of
+    `buf` (Namespace.read_batch/write_batch), entered and waited for with no per-request
+    lists. Same errors and withdrawal as ``declare``."""
+    k = KINDS.get(kind)
+    o = _ordering_of(buf) if k is not None else None
+    if o is None:
+        return []
+    return [(0, o, o.acquire(offset, nbytes, k, what))]
+
+
 def bind(declared: Declared, futures: Sequence[Any]) -> None:
     """Each access follows its request's future (submitted)."""
     for i, _o, a in declared:

@@ -787,3 +787,34 @@ def test_an_nvme_future_is_driven_by_its_poll_and_names_its_error() -> None:
     assert fut.poll() and qp.reaped == 2                # done: nothing left to reap
     assert isinstance(fut.error, NvmeStatusError) and fence.poll()
     assert fence.exception(0) is fut.error
+
+
+def test_a_batch_over_one_span_is_one_access_with_declares_rules() -> None:
+    """ordering.nvme.declare_span (read_batch/write_batch): one access over the span, the
+    same waits, strict refusal and withdrawal as declare()."""
+    from p2phub import Hub
+    from p2phub.ordering import OrderingTimeout
+    from p2phub.ordering.nvme import bind, declare_span
+
+    with Hub(mode="staged") as hub:
+        reg = hub.alloc_host(16384)
+        (i, o, a), = declare_span(reg, "read", 4096, 8192, "read batch")
+        assert i == 0 and o is reg.ordering and o.live() == [a]
+        assert (a.kind, a.start, a.end, a.what) == (AccessKind.NVME_READ, 4096, 12288, "read batch")
+        o.timeout = 0.05
+        with pytest.raises(OrderingTimeout):
+            declare_span(reg, "write", 0, 8192, "write batch")   # waits for the read, times out
+        assert o.live() == [a]                                     # and is withdrawn
+        assert declare_span(reg, "flush", 0, 4096, "") == []       # not a data access
+        fut = FakeFuture()
+        bind([(i, o, a)], [fut])
+        fut.finish()
+        a.fence.wait(1)
+        assert o.live() == []
+        o.strict = True
+        declare_span(reg, "read", 0, 4096, "first")
+        with pytest.raises(OrderingError):
+            declare_span(reg, "write", 0, 4096, "second")
+        assert len(o.live()) == 1
+        for acc in o.live():
+            acc.cancel()
