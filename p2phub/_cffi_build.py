@@ -63,8 +63,9 @@ class HotPath:
     # ------------------------------------------------------------ the definition
 
     def sources_tag(self) -> str:
-        """A hash of the C sources (OSError where they are not installed)."""
-        h = hashlib.sha256()
+        """A hash of the C sources and the compiler flags (OSError where they are not
+        installed): a module built otherwise is rebuilt."""
+        h = hashlib.sha256(" ".join(COMPILE_ARGS).encode())
         for src in self.sources:
             h.update(src.read_bytes())
         return h.hexdigest()[:16]

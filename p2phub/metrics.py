@@ -29,7 +29,9 @@ Series (counters end in ``_total`` on the wire):
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
+import operator
 import struct
 import threading
 import time
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 try:
     import prometheus_client as _pc
-    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
     from prometheus_client.utils import floatToGoString
 except ImportError:  # the hooks below become no-ops
     _pc = None
@@ -65,10 +67,88 @@ if ENABLED:
                             ["agent", "direction"])
     KV_SECONDS = _pc.Histogram("p2phub_kv_transfer_seconds", "KV transfer: post to acknowledgement",
                                ["agent"], buckets=_XFER_BUCKETS)
-    NVME_BYTES = _pc.Counter("p2phub_nvme_bytes", "NVMe bytes moved by completed requests",
-                             ["controller", "op"])
-    NVME_COMMANDS = _pc.Counter("p2phub_nvme_commands", "NVMe requests completed", ["controller", "op"])
-    NVME_ERRORS = _pc.Counter("p2phub_nvme_errors", "NVMe requests that failed", ["controller", "op"])
+    class _NvmeTotals:
+        """The NVMe engines' request, byte and error counters and their batch-time histogram,
+        per (controller, op): plain ints under one lock, one hold per completed batch. A
+        read_batch completes thousands of times a second; prometheus_client's children take
+        a lock for each inc and observe, and a lookup for each labels()."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self._done: dict[tuple[str, str], list[int]] = {}   # [requests, bytes]
+            self._errors: dict[tuple[str, str], int] = {}
+            self._batches: dict[tuple[str, str], list] = {}     # [per-bucket counts, count, sum s]
+            self._les = [floatToGoString(b) for b in _XFER_BUCKETS]
+
+        def count(self, key: tuple[str, str], requests: int, nbytes: int) -> None:
+            with self._lock:
+                self._add(key, requests, nbytes, 0)
+
+        def fail(self, key: tuple[str, str], requests: int) -> None:
+            with self._lock:
+                self._errors[key] = self._errors.get(key, 0) + requests
+
+        def batch(self, key: tuple[str, str], requests: int, nbytes: int, failed: int,
+                  seconds: float) -> None:
+            """A batch ended: requests and bytes that completed, requests that failed, and its
+            time from submission to its last completion."""
+            with self._lock:
+                self._add(key, requests, nbytes, failed)
+                self._time(key, seconds)
+
+        def time(self, key: tuple[str, str], seconds: float) -> None:
+            with self._lock:
+                self._time(key, seconds)
+
+        def _add(self, key: tuple[str, str], requests: int, nbytes: int, failed: int) -> None:
+            d = self._done.get(key)
+            if d is None:
+                d = self._done[key] = [0, 0]
+            d[0] += requests
+            d[1] += nbytes
+            if failed:
+                self._errors[key] = self._errors.get(key, 0) + failed
+
+        def _time(self, key: tuple[str, str], seconds: float) -> None:
+            h = self._batches.get(key)
+            if h is None:
+                h = self._batches[key] = [[0] * (len(_XFER_BUCKETS) + 1), 0, 0.0]
+            h[0][bisect.bisect_left(_XFER_BUCKETS, seconds)] += 1   # le: at most the bound
+            h[1] += 1
+            h[2] += seconds
+
+        def collect(self) -> Iterable[Any]:
+            with self._lock:
+                done = [(k, list(v)) for k, v in self._done.items()]
+                errors = list(self._errors.items())
+                batches = [(k, list(v[0]), v[1], v[2]) for k, v in self._batches.items()]
+            commands, moved, failed, seconds = families = self._families()
+            for key, (n, nbytes) in done:
+                commands.add_metric(list(key), n)
+                moved.add_metric(list(key), nbytes)
+            for key, n in errors:
+                failed.add_metric(list(key), n)
+            for key, per, n, total in batches:
+                cum = list(itertools.accumulate(per[:-1]))
+                seconds.add_metric(list(key), [*zip(self._les, cum), ("+Inf", n)], total)
+            return families
+
+        def describe(self) -> Iterable[Any]:
+            return self._families()
+
+        @staticmethod
+        def _families() -> list[Any]:
+            labels = ["controller", "op"]
+            return [CounterMetricFamily("p2phub_nvme_commands", "NVMe requests completed", labels=labels),
+                    CounterMetricFamily("p2phub_nvme_bytes", "NVMe bytes moved by completed requests",
+                                        labels=labels),
+                    CounterMetricFamily("p2phub_nvme_errors", "NVMe requests that failed", labels=labels),
+                    HistogramMetricFamily("p2phub_nvme_batch_seconds",
+                                          "NVMe batch: submission to its last completion", labels=labels)]
+
+    NVME = _NvmeTotals()
+    _pc.REGISTRY.register(NVME)
+
     class _LatencyHistogram:
         """A histogram fed a whole batch of latencies at once. A read_batch of 4,096
         requests costs one sort and one bisect per bucket here, where Histogram.observe would
@@ -77,7 +157,7 @@ if ENABLED:
         def __init__(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> None:
             self.name, self.doc, self.labels = name, doc, labels
             self.buckets = buckets
-            self._bounds_ns = [int(round(b * 1e9)) for b in buckets]
+            self._bounds_ns = tuple(int(round(b * 1e9)) for b in buckets)
             self._les = [floatToGoString(b) for b in buckets]
             self._series: dict[tuple[str, ...], list] = {}  # labels -> [cumulative counts, count, sum ns]
             self._lock = threading.Lock()
@@ -96,14 +176,12 @@ if ENABLED:
                 s = self._series.get(labels)
                 if s is None:
                     s = self._series[labels] = [[0] * len(below), 0, 0]
-                counts = s[0]
-                for i, c in enumerate(below):
-                    counts[i] += c
+                s[0] = list(map(operator.add, s[0], below))
                 s[1] += n
                 s[2] += total_ns
 
         @property
-        def bounds_ns(self) -> list[int]:
+        def bounds_ns(self) -> tuple[int, ...]:
             return self._bounds_ns
 
         def observe(self, labels: tuple[str, ...], seconds: float) -> None:
@@ -123,9 +201,6 @@ if ENABLED:
     NVME_SECONDS = _LatencyHistogram("p2phub_nvme_command_seconds", "NVMe request latency",
                                      ["controller", "op"], _LAT_BUCKETS)
     _pc.REGISTRY.register(NVME_SECONDS)
-    NVME_BATCH_SECONDS = _pc.Histogram("p2phub_nvme_batch_seconds",
-                                       "NVMe batch: submission to its last completion",
-                                       ["controller", "op"], buckets=_XFER_BUCKETS)
 
     class _Live:
         """Gauges read at scrape time from the live agents and controllers (no hot-path cost)."""
@@ -215,13 +290,12 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
 
     def done(f: Any) -> None:
         for op, status in zip(ops, f.statuses()):
-            kind = getattr(op, "kind", "other")
+            key = (bdf, getattr(op, "kind", "other"))
             if status:
-                NVME_ERRORS.labels(bdf, kind).inc()
+                NVME.fail(key, 1)
             else:
-                NVME_COMMANDS.labels(bdf, kind).inc()
-                NVME_BYTES.labels(bdf, kind).inc(int(getattr(op, "nbytes", 0) or 0))
-        NVME_BATCH_SECONDS.labels(bdf, "requests").observe(time.monotonic() - t0)
+                NVME.count(key, 1, int(getattr(op, "nbytes", 0) or 0))
+        NVME.time((bdf, "requests"), time.monotonic() - t0)
     fut.add_done_callback(done)
     for op, of in zip(ops, op_futures or ()):
         def one(f: Any, kind: str = getattr(op, "kind", "other")) -> None:
@@ -230,38 +304,23 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
         of.add_done_callback(one)
 
 
-_NVME_SERIES: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-
-
-def _nvme_series(bdf: str, kind: str) -> tuple[Any, Any, Any]:
-    """The (commands, bytes, batch seconds) children of one controller and op, looked up
-    once: a batch completes thousands of times a second, and each labels() call takes a
-    lock and builds a key."""
-    s = _NVME_SERIES.get((bdf, kind))
-    if s is None:
-        s = _NVME_SERIES[(bdf, kind)] = (NVME_COMMANDS.labels(bdf, kind), NVME_BYTES.labels(bdf, kind),
-                                         NVME_BATCH_SECONDS.labels(bdf, kind))
-    return s
-
-
 def nvme_batch(bdf: str, kind: str, n: int, nbytes: int, fut: Any) -> None:
     """A read_batch/write_batch of n requests of nbytes each went to controller `bdf`."""
     if not ENABLED:
         return
     t0 = time.monotonic()
+    key = (bdf, kind)
 
     def done(f: Any) -> None:
-        commands, moved, seconds = _nvme_series(bdf, kind)
-        ok = n if f.error is None else int(f.completed) - int(f.failures)
-        commands.inc(max(ok, 0))
-        moved.inc(max(ok, 0) * nbytes)
-        if f.error is not None:
-            NVME_ERRORS.labels(bdf, kind).inc(max(n - ok, 1))
-        seconds.observe(time.monotonic() - t0)
-        if ok == n:  # every request: bucketed in C over the batch's latency array
-            NVME_SECONDS.observe_buckets((bdf, kind), *f.latency_histogram(NVME_SECONDS.bounds_ns))
-        elif ok > 0:
-            NVME_SECONDS.observe_ns((bdf, kind), f.latencies_ns()[:ok])
+        if f.error is None:
+            NVME.batch(key, n, n * nbytes, 0, time.monotonic() - t0)
+            # every request: bucketed in C over the batch's latency array
+            NVME_SECONDS.observe_buckets(key, *f.latency_histogram(NVME_SECONDS.bounds_ns))
+            return
+        ok = max(int(f.completed) - int(f.failures), 0)
+        NVME.batch(key, ok, ok * nbytes, max(n - ok, 1), time.monotonic() - t0)
+        if ok > 0:
+            NVME_SECONDS.observe_ns(key, f.latencies_ns()[:ok])
     fut.add_done_callback(done)
 
 

@@ -599,6 +599,19 @@ int p2h_pump(struct p2h_qp *q, struct p2h_cpl *out, int max, uint64_t idle_ns)
 	}
 }
 
+/* The exact check of request i (0: good, else 1..3 as p2h_fill_rw's why). */
+static int p2h_rw_bad(uint64_t lba, uint64_t off, uint64_t nlb, uint32_t nbytes,
+		      uint64_t blocks, uint64_t limit)
+{
+	if (lba >= blocks || nlb > blocks - lba)
+		return 1;
+	if (off >= limit || nbytes > limit - off)
+		return 2;
+	if (off & 3)
+		return 3;
+	return 0;
+}
+
 int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		uint32_t lba_shift, uint32_t nbytes, const uint64_t *lbas,
 		const uint64_t *offs, const uint64_t *pages, uint64_t npages,
@@ -606,33 +619,34 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		int *bad, int *why)
 {
 	uint64_t nlb = (uint64_t)nbytes >> lba_shift, limit = npages * P2H_PAGE;
-	uint64_t lo = UINT64_MAX, hi = 0;
+	uint64_t lo = UINT64_MAX, top = 0, last = 0, any = 0;
 	int i;
 
 	*bad = -1;
 	*why = 0;
+	/*
+	 * One pass of min/max/or (no branch per request): a good batch is known
+	 * from its largest LBA and offset, its smallest offset and the OR of its
+	 * offsets. Only a bad one is searched for its first bad request.
+	 */
 	for (i = 0; i < n; i++) {
-		struct p2h_io *io;
+		last = lbas[i] > last ? lbas[i] : last;
+		top = offs[i] > top ? offs[i] : top;
+		lo = offs[i] < lo ? offs[i] : lo;
+		any |= offs[i];
+	}
+	if (n > 0 && (p2h_rw_bad(last, top, nlb, nbytes, blocks, limit) || (any & 3))) {
+		for (i = 0; i < n; i++) {
+			*why = p2h_rw_bad(lbas[i], offs[i], nlb, nbytes, blocks, limit);
+			if (*why) {
+				*bad = i;
+				return -EINVAL;
+			}
+		}
+	}
+	for (i = 0; ios && i < n; i++) {
+		struct p2h_io *io = &ios[i];
 
-		if (lbas[i] >= blocks || nlb > blocks - lbas[i]) {
-			*why = 1;
-			goto bad;
-		}
-		if (offs[i] >= limit || nbytes > limit - offs[i]) {
-			*why = 2;
-			goto bad;
-		}
-		if (offs[i] & 3) {
-			*why = 3;
-			goto bad;
-		}
-		if (offs[i] < lo)
-			lo = offs[i];
-		if (offs[i] + nbytes > hi)
-			hi = offs[i] + nbytes;
-		if (!ios)
-			continue;
-		io = &ios[i];
 		memset(io, 0, sizeof(*io));
 		io->opc = opc;
 		io->nsid = nsid;
@@ -646,11 +660,8 @@ int p2h_fill_rw(struct p2h_io *ios, int n, uint8_t opc, uint32_t nsid,
 		io->gen = gen;
 	}
 	span[0] = lo;		/* the bytes of the buffer the batch touches */
-	span[1] = hi;
+	span[1] = top + nbytes;
 	return 0;
-bad:
-	*bad = i;
-	return -EINVAL;
 }
 
 int p2h_fill_ops(struct p2h_io *ios, uint32_t max_ios, uint32_t n,
@@ -774,43 +785,75 @@ bad:
 	return -EINVAL;
 }
 
+/* How many of lat[0..n) are at most b: one compare per latency, no branch. */
+static uint64_t p2h_count_at_most(const uint32_t *lat, uint32_t n, uint32_t b)
+{
+	uint64_t c = 0;
+	uint32_t i;
+
+	for (i = 0; i < n; i++)
+		c += lat[i] <= b;
+	return c;
+}
+
 int p2h_lat_buckets(const uint32_t *lat, uint32_t n, const uint64_t *bounds,
 		     uint32_t nb, uint64_t *counts, uint64_t *sum)
 {
-	uint64_t total = 0, run = 0, v;
-	uint32_t i, j, lo = 0, hi;
+	uint64_t total = 0, run = 0, floor;
+	uint32_t i, j, bits, v, lo = UINT32_MAX, hi = 0, inner = 0;
 	uint64_t per[65];
+	uint8_t first[33];
 
 	if (nb > 64)
 		return -EINVAL;
-	memset(per, 0, sizeof(per));
 	for (i = 0; i < n; i++) {
 		v = lat[i];
 		total += v;
-		/*
-		 * The first bound at or above v (nb: above every bound). A batch's latencies
-		 * mostly share a bucket: try the last one before searching.
-		 */
-		if ((lo == 0 || bounds[lo - 1] < v) && (lo == nb || v <= bounds[lo])) {
-			per[lo]++;
-			continue;
+		lo = v < lo ? v : lo;
+		hi = v > hi ? v : hi;
+	}
+	*sum += total;
+	if (!n)
+		return 0;
+	/*
+	 * A batch's latencies mostly lie between two or three bounds: below the
+	 * smallest latency a bound counts none, at or above the largest it counts
+	 * them all, and each bound in between is one counting pass.
+	 */
+	for (j = 0; j < nb; j++)
+		inner += bounds[j] >= lo && bounds[j] < hi;
+	if (inner <= 4) {
+		for (j = 0; j < nb; j++) {
+			if (bounds[j] < lo)
+				continue;
+			counts[j] += bounds[j] >= hi ? n :
+				     p2h_count_at_most(lat, n, (uint32_t)bounds[j]);
 		}
-		lo = 0;
-		hi = nb;
-		while (lo < hi) {
-			j = (lo + hi) / 2;
-			if (bounds[j] < v)
-				lo = j + 1;
-			else
-				hi = j;
-		}
-		per[lo]++;	/* per[nb]: above every bound, counted in n only */
+		return 0;
+	}
+	/*
+	 * Spread wide: bucket each latency, starting from first[b], the first
+	 * bound at or above the smallest value of b bits (bounds are a few per
+	 * octave: a step or two from there).
+	 */
+	for (bits = 0, j = 0; bits <= 32; bits++) {
+		floor = bits ? 1ull << (bits - 1) : 0;
+		while (j < nb && bounds[j] < floor)
+			j++;
+		first[bits] = (uint8_t)j;
+	}
+	memset(per, 0, sizeof(per));
+	for (i = 0; i < n; i++) {
+		v = lat[i];
+		j = first[v ? 32 - __builtin_clz(v) : 0];
+		while (j < nb && bounds[j] < v)
+			j++;
+		per[j]++;	/* per[nb]: above every bound, counted in n only */
 	}
 	for (j = 0; j < nb; j++) {
 		run += per[j];
 		counts[j] += run;
 	}
-	*sum += total;
 	return 0;
 }
 

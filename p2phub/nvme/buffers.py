@@ -82,6 +82,9 @@ class RegMapping:
         # guards inflight; nobody sleeps on it (Mappings.quiesce polls, driving the queues)
         self.lock = threading.Lock()
         self.unmapped = False
+        # same-sized batches' command templates by (opcode, nsid, bytes): they name this
+        # mapping's pages, slot and generation, so they live as long as it does
+        self.templates: dict[tuple[int, int, int], Any] = {}
 
     def hold(self, count: int = 1) -> None:
         with self.lock:
@@ -90,6 +93,11 @@ class RegMapping:
     def release(self, count: int = 1) -> None:
         with self.lock:
             self.inflight -= count
+
+    def release_for(self, _future: Any) -> None:
+        """A done-callback: the future that held this mapping (once) is done."""
+        with self.lock:
+            self.inflight -= 1
 
 
 def _same_memory(a: Memory, b: Memory) -> bool:

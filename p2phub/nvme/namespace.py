@@ -383,24 +383,41 @@ class Namespace:
                       3: f"offset={offsets[k]} must be a multiple of 4 (PRP dword alignment)"}[why[0]]
             raise UsageError(f"{kind} batch request {k}: {reason}")
         lo, hi = int(span[0]), int(span[1])
-        tmpl = ffi.new("struct p2h_io *", {"opc": KINDS[kind], "nsid": self.nsid, "nlb": nbytes >> self._lba_shift,
-                                          "nbytes": nbytes, "pages": pl.addrs, "npages": pl.npages,
-                                          "slot": slot, "gen": gen})
-        ios = SameSizeRequests(ffi, tmpl, c_lbas, c_offs)
+        ios = SameSizeRequests(ffi, self._template(kind, nbytes, pl, mapping), c_lbas, c_offs)
         fut = BatchFuture(qp, ios, n, qd=qd or qp.ntrk, keep=(pl, mapping, c_lbas, c_offs, buf),
                           what=f"{kind} batch of {n} x {nbytes} B nsid={self.nsid}", latencies=latencies)
         fut.mapping = mapping
         ordered = ordering.declare_span(buf, kind, lo, hi - lo, fut.what)
-        try:
-            token = self._declare(buf, mapping, lo, hi - lo, kind)
-        except BaseException as exc:
-            ordering.abandon(ordered, [fut], exc)
-            raise
-        if token is not None:
+        if ctx.access_hooks:
+            try:
+                token = self._declare(buf, mapping, lo, hi - lo, kind)
+            except BaseException as exc:
+                ordering.abandon(ordered, [fut], exc)
+                raise
             fut.add_done_callback(lambda _f: self._release(token))
+        elif mapping is not None:  # the hold alone: released by the mapping itself
+            mapping.hold()
+            fut.add_done_callback(mapping.release_for)
         ordering.bind(ordered, [fut])
         metrics.nvme_batch(self._ctx.name, kind, n, nbytes, fut)
         return qp.submit_batch(fut)  # from here on, failures arrive through fut
+
+    def _template(self, kind: str, nbytes: int, pl: prp.PageList, mapping: "RegMapping | None") -> Any:
+        """The command template of a same-sized batch (read-only to the pump). A
+        registration's are kept on its mapping, which fixes pages, slot and generation."""
+        key = (KINDS[kind], self.nsid, nbytes)
+        if mapping is not None:
+            t = mapping.templates.get(key)
+            if t is not None:
+                return t
+        t = self._ctx.hot.ffi.new("struct p2h_io *", {
+            "opc": key[0], "nsid": self.nsid, "nlb": nbytes >> self._lba_shift, "nbytes": nbytes,
+            "pages": pl.addrs, "npages": pl.npages,
+            "slot": mapping.slot if mapping is not None else NO_SLOT,
+            "gen": mapping.generation if mapping is not None else 0})
+        if mapping is not None:
+            mapping.templates[key] = t
+        return t
 
     # ---------------------------------------------------------------- the engine's own loop
     def run_generated(self, kind: str, buf: Any, nbytes: int, count: int, *, qd: int, seed: int = 1,

@@ -28,7 +28,8 @@ import select
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from .._resource import Resource
 from ..errors import UsageError
@@ -118,7 +119,8 @@ class _FutureBase:
             raise self._exc
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self.qp.wait(self, timeout)
+        if not self._fin:  # a done future's callbacks ask it too: no trip through the queue
+            self.qp.wait(self, timeout)
         return self._exc
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -196,6 +198,16 @@ class BatchFuture(_FutureBase):
     """
 
     pumped = True
+    # What only some batches have, as class defaults: a batch of 4,096 same-sized reads
+    # is made thousands of times a second, and every attribute set costs there.
+    opcodes: Any = None
+    _lat_list: list[int] | None = None
+    _op_exc: "Mapping[int, BaseException]" = MappingProxyType({})  # failed requests (ops batches)
+    _op_futs: "list[OpFuture] | None" = None
+    _ops_seen = 0
+    # per request: what its future releases when it is done (set by the namespace layer)
+    _op_tokens: list[Any] | None = None
+    _op_release: Callable[[Any], None] | None = None
 
     def __init__(self, qp: "QueuePair", ios: Any, n: int, *, qd: int, opcodes: Any = None,
                  keep: object = None, what: str = "", latencies: bool = False,
@@ -214,7 +226,6 @@ class BatchFuture(_FutureBase):
         else:
             self._status = ffi.new("uint16_t[]", max(n, 1))
         self._lat = ffi.new("uint32_t[]", max(n, 1)) if latencies else ffi.NULL
-        self._lat_list: list[int] | None = None
         b = self._b = ffi.new("struct p2h_batch *")
         if isinstance(ios, SameSizeRequests):
             b.tmpl, b.lbas, b.offs = ios.tmpl, ios.lbas, ios.offs
@@ -224,14 +235,10 @@ class BatchFuture(_FutureBase):
         b.lat_ns = self._lat
         b.n = n
         b.qd = max(1, min(qd, qp.ntrk))
-        self.opcodes = opcodes
-        self._op_exc: dict[int, BaseException] = {}  # failed requests (ops batches)
-        self._op_futs: list[OpFuture] | None = None
-        self._ops_seen = 0
-        # per request: what its future releases when it is done (set by the namespace layer)
-        self._op_tokens: list[Any] | None = None
-        self._op_release: Callable[[Any], None] | None = None
+        if opcodes is not None:
+            self.opcodes = opcodes
         if ops is not None:
+            self._op_exc = {}
             b.op_of, b.op_left, b.op_done = ops.op_of, ops.op_left, ops.op_done
 
     @property
@@ -435,14 +442,15 @@ def bucket_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]") -> 
     of bounds_ns, ascending, how many are at most it; n; their sum)."""
     ffi = hot.ffi
     nb = len(bounds_ns)
-    key = tuple(bounds_ns)
+    key = bounds_ns if type(bounds_ns) is tuple else tuple(bounds_ns)
     bounds = _BOUNDS.get(key)
     if bounds is None:
         bounds = _BOUNDS[key] = ffi.new("uint64_t[]", list(key))
-    counts, total = ffi.new("uint64_t[]", max(nb, 1)), ffi.new("uint64_t *")
-    if hot.lib.p2h_lat_buckets(lat, n, bounds, nb, counts, total):
+    out = ffi.new("uint64_t[]", nb + 1)  # the counts, then the sum
+    if hot.lib.p2h_lat_buckets(lat, n, bounds, nb, out, out + nb):
         raise UsageError(f"{nb} histogram bounds: at most 64")
-    return list(counts[0:nb]), n, int(total[0])
+    v = ffi.unpack(out, nb + 1)
+    return v[:nb], n, v[nb]
 
 
 _BOUNDS: dict[tuple[int, ...], Any] = {}   # bucket bounds as the C call takes them, made once

@@ -49,7 +49,9 @@ class AccessFence(Fence):
         super().__init__("")
         self.access = access
         self._ordering = ordering
-        self._source: Fence | None = None
+        # the work: a Fence, or a future (done, exception(timeout), add_done_callback; an
+        # NVMe batch) followed as it is, with no fence of its own between
+        self._source: Any = None
 
     @property  # type: ignore[override]
     def what(self) -> str:
@@ -59,21 +61,44 @@ class AccessFence(Fence):
     def what(self, _value: str) -> None:
         pass
 
-    def _bind(self, src: Fence) -> None:
+    def _bind(self, src: Any) -> None:
         self._source = src
-        src.then(self._from_source)
+        if isinstance(src, Fence):
+            src.then(self._from_source)
+        else:
+            src.add_done_callback(self._from_future)
 
     def _from_source(self, src: Fence) -> None:
+        self._end(src._exc)
+
+    def _from_future(self, fut: Any) -> None:
+        try:
+            exc = fut.exception(0)
+        except BaseException as e:  # noqa: BLE001 - the future's failure is the fence's
+            exc = e
+        self._end(exc)
+
+    def _end(self, exc: BaseException | None) -> None:
         self._ordering.retire(self.access)
-        self._complete(src._exc)
+        self._complete(exc)
         # The access and this fence refer to each other, a cycle only the collector frees;
         # the finished work (an NVMe batch and its buffers) must not wait in it for that.
         self._source = None
 
     def _poll(self) -> None:
         src = self._source
-        if src is not None:
-            src.poll()
+        if src is None or isinstance(src, Fence):
+            if src is not None:
+                src.poll()
+            return
+        poll = getattr(src, "poll", None)   # an NVMe future: drive its queue
+        if poll is None:
+            src.done()                        # a concurrent.futures.Future
+            return
+        try:
+            poll()
+        except Exception as exc:  # noqa: BLE001 - a dead queue fails the work
+            self._end(exc)
 
     def _block(self, timeout: float | None) -> None:
         # Wait on this fence's own event: it completes from the source (callback) or
@@ -87,11 +112,22 @@ class AccessFence(Fence):
                 return
             if src is None:  # not bound yet: the declaring thread is submitting
                 self._sleep(0.001 if left is None else min(0.001, left))
+            elif not isinstance(src, Fence):
+                # A future: wait on it in slices (an NVMe queue drives itself and runs its
+                # timeout recovery there), so a withdrawal is seen within 50 ms.
+                try:
+                    src.exception(0.05 if left is None else min(0.05, left))
+                except TimeoutError:
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - waiting failed: so did the work
+                    self._end(exc)
+                    return
+                if src.done() and not self._done:
+                    self._from_future(src)
             elif not src.needs_driving:
                 self._sleep(left)
             else:
-                # Let the source drive itself (an NVMe queue also runs its timeout
-                # recovery there), in slices, so a withdrawal is seen within 50 ms.
+                # Let the source drive itself, in slices, as above.
                 src._block(0.05 if left is None else min(0.05, left))
                 if src._done and not self._done:
                     self._from_source(src)
@@ -272,7 +308,7 @@ class Ordering(Resource):
             exc = FenceError(f"{a} was withdrawn")
         f._complete(exc)
         src = f._source
-        if src is not None and not src._done and not isinstance(src, GpuAccess):
+        if isinstance(src, Fence) and not src._done and not isinstance(src, GpuAccess):
             # The work's own fence (an RDMA request, a notification) can never count now:
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
@@ -470,8 +506,7 @@ class GpuAccess(Fence):
 
 def bind(access: Access, source: Any) -> Fence:
     """Tie `access` to the completion of `source` (a Fence or an NVMe future)."""
-    f = as_fence(source)
     assert access.fence is not None
-    access.fence._bind(f)
+    access.fence._bind(source)
     return access.fence
 

@@ -17,7 +17,7 @@ import itertools
 from bisect import bisect_left, bisect_right
 from typing import Any, Iterator, Sequence
 
-from .fence import Fence, SourceFence
+from .fence import Fence
 
 
 __all__ = ["AccessKind", "Access", "AccessRange", "RangeTracker", "PRODUCERS", "CONSUMERS",
@@ -114,7 +114,7 @@ class Access(AccessRange):
         that completes, the range is released and ``self.fence`` completes the same way."""
         f = self.fence
         assert f is not None
-        f._bind(source if isinstance(source, Fence) else SourceFence(source))
+        f._bind(source)
         return f
 
     def cancel(self, exc: BaseException | None = None) -> None:

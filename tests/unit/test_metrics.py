@@ -171,6 +171,50 @@ def test_top_names_an_endpoint_that_does_not_answer(capsys) -> None:
     assert len(err) == 1 and "refused" in err[0].lower()
 
 
+def test_nvme_batches_count_requests_bytes_errors_and_batch_time_on_the_wire() -> None:
+    """A read_batch that succeeds counts its requests and bytes and one batch time; one the
+    device fails counts what completed and the failures; a scrape shows them under the
+    Prometheus names (counters end in _total, the batch time is a histogram)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
+    from p2phub.nvme import _build
+    from p2phub.nvme.controller import Controller
+    from p2phub.nvme.errors import NvmeStatusError
+
+    hot = _build.load()
+    dev = FakeControllerFile(hot, namespaces={1: FakeNamespace(blocks=4096)})
+    c = Controller(dev, hot=hot, io_queues=1, queue_depth=32)
+    c.start()
+    try:
+        reg = FakeHub(dev.device).register(1 << 20)
+        dev.add_registration(reg)
+        ns = c.namespace(1)
+        kw = {"controller": c.bdf, "op": "read"}
+
+        names = ["p2phub_nvme_commands_total", "p2phub_nvme_bytes_total", "p2phub_nvme_errors_total",
+                 "p2phub_nvme_batch_seconds_count", "p2phub_nvme_command_seconds_count"]
+
+        def counts() -> list[float]:   # the fake controller's address is every test's: deltas
+            text = metrics.generate_latest().decode()
+            return [_value(text, n, **kw) for n in names]
+        before = counts()
+        t0 = _value(metrics.generate_latest().decode(), "p2phub_nvme_batch_seconds_sum", **kw)
+        ns.read_batch(reg, [0, 8, 16, 24], [0, 4096, 8192, 12288], 4096, latencies=True).result(timeout=10)
+        text = metrics.generate_latest().decode()
+        assert [a - b for a, b in zip(counts(), before)] == [4, 4 * 4096, 0, 1, 4]
+        assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="+Inf", **kw) == before[3] + 1
+        assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="30.0", **kw) == before[3] + 1
+        assert 0 < _value(text, "p2phub_nvme_batch_seconds_sum", **kw) - t0 < 10
+        dev.ns[1].blocks = 100      # the device now fails reads past LBA 100
+        with pytest.raises(NvmeStatusError):
+            ns.read_batch(reg, [0, 200, 8], [0, 4096, 8192], 4096).result(timeout=10)
+        # (its requests' latencies were not asked for: none observed)
+        assert [a - b for a, b in zip(counts(), before)] == [6, 6 * 4096, 1, 2, 4]
+    finally:
+        c.close()
+        dev.stop()
+
+
 def test_nvme_latency_histogram_takes_a_batch_at_once() -> None:
     labels = ("0000:99:00.0", "read")
     # 3 us, 5 us (on a bound: counted there), 7 us, 150 us, 2 s

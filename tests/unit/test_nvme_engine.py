@@ -132,6 +132,93 @@ def test_latency_buckets_in_c_match_bisect_on_any_order() -> None:
     assert bucket_latencies(hot, hot.ffi.new("uint32_t[]", [7, 9]), 2, []) == ([], 2, 16)
 
 
+def test_latency_buckets_narrow_and_wide_batches_count_as_bisect_does() -> None:
+    """A batch between a few bounds is counted a pass per bound in between, a wide one
+    latency by latency from its bit length: both agree with bisect on the metrics' own
+    bounds, on bounds at powers of two and on the extremes of uint32, and add to what a
+    histogram already holds."""
+    from p2phub.nvme.queue import bucket_latencies
+    hot = _build.load()
+    ffi, lib = hot.ffi, hot.lib
+    rnd = random.Random(12)
+    lat_bounds = [5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000, 1_000_000, 2_000_000,
+                  5_000_000, 10_000_000, 50_000_000, 100_000_000, 500_000_000, 1_000_000_000,
+                  5_000_000_000]
+    pow2 = [1 << k for k in range(0, 33, 3)] + [(1 << 32) - 1]
+    top = (1 << 32) - 1
+    for bounds in (lat_bounds, pow2, [0], [top]):
+        cases = [
+            [rnd.randrange(150_000, 450_000) for _ in range(4096)],   # between two bounds
+            [rnd.randrange(0, 1 << rnd.randrange(1, 33)) for _ in range(3000)],  # wide
+            [b + d for b in bounds for d in (-1, 0, 1) if 0 <= b + d <= top] * 3,
+            [0, 1, top, top - 1, 1 << 31, (1 << 31) - 1],
+            [42],
+        ]
+        for lat in cases:
+            want = sorted(lat)
+            arr = ffi.new("uint32_t[]", lat)
+            assert bucket_latencies(hot, arr, len(lat), bounds) == (
+                [bisect.bisect_right(want, b) for b in bounds], len(lat), sum(lat)), (bounds, lat[:8])
+            # the C call adds to counts (and sum) already there
+            c_bounds = ffi.new("uint64_t[]", bounds)
+            counts, total = ffi.new("uint64_t[]", [7] * len(bounds)), ffi.new("uint64_t *", 5)
+            assert lib.p2h_lat_buckets(arr, len(lat), c_bounds, len(bounds), counts, total) == 0
+            assert list(counts) == [7 + bisect.bisect_right(want, b) for b in bounds]
+            assert total[0] == 5 + sum(lat)
+    assert bucket_latencies(hot, ffi.new("uint32_t[]", 1), 0, lat_bounds) == ([0] * 16, 0, 0)
+
+
+def test_batch_check_finds_the_first_bad_request_as_a_request_by_request_check_would() -> None:
+    """p2h_fill_rw checks a batch by its largest LBA and offset, smallest offset and OR of
+    offsets, and only searches a bad one: the first bad request and its reason, and the
+    span of a good batch, match a check of each request in turn."""
+    hot = _build.load()
+    ffi, lib = hot.ffi, hot.lib
+    rnd = random.Random(13)
+    blocks, shift, npages = 1 << 12, 9, 16
+    limit = npages * 4096
+    pages = ffi.new("uint64_t[]", [0x10000 * (i + 1) for i in range(npages)])
+
+    def model(lbas: list[int], offs: list[int], nbytes: int) -> tuple[int, int, tuple[int, int]]:
+        nlb = nbytes >> shift
+        for i, (lba, off) in enumerate(zip(lbas, offs)):
+            if lba >= blocks or nlb > blocks - lba:
+                return i, 1, (0, 0)
+            if off >= limit or nbytes > limit - off:
+                return i, 2, (0, 0)
+            if off & 3:
+                return i, 3, (0, 0)
+        return -1, 0, (min(offs), max(offs) + nbytes)
+
+    for trial in range(400):
+        nbytes = rnd.choice((512, 4096, 8192))
+        n = rnd.randrange(1, 64)
+        nlb = nbytes >> shift
+        lbas = [rnd.randrange(0, blocks - nlb + 1) for _ in range(n)]
+        offs = [rnd.randrange(0, (limit - nbytes) // 4 + 1) * 4 for _ in range(n)]
+        for _ in range(rnd.choice((0, 0, 1, 2, 3))):   # some bad requests, anywhere
+            k = rnd.randrange(n)
+            what = rnd.randrange(5)
+            if what == 0:
+                lbas[k] = rnd.choice((blocks, blocks - nlb + 1, (1 << 64) - 1))
+            elif what == 1:
+                offs[k] = rnd.choice((limit, limit - nbytes + 4, (1 << 64) - 4))
+            elif what == 2:
+                offs[k] = (offs[k] & ~3) | rnd.choice((1, 2, 3))
+            elif what == 3:
+                offs[k] = (1 << 64) - 1                      # every reason at once
+            else:
+                lbas[k] = 0                                   # a good extreme
+        bad, why = ffi.new("int *"), ffi.new("int *")
+        span = ffi.new("uint64_t[2]")
+        rc = lib.p2h_fill_rw(ffi.NULL, n, 2, 1, shift, nbytes, ffi.new("uint64_t[]", lbas),
+                             ffi.new("uint64_t[]", offs), pages, npages, 0, 0, blocks, span, bad, why)
+        k, reason, want_span = model(lbas, offs, nbytes)
+        assert (rc != 0, bad[0], why[0]) == (k >= 0, k, reason), (trial, lbas, offs, nbytes)
+        if k < 0:
+            assert (span[0], span[1]) == want_span
+
+
 def test_batch_bad_request_refuses_the_whole_batch(rig) -> None:
     c, dev, hub = rig
     ns = c.namespace(1)
