@@ -312,6 +312,8 @@ class Ordering(Resource):
             # The work's own fence (an RDMA request, a notification) can never count now:
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
+        if src is not None:
+            f._source = None    # the access/fence cycle keeps no work alive (see AccessFence._end)
 
     def retire_all(self, accesses: list[Any]) -> None:
         """``retire`` for many, under one hold of the lock (a batch of completed requests)."""

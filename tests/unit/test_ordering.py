@@ -491,6 +491,49 @@ def test_a_finished_access_lets_its_work_go_without_the_collector() -> None:
         gc.enable()
 
 
+def test_an_access_follows_a_future_itself_through_waits_failures_and_withdrawal() -> None:
+    """An access bound to a future (an NVMe batch) completes with it, drives it when polled,
+    waits on it in slices and takes its failure; a withdrawn one lets the work go at once."""
+    import gc
+    import weakref
+
+    o = Ordering("reg", 8192)
+    a = o.acquire(0, 4096, AccessKind.NVME_READ)
+    work = FakeFuture()
+    fence = a.bind(work)
+    polls = work.polls
+    assert not fence.done() and work.polls > polls          # done() drives the future
+    with pytest.raises(FenceTimeout):
+        fence.wait(0.05)
+    threading.Timer(0.05, work.finish, (OSError(5, "media error"),)).start()
+    with pytest.raises(FenceError, match="media error") as ei:
+        fence.wait(5)                                         # woken by the future's failure
+    assert isinstance(ei.value.__cause__, OSError)
+    assert o.live() == []
+    later = o.acquire(0, 4096, AccessKind.GPU_READ)           # a consumer after a failed producer
+    assert later.deps == []                                   # ... finds the range free
+    later.cancel()
+
+    gc.disable()
+    try:
+        b = o.acquire(4096, 4096, AccessKind.NVME_WRITE)
+        work2 = FakeFuture()
+        fence2 = b.bind(work2)
+        gone = weakref.ref(work2)
+        o.withdraw(b, OSError(125, "cancelled"))
+        assert fence2.done() and isinstance(fence2.exception(), OSError)
+        del work2                                             # its owner lets go: so does the fence
+        assert gone() is None and o.live() == []
+        work3 = FakeFuture()
+        c = o.acquire(4096, 4096, AccessKind.NVME_WRITE)
+        c.bind(work3)
+        o.withdraw(c)
+        work3.finish()                                        # work that ends later changes nothing
+        assert isinstance(c.fence.exception(), FenceError) and o.live() == []
+    finally:
+        gc.enable()
+
+
 # ----------------------------------------------------------------------------- GPU streams
 
 
