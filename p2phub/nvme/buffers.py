@@ -126,7 +126,7 @@ class Mappings:
         if reg.closed:   # refused even while still mapped: its owner let go of it
             raise UsageError(f"{reg!r} is closed")
         m = self._by_handle.get(reg.handle)
-        if m is not None and _same_memory(m.reg, reg) and not m.unmapped:
+        if m is not None and (m.reg is reg or _same_memory(m.reg, reg)) and not m.unmapped:
             return m
         binding = reg.bind(self.bdf)
         binding.require_direct(f"an NVMe transfer by {self.bdf}")

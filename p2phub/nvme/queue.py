@@ -292,6 +292,24 @@ class BatchFuture(_FutureBase):
             return [0] * len(bounds_ns), 0, 0
         return bucket_latencies(self.qp.hot, self._lat, self.n, bounds_ns)
 
+    def add_latencies(self, bounds_ns: tuple[int, ...], acc: Any) -> int:
+        """Add the latencies of this done batch (asked for at submission) into a histogram's
+        counts in one C pass: acc, a writable buffer of at least len(bounds_ns) + 2 uint64
+        (array('Q')), gets acc[j] += how many took at most bounds_ns[j] and, after the
+        bounds' counts and one slot the caller keeps, acc[nb + 1] += their sum in ns.
+        Returns how many latencies were added (0 when none were asked for or not done)."""
+        ffi = self.qp.hot.ffi
+        if self._lat == ffi.NULL or not self.done():
+            return 0
+        nb = len(bounds_ns)
+        out = ffi.from_buffer("uint64_t[]", acc, require_writable=True)
+        if len(out) < nb + 2:
+            raise UsageError(f"a histogram of {nb} bounds needs {nb + 2} counters, not {len(out)}")
+        if self.qp.hot.lib.p2h_lat_buckets(self._lat, self.n, _bounds(ffi, bounds_ns), nb, out,
+                                           out + nb + 1):
+            raise UsageError(f"{nb} histogram bounds: at most 64")
+        return self.n
+
     def op_futures(self) -> list["OpFuture"]:
         """One future per request of a batch of requests (made once; done with the batch)."""
         if self._ops is None:
@@ -442,18 +460,22 @@ def bucket_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]") -> 
     of bounds_ns, ascending, how many are at most it; n; their sum)."""
     ffi = hot.ffi
     nb = len(bounds_ns)
-    key = bounds_ns if type(bounds_ns) is tuple else tuple(bounds_ns)
-    bounds = _BOUNDS.get(key)
-    if bounds is None:
-        bounds = _BOUNDS[key] = ffi.new("uint64_t[]", list(key))
     out = ffi.new("uint64_t[]", nb + 1)  # the counts, then the sum
-    if hot.lib.p2h_lat_buckets(lat, n, bounds, nb, out, out + nb):
+    if hot.lib.p2h_lat_buckets(lat, n, _bounds(ffi, bounds_ns), nb, out, out + nb):
         raise UsageError(f"{nb} histogram bounds: at most 64")
     v = ffi.unpack(out, nb + 1)
     return v[:nb], n, v[nb]
 
 
 _BOUNDS: dict[tuple[int, ...], Any] = {}   # bucket bounds as the C call takes them, made once
+
+
+def _bounds(ffi: Any, bounds_ns: "Sequence[int]") -> Any:
+    key = bounds_ns if type(bounds_ns) is tuple else tuple(bounds_ns)
+    b = _BOUNDS.get(key)
+    if b is None:
+        b = _BOUNDS[key] = ffi.new("uint64_t[]", list(key))
+    return b
 
 
 @dataclass

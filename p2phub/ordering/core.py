@@ -81,9 +81,15 @@ class AccessFence(Fence):
     def _end(self, exc: BaseException | None) -> None:
         self._ordering.retire(self.access)
         self._complete(exc)
-        # The access and this fence refer to each other, a cycle only the collector frees;
-        # the finished work (an NVMe batch and its buffers) must not wait in it for that.
-        self._source = None
+
+    def _complete(self, exc: BaseException | None = None) -> bool:
+        try:
+            return super()._complete(exc)
+        finally:
+            # The access and this fence refer to each other, a cycle only the collector
+            # frees; the work (an NVMe batch and its buffers), finished or withdrawn, must
+            # not wait in it for that.
+            self._source = None
 
     def _poll(self) -> None:
         src = self._source
@@ -306,14 +312,12 @@ class Ordering(Resource):
         self.retire(a)
         if exc is None:
             exc = FenceError(f"{a} was withdrawn")
-        f._complete(exc)
         src = f._source
+        f._complete(exc)            # (an AccessFence lets go of its work here)
         if isinstance(src, Fence) and not src._done and not isinstance(src, GpuAccess):
             # The work's own fence (an RDMA request, a notification) can never count now:
             # fail it too, so whoever holds it wakes with the reason.
             src._complete(exc)
-        if src is not None:
-            f._source = None    # the access/fence cycle keeps no work alive (see AccessFence._end)
 
     def retire_all(self, accesses: list[Any]) -> None:
         """``retire`` for many, under one hold of the lock (a batch of completed requests)."""

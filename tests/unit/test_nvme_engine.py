@@ -108,6 +108,14 @@ def test_batch_latencies_bucketed_in_c_match_the_list(rig) -> None:
     plain = ns.read_batch(reg, [0], [0], 4096)
     plain.result(timeout=10)
     assert plain.latency_histogram(bounds) == ([0] * len(bounds), 0, 0)   # none asked for
+    # a histogram's own counters, added to in place: twice the batch, then the sum
+    acc = array.array("Q", [5] * (len(bounds) + 2))
+    tb = tuple(bounds)
+    assert fut.add_latencies(tb, acc) == 100 and fut.add_latencies(tb, acc) == 100
+    assert list(acc) == [5 + 2 * bisect.bisect_right(lat, b) for b in bounds] + [5, 5 + 2 * sum(lat)]
+    assert plain.add_latencies(tb, acc) == 0
+    with pytest.raises(UsageError, match="needs 8 counters"):
+        fut.add_latencies(tb, array.array("Q", [0] * 7))
 
 
 def test_latency_buckets_in_c_match_bisect_on_any_order() -> None:
