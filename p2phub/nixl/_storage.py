@@ -137,6 +137,7 @@ class Span:
     length: int
     vram: bool
     device: int
+    alloc: Optional[int] = None     # VRAM: the allocation's base (ranges merge only within one)
     hubreg: Any = None
 
 
@@ -158,13 +159,32 @@ class FileXfer:
     error: Optional[BaseException] = None
 
 
+def _allocation(addr: int, length: int) -> Optional[int]:
+    """The base of the GPU allocation that holds VRAM [addr, addr + length), from the
+    installed backend that claims it; None where none can say (the range is checked again,
+    with its reason, when a FILE transfer first registers it)."""
+    from ..backend import find_backend
+    be = find_backend((addr, length))
+    if be is None:
+        return None
+    try:
+        rng = be.resolve((addr, length), export_dmabuf=False)
+    except Exception:  # noqa: BLE001 - no runtime, not GPU memory: the registration says why
+        return None
+    try:
+        return int(rng.alloc_base)
+    finally:
+        rng.close()
+
+
 class Storage:
     """The FILE side of one agent: its FILE registrations, the DRAM / VRAM ranges FILE
     transfers touch, and a staged-mode Hub whose batch engine carries the transfers."""
 
     def __init__(self) -> None:
         self.files: list[FileReg] = []
-        self.mems: dict[tuple[int, int], tuple[bool, int]] = {}   # (addr, len) -> (vram, device)
+        # (addr, len) -> (vram, device, allocation base of VRAM or None)
+        self.mems: dict[tuple[int, int], tuple[bool, int, Optional[int]]] = {}
         self.spans: list[Span] = []
         self.generation = 0      # bumped when the spans change (prepared columns are redone)
         self._hub: Any = None
@@ -200,7 +220,7 @@ class Storage:
     # -- memory
     def add_mem(self, addr: int, length: int, vram: bool, device: int) -> None:
         if (addr, length) not in self.mems:
-            self.mems[(addr, length)] = (vram, device)
+            self.mems[(addr, length)] = (vram, device, _allocation(addr, length) if vram else None)
             self._respan()
 
     def drop_mem(self, addr: int, length: int) -> None:
@@ -211,14 +231,17 @@ class Storage:
         """Merge the registered ranges into spans; a span that stays as it was keeps its
         hub registration, the others' are closed (refused while a transfer uses one)."""
         merged: list[Span] = []
-        for (a, n), (vram, dev) in sorted(self.mems.items()):
+        for (a, n), (vram, dev, alloc) in sorted(self.mems.items()):
             last = merged[-1] if merged else None
-            if last is not None and last.addr + last.length == a and (last.vram, last.device) == (vram, dev):
+            # Ranges that follow one another merge within one allocation: two cudaMalloc
+            # buffers may sit back to back, and no registration spans both.
+            if last is not None and last.addr + last.length == a and \
+                    (last.vram, last.device, last.alloc) == (vram, dev, alloc):
                 last.length += n
             elif last is not None and a < last.addr + last.length:
                 last.length = max(last.length, a + n - last.addr)   # overlapping registrations
             else:
-                merged.append(Span(a, n, vram, dev))
+                merged.append(Span(a, n, vram, dev, alloc))
         old = {(sp.addr, sp.length, sp.vram, sp.device): sp for sp in self.spans}
         keep = []
         for sp in merged:

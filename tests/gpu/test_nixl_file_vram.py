@@ -91,3 +91,63 @@ def test_nixl_remote_storage_utilities_on_vram(tmp_path: Path) -> None:
                         "--mem", "VRAM", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "VRAM <-> O_DIRECT files" in r.stdout
+
+
+def test_back_to_back_allocations_are_registered_apart(tmp_path: Path) -> None:
+    """cuMemAlloc buffers that sit back to back in the address space (as the caching
+    allocator's segments can) stay two registrations for the storage engine: a FILE read
+    whose blocks land in both fills every byte, where one merged range would span two
+    allocations and be refused."""
+    try:
+        from cuda.bindings import driver as cu  # type: ignore[import-not-found]
+    except ImportError:
+        from cuda import cuda as cu  # type: ignore[import-not-found,no-redef]
+    from p2phub.nixl._api import nixl_agent, nixl_agent_config
+
+    size = 2 << 20
+    assert int(cu.cuInit(0)[0]) == 0
+    err, ctx = cu.cuDevicePrimaryCtxRetain(0)
+    assert int(err) == 0 and int(cu.cuCtxSetCurrent(ctx)[0]) == 0
+    ptrs: list[int] = []
+    try:
+        pair = None
+        for _ in range(64):
+            err, p = cu.cuMemAlloc(size)
+            assert int(err) == 0
+            ptrs.append(int(p))
+            pair = next(((x, y) for x in ptrs for y in ptrs if x + size == y), None)
+            if pair is not None:
+                break
+        if pair is None:
+            pytest.skip("no two of 64 cuMemAlloc buffers came back to back")
+        first, second = pair
+        pattern = np.random.default_rng(9).integers(0, 256, 2 * size, dtype=np.uint8)
+        path = tmp_path / "pair.bin"
+        path.write_bytes(pattern.tobytes())
+        a = nixl_agent("gpu-pair", nixl_agent_config(backends=[]))
+        try:
+            a.create_backend("GDS_MT")
+            a.register_memory([(first, size, 0, ""), (second, size, 0, "")], "VRAM")
+            fd = os.open(path, os.O_RDWR)
+            try:
+                a.register_memory([(0, 2 * size, fd, "")], "FILE")
+                n = 2 * size // BLK                      # blocks across both buffers
+                vrows = [(first + i * BLK, BLK, 0) for i in range(n)]
+                frows = [(i * BLK, BLK, fd) for i in range(n)]
+                r = a.initialize_xfer("READ", a.get_xfer_descs(vrows, "VRAM"),
+                                      a.get_xfer_descs(frows, "FILE"), a.name)
+                assert _wait(a, r) == "DONE"
+                spans = [(s.addr, s.length) for s in a.agent.storage.spans]
+                assert spans == [(first, size), (second, size)]
+            finally:
+                os.close(fd)
+        finally:
+            a.close()
+        got = np.empty(2 * size, np.uint8)
+        for k, p in enumerate((first, second)):
+            assert int(cu.cuMemcpyDtoH(got[k * size:].ctypes.data, p, size)[0]) == 0
+        assert np.array_equal(got, pattern)
+    finally:
+        for p in ptrs:
+            cu.cuMemFree(p)
+        cu.cuDevicePrimaryCtxRelease(0)

@@ -295,3 +295,27 @@ def test_deregistered_memory_is_gone_from_the_engine(agent: nixl_agent, tmp_path
             agent.deregister_memory(freg)
     finally:
         os.close(fd)
+
+
+def test_vram_ranges_that_follow_one_another_merge_only_within_one_allocation(monkeypatch) -> None:
+    """Two GPU buffers may sit back to back in the address space (cudaMalloc, torch's
+    caching allocator) while no registration can span both: registered VRAM ranges merge
+    into one span only where the backend puts them in one allocation; DRAM ranges, and
+    VRAM that no backend can place (its registration says why later), merge as before."""
+    from p2phub.nixl import _storage
+
+    bases = {0x10000: 0x10000, 0x20000: 0x10000, 0x30000: 0x30000}     # else: no backend says
+    monkeypatch.setattr(_storage, "_allocation", lambda addr, n: bases.get(addr))
+    st = _storage.Storage()
+    try:
+        for addr in (0x10000, 0x20000, 0x30000, 0x40000, 0x50000):    # 64 KiB each, back to back
+            st.add_mem(addr, 0x10000, True, 0)
+        st.add_mem(0x60000, 0x10000, False, 0)               # DRAM right after the VRAM
+        st.add_mem(0x70000, 0x10000, False, 0)
+        assert [(s.addr, s.length, s.vram, s.alloc) for s in st.spans] == [
+            (0x10000, 0x20000, True, 0x10000), (0x30000, 0x10000, True, 0x30000),
+            (0x40000, 0x20000, True, None), (0x60000, 0x20000, False, None)]
+        st.drop_mem(0x20000, 0x10000)
+        assert [(s.addr, s.length) for s in st.spans][:2] == [(0x10000, 0x10000), (0x30000, 0x10000)]
+    finally:
+        st.close()
