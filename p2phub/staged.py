@@ -222,9 +222,12 @@ class HostBuf(Resource):
     ptr: int
     size: int
     view: memoryview
+    mapping: Any = None     # the hostmem.HugeMapping the bytes live in
 
     def _close(self) -> None:
         self.view.release()
+        if self.mapping is not None:
+            self.mapping.close()
 
 
 class HostOps:
@@ -238,12 +241,9 @@ class HostOps:
         pass
 
     def pinned(self, size: int) -> HostBuf:
-        import mmap
-        m = mmap.mmap(-1, size)
-        view = memoryview(m)
-        import ctypes
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        return HostBuf(ptr, size, view)
+        from .hostmem import HugeMapping
+        m = HugeMapping(size)   # huge pages: an O_DIRECT read into a slot is few segments
+        return HostBuf(m.ptr, size, m.view(), m)
 
     def stream_create(self) -> int:
         return 0

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -414,3 +415,45 @@ def test_a_lane_transfer_refused_at_start_closes_its_file_once(hub, data_file, m
         monkeypatch.undo()
         hub.load(path, reg).wait(30)       # the range was released: it loads now
         assert bytes(buf) == data
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _anon_huge_kb(start: int, length: int) -> int:
+    """AnonHugePages of the mappings of this process inside [start, start + length)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < start + length and start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_staging_memory_is_huge_page_memory_at_a_2_mib_boundary() -> None:
+    """Staging slots that disks read into sit on transparent huge pages where the kernel
+    offers them (an O_DIRECT read is then one segment per 2 MiB): the buffer starts on a
+    2 MiB boundary, is writable end to end, and where THP is on ("always" or "madvise")
+    its touched bytes are huge pages; close() unmaps it."""
+    from p2phub.hostmem import HUGE_PAGE, HugeMapping
+    from p2phub.staged import HostOps
+
+    buf = HostOps().pinned(5 * HUGE_PAGE + 4096)
+    try:
+        assert buf.ptr % HUGE_PAGE == 0 and len(buf.view) == buf.size == 5 * HUGE_PAGE + 4096
+        buf.view[:] = b"\x5a" * buf.size
+        assert buf.view[0] == buf.view[-1] == 0x5A
+        if _thp_mode() in ("always", "madvise") and buf.mapping.huge:
+            assert _anon_huge_kb(buf.ptr, 5 * HUGE_PAGE) >= 4096, "no huge pages behind staging"
+    finally:
+        buf.close()
+    with pytest.raises(UsageError, match="a mapping of 0 bytes"):
+        HugeMapping(0)
