@@ -97,7 +97,7 @@ if ENABLED:
                 self._add(key, requests, nbytes, failed)
                 self._time(key, seconds)
 
-        def time(self, key: tuple[str, str], seconds: float) -> None:
+        def batch_time(self, key: tuple[str, str], seconds: float) -> None:
             with self._lock:
                 self._time(key, seconds)
 
@@ -311,7 +311,7 @@ def nvme_ops(bdf: str, ops: list[Any], fut: Any, op_futures: list[Any] | None = 
                 NVME.fail(key, 1)
             else:
                 NVME.count(key, 1, int(getattr(op, "nbytes", 0) or 0))
-        NVME.time((bdf, "requests"), time.monotonic() - t0)
+        NVME.batch_time((bdf, "requests"), time.monotonic() - t0)
     fut.add_done_callback(done)
     for op, of in zip(ops, op_futures or ()):
         def one(f: Any, kind: str = getattr(op, "kind", "other")) -> None:
