@@ -36,10 +36,11 @@ class HugeMapping(Resource):
     (MADV_HUGEPAGE): the staging memory disks read into. An O_DIRECT read is one segment
     per physically contiguous run of its memory; a disk with a segment limit (virtio-blk's
     254, NVMe's often 127) takes a 2 MiB read into 4 KiB pages (512 segments) as several
-    requests, and into one huge page as one. On the development host's virtio disk, 2 MiB
-    reads into it ran 2.3x, 16 MiB ones 1.25x, those into 4 KiB pages (docs/benchmarks.md).
-    Where the kernel gives no huge pages (THP off) it is plain memory. ``ptr`` and ``size``;
-    ``huge``: whether the kernel took the advice; close() unmaps."""
+    requests, and into one huge page as one. On the development host's virtio disk, 512 KiB
+    and 2 MiB reads into it ran 2.0x, 16 MiB ones 1.4x, those into 4 KiB pages
+    (tools/odirect-hugepages, docs/benchmarks.md). Where the kernel gives no huge pages (THP
+    off) it is plain memory. ``ptr`` and ``size``; ``huge``: whether the kernel took the
+    advice; close() unmaps."""
 
     def __init__(self, size: int) -> None:
         if size <= 0:
