@@ -96,8 +96,7 @@ class RegMapping:
 
     def release_for(self, _future: Any) -> None:
         """A done-callback: the future that held this mapping (once) is done."""
-        with self.lock:
-            self.inflight -= 1
+        self.release()
 
 
 def _same_memory(a: Memory, b: Memory) -> bool:

@@ -305,9 +305,7 @@ class BatchFuture(_FutureBase):
         out = ffi.from_buffer("uint64_t[]", acc, require_writable=True)
         if len(out) < nb + 2:
             raise UsageError(f"a histogram of {nb} bounds needs {nb + 2} counters, not {len(out)}")
-        if self.qp.hot.lib.p2h_lat_buckets(self._lat, self.n, _bounds(ffi, bounds_ns), nb, out,
-                                           out + nb + 1):
-            raise UsageError(f"{nb} histogram bounds: at most 64")
+        _count_latencies(self.qp.hot, self._lat, self.n, bounds_ns, out, out + nb + 1)
         return self.n
 
     def op_futures(self) -> list["OpFuture"]:
@@ -458,13 +456,19 @@ class SameSizeRequests:
 def bucket_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]") -> tuple[list[int], int, int]:
     """Latencies lat[0:n] (uint32_t[], ns) into cumulative buckets in one C pass: (per bound
     of bounds_ns, ascending, how many are at most it; n; their sum)."""
-    ffi = hot.ffi
     nb = len(bounds_ns)
-    out = ffi.new("uint64_t[]", nb + 1)  # the counts, then the sum
-    if hot.lib.p2h_lat_buckets(lat, n, _bounds(ffi, bounds_ns), nb, out, out + nb):
-        raise UsageError(f"{nb} histogram bounds: at most 64")
-    v = ffi.unpack(out, nb + 1)
+    out = hot.ffi.new("uint64_t[]", nb + 1)  # the counts, then the sum
+    _count_latencies(hot, lat, n, bounds_ns, out, out + nb)
+    v = hot.ffi.unpack(out, nb + 1)
     return v[:nb], n, v[nb]
+
+
+def _count_latencies(hot: Any, lat: Any, n: int, bounds_ns: "Sequence[int]", counts: Any,
+                     total: Any) -> None:
+    """counts[j] += how many of lat[0:n] are at most bounds_ns[j]; total[0] += their sum."""
+    nb = len(bounds_ns)
+    if hot.lib.p2h_lat_buckets(lat, n, _bounds(hot.ffi, bounds_ns), nb, counts, total):
+        raise UsageError(f"{nb} histogram bounds: at most 64")
 
 
 _BOUNDS: dict[tuple[int, ...], Any] = {}   # bucket bounds as the C call takes them, made once

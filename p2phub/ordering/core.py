@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from ..errors import P2PHubOSError, UsageError
 from .errors import FenceError, FenceTimeout, OrderingError, OrderingTimeout
-from .fence import Fence, SourceFence, WordPool, progress
+from .fence import (Fence, SourceFence, WordPool, drive_future, future_failure, progress,
+                    wait_future)
 from .tracker import Access, AccessKind, AccessRange, RangeTracker, next_seq
 from .._resource import Resource
 
@@ -72,11 +73,7 @@ class AccessFence(Fence):
         self._end(src._exc)
 
     def _from_future(self, fut: Any) -> None:
-        try:
-            exc = fut.exception(0)
-        except BaseException as e:  # noqa: BLE001 - the future's failure is the fence's
-            exc = e
-        self._end(exc)
+        self._end(future_failure(fut))
 
     def _end(self, exc: BaseException | None) -> None:
         self._ordering.retire(self.access)
@@ -97,12 +94,8 @@ class AccessFence(Fence):
             if src is not None:
                 src.poll()
             return
-        poll = getattr(src, "poll", None)   # an NVMe future: drive its queue
-        if poll is None:
-            src.done()                        # a concurrent.futures.Future
-            return
         try:
-            poll()
+            drive_future(src)
         except Exception as exc:  # noqa: BLE001 - a dead queue fails the work
             self._end(exc)
 
@@ -122,13 +115,11 @@ class AccessFence(Fence):
                 # A future: wait on it in slices (an NVMe queue drives itself and runs its
                 # timeout recovery there), so a withdrawal is seen within 50 ms.
                 try:
-                    src.exception(0.05 if left is None else min(0.05, left))
-                except TimeoutError:
-                    continue
+                    done = wait_future(src, 0.05 if left is None else min(0.05, left))
                 except BaseException as exc:  # noqa: BLE001 - waiting failed: so did the work
                     self._end(exc)
                     return
-                if src.done() and not self._done:
+                if done and not self._done:
                     self._from_future(src)
             elif not src.needs_driving:
                 self._sleep(left)

@@ -243,6 +243,37 @@ def completed(what: str = "") -> Fence:
     return f
 
 
+# The future protocol (done, exception(timeout), add_done_callback; poll where the future
+# is driven): what SourceFence and an access's fence (ordering.core.AccessFence) follow.
+
+def future_failure(fut: Any) -> BaseException | None:
+    """The failure of a done future (None: it succeeded), or what asking for it raised."""
+    try:
+        return fut.exception(0)
+    except BaseException as exc:  # noqa: BLE001 - the future's failure is the follower's
+        return exc
+
+
+def drive_future(fut: Any) -> None:
+    """Make progress without blocking: poll() drives a Fence or an NVMe queue (raising what
+    a dead queue raises); a concurrent.futures.Future needs no driving."""
+    poll = getattr(fut, "poll", None)
+    if poll is None:
+        fut.done()
+    else:
+        poll()
+
+
+def wait_future(fut: Any, timeout: float | None) -> bool:
+    """Wait up to `timeout` seconds (driving the future as its exception() does); True once
+    it is done. Raises what waiting raises, other than the timeout."""
+    try:
+        fut.exception(timeout)
+    except TimeoutError:
+        return False
+    return bool(fut.done())
+
+
 class SourceFence(Fence):
     """A fence that follows another completion source with the future protocol (done,
     exception(timeout), add_done_callback): an NVMe CommandFuture, a concurrent.futures
@@ -256,31 +287,21 @@ class SourceFence(Fence):
         source.add_done_callback(self._from_source)
 
     def _from_source(self, src: Any) -> None:
-        try:
-            exc = src.exception(0)
-        except BaseException as e:  # noqa: BLE001 - the source's failure is the fence's
-            exc = e
-        self._complete(exc)
+        self._complete(future_failure(src))
 
     def _poll(self) -> None:
-        poll = getattr(self.source, "poll", None)  # a Fence, an NVMe future: drive it
-        if poll is None:
-            self.source.done()                      # a concurrent.futures.Future
-            return
         try:
-            poll()
+            drive_future(self.source)
         except Exception as exc:  # noqa: BLE001 - a dead queue fails the fence
             self._complete(exc)
 
     def _block(self, timeout: float | None) -> None:
         try:
-            self.source.exception(timeout)
-        except TimeoutError:
-            return
+            done = wait_future(self.source, timeout)
         except BaseException as exc:  # noqa: BLE001 - the source's failure is the fence's
             self._complete(exc)
             return
-        if not self._done and self.source.done():
+        if done and not self._done:
             self._from_source(self.source)
 
 
