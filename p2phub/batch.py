@@ -1485,29 +1485,6 @@ def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> li
     return out
 
 
-def _uniform(p: _Plan, rows: Any) -> bool:
-    """Every entry between one file (one fd) and one memory: the engine takes the batch's
-    own columns, with no per-file or per-memory selection."""
-    return (rows.size == p.n and len(p.files) == 1 and len(p.mems) == 1 and p.mems[0] is not None
-            and p.files[0].fd >= 0 and p.files[0].fd_buffered < 0)
-
-
-def _run_uniform(hub: "Hub", write: bool, p: _Plan, res: Any, *, queue: _Queue,
-                 ticket: int) -> dict[str, Any]:
-    import numpy as np
-    f, m = p.files[0], p.mems[0]
-    eng = _engine(hub, m.ops, m.device)
-    if not write:
-        _register_host(eng, [m])
-    u64 = np.uint64
-    off = np.ascontiguousarray(p.off).view(u64)      # checked non-negative by the plan
-    ln = np.ascontiguousarray(p.length).view(u64)
-    mem = np.ascontiguousarray(p.moff).view(u64) + u64(m.ptr)
-    flags = np.full(p.n, (1 if f.direct else 0) | (2 if m.cuda else 0), np.uint8)
-    _rc, stats = eng.run(queue, ticket, write, np.full(p.n, f.fd, np.int32), off, ln, mem, flags, res)
-    return stats
-
-
 def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: BatchFence,
          held: list[Any], sync: bool, *, queue: _Queue, ticket: int) -> None:
     import numpy as np
@@ -1515,9 +1492,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     err: BaseException | None = None
     res = fence.results
     try:
-        if rows.size and _uniform(p, rows):
-            fence.stats.update(_run_uniform(hub, write, p, res, queue=queue, ticket=ticket))
-        elif rows.size:
+        if rows.size:
             flags = np.zeros(rows.size, np.uint8)
             fds = np.empty(rows.size, np.int32)
             mem = np.empty(rows.size, np.uint64)
@@ -1562,10 +1537,10 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                 for key, v in st.items():
                     stats[key] = v if isinstance(v, (bool, str)) else stats.get(key, 0) + v
             fence.stats.update(stats)
-        if rows.size and write and sync:
-            for f in p.files:
-                if f.fd >= 0:
-                    os.fsync(f.fd)
+            if write and sync:
+                for f in p.files:
+                    if f.fd >= 0:
+                        os.fsync(f.fd)
         for nrows, futs in parts:
             for i, fut in zip(nrows, futs):
                 exc = fut.exception()
