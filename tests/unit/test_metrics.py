@@ -90,10 +90,13 @@ def test_library_agents_count_bytes_latency_and_registrations() -> None:
         ln for ln in _scrape(url).splitlines() if ln.startswith("p2phub_kv_registered"))
 
 
-def test_nvme_engine_counts_reads_writes_and_mapped_bytes() -> None:
+@pytest.fixture()
+def nvme_rig():
+    """A controller on the fake NVMe device (one 4,096-block namespace), a 1 MiB registration
+    it maps, and the fake device (stopped afterwards)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
-    from p2phub.nvme import ReadOp, _build
+    from p2phub.nvme import _build
     from p2phub.nvme.controller import Controller
 
     hot = _build.load()
@@ -103,25 +106,32 @@ def test_nvme_engine_counts_reads_writes_and_mapped_bytes() -> None:
     try:
         reg = FakeHub(dev.device).register(1 << 20)
         dev.add_registration(reg)
-        ns = c.namespace(1)
-        bdf = c.bdf
-
-        def count(name: str, **kw: str) -> float:
-            return _value(metrics.generate_latest().decode(), name, controller=bdf, **kw)
-        r0, b0 = count("p2phub_nvme_bytes_total", op="read"), count("p2phub_nvme_commands_total", op="read")
-        for f in ns.submit([ReadOp(reg, 8 * i, 4096, 4096 * i) for i in range(4)]):
-            f.result(timeout=10)
-        ns.read_batch(reg, [0, 8, 16], [0, 4096, 8192], 4096).result(timeout=10)
-        ns.write_batch(reg, [64], [0], 8192).result(timeout=10)
-        assert count("p2phub_nvme_bytes_total", op="read") - r0 == 7 * 4096
-        assert count("p2phub_nvme_commands_total", op="read") - b0 == 7
-        assert count("p2phub_nvme_bytes_total", op="write") >= 8192
-        assert count("p2phub_nvme_command_seconds_count", op="read") >= 4
-        assert count("p2phub_nvme_mapped_registrations") == 1
-        assert count("p2phub_nvme_mapped_bytes") == 1 << 20
+        yield c, dev, reg
     finally:
         c.close()
         dev.stop()
+
+
+def test_nvme_engine_counts_reads_writes_and_mapped_bytes(nvme_rig) -> None:
+    from p2phub.nvme import ReadOp
+
+    c, _dev, reg = nvme_rig
+    ns = c.namespace(1)
+    bdf = c.bdf
+
+    def count(name: str, **kw: str) -> float:
+        return _value(metrics.generate_latest().decode(), name, controller=bdf, **kw)
+    r0, b0 = count("p2phub_nvme_bytes_total", op="read"), count("p2phub_nvme_commands_total", op="read")
+    for f in ns.submit([ReadOp(reg, 8 * i, 4096, 4096 * i) for i in range(4)]):
+        f.result(timeout=10)
+    ns.read_batch(reg, [0, 8, 16], [0, 4096, 8192], 4096).result(timeout=10)
+    ns.write_batch(reg, [64], [0], 8192).result(timeout=10)
+    assert count("p2phub_nvme_bytes_total", op="read") - r0 == 7 * 4096
+    assert count("p2phub_nvme_commands_total", op="read") - b0 == 7
+    assert count("p2phub_nvme_bytes_total", op="write") >= 8192
+    assert count("p2phub_nvme_command_seconds_count", op="read") >= 4
+    assert count("p2phub_nvme_mapped_registrations") == 1
+    assert count("p2phub_nvme_mapped_bytes") == 1 << 20
 
 
 def test_without_prometheus_client_hooks_are_no_ops_and_serving_names_the_package() -> None:
@@ -171,48 +181,35 @@ def test_top_names_an_endpoint_that_does_not_answer(capsys) -> None:
     assert len(err) == 1 and "refused" in err[0].lower()
 
 
-def test_nvme_batches_count_requests_bytes_errors_and_batch_time_on_the_wire() -> None:
+def test_nvme_batches_count_requests_bytes_errors_and_batch_time_on_the_wire(nvme_rig) -> None:
     """A read_batch that succeeds counts its requests and bytes and one batch time; one the
     device fails counts what completed and the failures; a scrape shows them under the
     Prometheus names (counters end in _total, the batch time is a histogram)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from nvme_fake import FakeControllerFile, FakeHub, FakeNamespace
-    from p2phub.nvme import _build
-    from p2phub.nvme.controller import Controller
     from p2phub.nvme.errors import NvmeStatusError
 
-    hot = _build.load()
-    dev = FakeControllerFile(hot, namespaces={1: FakeNamespace(blocks=4096)})
-    c = Controller(dev, hot=hot, io_queues=1, queue_depth=32)
-    c.start()
-    try:
-        reg = FakeHub(dev.device).register(1 << 20)
-        dev.add_registration(reg)
-        ns = c.namespace(1)
-        kw = {"controller": c.bdf, "op": "read"}
+    c, dev, reg = nvme_rig
+    ns = c.namespace(1)
+    kw = {"controller": c.bdf, "op": "read"}
 
-        names = ["p2phub_nvme_commands_total", "p2phub_nvme_bytes_total", "p2phub_nvme_errors_total",
-                 "p2phub_nvme_batch_seconds_count", "p2phub_nvme_command_seconds_count"]
+    names = ["p2phub_nvme_commands_total", "p2phub_nvme_bytes_total", "p2phub_nvme_errors_total",
+             "p2phub_nvme_batch_seconds_count", "p2phub_nvme_command_seconds_count"]
 
-        def counts() -> list[float]:   # the fake controller's address is every test's: deltas
-            text = metrics.generate_latest().decode()
-            return [_value(text, n, **kw) for n in names]
-        before = counts()
-        t0 = _value(metrics.generate_latest().decode(), "p2phub_nvme_batch_seconds_sum", **kw)
-        ns.read_batch(reg, [0, 8, 16, 24], [0, 4096, 8192, 12288], 4096, latencies=True).result(timeout=10)
+    def counts() -> list[float]:   # the fake controller's address is every test's: deltas
         text = metrics.generate_latest().decode()
-        assert [a - b for a, b in zip(counts(), before)] == [4, 4 * 4096, 0, 1, 4]
-        assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="+Inf", **kw) == before[3] + 1
-        assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="30.0", **kw) == before[3] + 1
-        assert 0 < _value(text, "p2phub_nvme_batch_seconds_sum", **kw) - t0 < 10
-        dev.ns[1].blocks = 100      # the device now fails reads past LBA 100
-        with pytest.raises(NvmeStatusError):
-            ns.read_batch(reg, [0, 200, 8], [0, 4096, 8192], 4096).result(timeout=10)
-        # (its requests' latencies were not asked for: none observed)
-        assert [a - b for a, b in zip(counts(), before)] == [6, 6 * 4096, 1, 2, 4]
-    finally:
-        c.close()
-        dev.stop()
+        return [_value(text, n, **kw) for n in names]
+    before = counts()
+    t0 = _value(metrics.generate_latest().decode(), "p2phub_nvme_batch_seconds_sum", **kw)
+    ns.read_batch(reg, [0, 8, 16, 24], [0, 4096, 8192, 12288], 4096, latencies=True).result(timeout=10)
+    text = metrics.generate_latest().decode()
+    assert [a - b for a, b in zip(counts(), before)] == [4, 4 * 4096, 0, 1, 4]
+    assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="+Inf", **kw) == before[3] + 1
+    assert _value(text, "p2phub_nvme_batch_seconds_bucket", le="30.0", **kw) == before[3] + 1
+    assert 0 < _value(text, "p2phub_nvme_batch_seconds_sum", **kw) - t0 < 10
+    dev.ns[1].blocks = 100      # the device now fails reads past LBA 100
+    with pytest.raises(NvmeStatusError):
+        ns.read_batch(reg, [0, 200, 8], [0, 4096, 8192], 4096).result(timeout=10)
+    # (its requests' latencies were not asked for: none observed)
+    assert [a - b for a, b in zip(counts(), before)] == [6, 6 * 4096, 1, 2, 4]
 
 
 def test_nvme_latency_histogram_takes_a_batch_at_once() -> None:

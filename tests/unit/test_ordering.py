@@ -5,12 +5,16 @@ and GPU-stream fencing against a fake stream runtime (a thread that executes the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
+import gc
 import itertools
 import queue
 import threading
 import time
+import weakref
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -470,33 +474,40 @@ def test_binding_an_access_to_a_future() -> None:
     assert o.live() == []
 
 
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """No cycle collection meanwhile: what is freed is freed by reference counts alone."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _bound_work(o: Ordering, offset: int,
+                kind: AccessKind) -> tuple[Any, Any, FakeFuture, Any]:
+    """A 4 KiB access of `o` bound to a FakeFuture: (access, its fence, the work, a weak
+    reference to the work)."""
+    a = o.acquire(offset, 4096, kind)
+    work = FakeFuture()
+    return a, a.bind(work), work, weakref.ref(work)
+
+
 def test_a_finished_access_lets_its_work_go_without_the_collector() -> None:
     """An access and its fence refer to each other; the finished work (an NVMe batch and its
     buffers) must not be held in that cycle until the collector runs."""
-    import gc
-    import weakref
-
     o = Ordering("reg", 4096)
-    gc.disable()
-    try:
-        a = o.acquire(0, 4096, AccessKind.NVME_READ)
-        work = FakeFuture()
-        fence = a.bind(work)
-        gone = weakref.ref(work)
+    with _collector_off():
+        _a, fence, work, gone = _bound_work(o, 0, AccessKind.NVME_READ)
         work.finish()
         del work
         assert gone() is None and fence.done() and o.live() == []
         fence.wait(0)
-    finally:
-        gc.enable()
 
 
 def test_an_access_follows_a_future_itself_through_waits_failures_and_withdrawal() -> None:
     """An access bound to a future (an NVMe batch) completes with it, drives it when polled,
     waits on it in slices and takes its failure; a withdrawn one lets the work go at once."""
-    import gc
-    import weakref
-
     o = Ordering("reg", 8192)
     a = o.acquire(0, 4096, AccessKind.NVME_READ)
     work = FakeFuture()
@@ -514,24 +525,16 @@ def test_an_access_follows_a_future_itself_through_waits_failures_and_withdrawal
     assert later.deps == []                                   # ... finds the range free
     later.cancel()
 
-    gc.disable()
-    try:
-        b = o.acquire(4096, 4096, AccessKind.NVME_WRITE)
-        work2 = FakeFuture()
-        fence2 = b.bind(work2)
-        gone = weakref.ref(work2)
+    with _collector_off():
+        b, fence2, work2, gone = _bound_work(o, 4096, AccessKind.NVME_WRITE)
         o.withdraw(b, OSError(125, "cancelled"))
         assert fence2.done() and isinstance(fence2.exception(), OSError)
         del work2                                             # its owner lets go: so does the fence
         assert gone() is None and o.live() == []
-        work3 = FakeFuture()
-        c = o.acquire(4096, 4096, AccessKind.NVME_WRITE)
-        c.bind(work3)
+        c, _fence3, work3, _gone3 = _bound_work(o, 4096, AccessKind.NVME_WRITE)
         o.withdraw(c)
         work3.finish()                                        # work that ends later changes nothing
         assert isinstance(c.fence.exception(), FenceError) and o.live() == []
-    finally:
-        gc.enable()
 
 
 # ----------------------------------------------------------------------------- GPU streams
