@@ -141,7 +141,7 @@ def test_write_with_imm_then_nvme_write_stores_the_received_bytes(hub, pair, bdf
 
 def test_strict_mode_raises_before_anything_is_posted(hub, pds, bdf) -> None:
     hub.strict_ordering = True
-    p = Pair(hub, pds)
+    p = Pair(hub, pds, size=4 * MiB)
     n = 64 * KiB
     try:
         assert p.reg_a.ordering.strict
@@ -152,7 +152,13 @@ def test_strict_mode_raises_before_anything_is_posted(hub, pds, bdf) -> None:
         ctrl = hub.nvme(bdf)
         try:
             ns = ctrl.namespace(1)
-            (fut,) = ns.submit([ReadOp(p.reg_a, (SSD_OFF + 8 * MiB) // LBA, n)])
+            # A read of two commands, one in flight at a time: the first round submits one
+            # and nothing drives the queue until the result is asked for, so the read is
+            # still live when the send comes, however fast the SSD is.
+            span = 2 * ctrl.max_transfer
+            assert span <= 4 * MiB
+            (fut,) = ns.submit([ReadOp(p.reg_a, (SSD_OFF + 8 * MiB) // LBA, span)], qd=1)
+            assert not fut.done()
             with pytest.raises(OrderingError) as ei:
                 p.qa.send(p.mr_a, 0, n)
             msg = str(ei.value)
