@@ -95,11 +95,27 @@ class BatchFence(Fence):
     """Completion of a whole batch. ``entries``: one Fence per entry (per_entry=True) or
     None; ``results``: per entry, the bytes moved or -errno, once complete."""
 
+    _job: "_Job | None" = None   # its run, while neither the worker nor a waiter took it
+
     def __init__(self, what: str, nbytes: int, count: int) -> None:
         super().__init__(what, nbytes)
         self.count = count
         self.entries: list[Fence] | None = None
         self.results: Any = None
+
+    def set_run(self, job: "_Job | None") -> None:
+        """The queued run that completes this fence, for a waiting thread to take; None
+        once someone took it."""
+        self._job = job
+
+    def _block(self, timeout: float | None) -> None:
+        # A thread that waits with no limit runs the batch itself when the worker has not
+        # begun it: two thread hand-overs fewer on the path of a batch waited on at once.
+        # Not before its engines exist: making one binds a device to the calling thread.
+        job = self._job
+        if job is not None and timeout is None and job.started() and job.claim():
+            job.run()
+        super()._block(timeout)
 
 
 # ------------------------------------------------------------------ entries
@@ -447,7 +463,8 @@ def _check_namespace(np: Any, p: _Plan, k: int, ns: Any, used: Any, write: bool)
 
 class _Engine(Resource):
     """One staged I/O engine (p2phub.staged_io) and its staging memory, for one copy engine
-    and device of a hub; batches on it run one at a time on its worker thread."""
+    and device of a hub; batches on it run one at a time on the engine thread, each handed
+    over there by the worker or by a thread waiting for it."""
 
     def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
                  options: int = 0, split: int | None = None) -> None:
@@ -510,6 +527,11 @@ class _Engine(Resource):
             self.ops.bind_thread(self.device)
             return self._ensure()
 
+    @property
+    def opened(self) -> bool:
+        """Its engine and staging exist (the first batch or request made them)."""
+        return self._eng is not None
+
     def run(self, queue: "_Queue", ticket: int, write: bool, fd: Any, off: Any, ln: Any,
             mem: Any, flags: Any, result: Any) -> tuple[int, dict[str, Any]]:
         """One batch, run on the engine thread at its reservation `ticket` of `queue`."""
@@ -518,16 +540,20 @@ class _Engine(Resource):
         with self.lock:
             if self._closed:
                 raise UsageError("the hub's staged I/O engine is closed")
-            st = ffi.new("struct sio_stats *")
-            err = ffi.new("char[]", 256)
-            rc = lib.sio_queue_run(queue.q, ticket, eng, int(write), len(off),
-                                   ffi.from_buffer("int[]", fd),
-                                   ffi.from_buffer("unsigned long long[]", off),
-                                   ffi.from_buffer("unsigned long long[]", ln),
-                                   ffi.from_buffer("unsigned long long[]", mem),
-                                   ffi.from_buffer("unsigned char[]", flags),
-                                   ffi.from_buffer("long long[]", result, require_writable=True),
-                                   st, err, 256)
+        # Not under the lock: runs of other threads wait on the engine thread for their turn
+        # while this one waits for its own, and the engine is closed only once every run has
+        # let go of its reservation (Engines._quiesce, Engines._close).
+        st = ffi.new("struct sio_stats *")
+        err = ffi.new("char[]", 256)
+        rc = lib.sio_queue_run(queue.q, ticket, eng, int(write), len(off),
+                               ffi.from_buffer("int[]", fd),
+                               ffi.from_buffer("unsigned long long[]", off),
+                               ffi.from_buffer("unsigned long long[]", ln),
+                               ffi.from_buffer("unsigned long long[]", mem),
+                               ffi.from_buffer("unsigned char[]", flags),
+                               ffi.from_buffer("long long[]", result, require_writable=True),
+                               st, err, 256)
+        with self.lock:
             stats = {k: int(getattr(st, k)) for k in ("pieces", "bytes", "copy_calls", "copies",
                                                        "merged", "slot_waits", "max_inflight",
                                                        "in_place", "fixed_mem")}
@@ -730,6 +756,11 @@ class Engines(Resource):
                                              o["options"], self.batch_split)
         return eng
 
+    def started(self, ops: Any, device: int) -> bool:
+        """The batch engine for (ops, device) exists and has been opened."""
+        eng = self._batch.get((getattr(ops, "name", type(ops).__name__), device))
+        return eng is not None and eng.opened
+
     def batch_engine(self, ops: Any, device: int) -> "_Engine":
         with self._lock:
             return self._engine_locked(ops, device)
@@ -762,8 +793,12 @@ class Engines(Resource):
             q = self._queue or self._open_queue()
             ticket = q.reserve()
             try:
-                self.worker_locked().put((q, ticket, job))
+                worker = self.worker_locked()
+                j = _Job(q, ticket, job, worker)
+                job[5].set_run(j)
+                worker.put(j)
             except BaseException:
+                job[5].set_run(None)
                 q.release(ticket)
                 raise
 
@@ -980,10 +1015,42 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     return fence
 
 
+class _Job:
+    """One queued batch: its reservation on the engine thread and what _run needs. Run once,
+    by the worker or by a thread waiting for the batch's fence, whichever claims it first."""
+
+    __slots__ = ("queue", "ticket", "args", "taken", "worker")
+
+    def __init__(self, queue: "_Queue", ticket: int, args: tuple[Any, ...],
+                 worker: "_Worker") -> None:
+        self.queue, self.ticket, self.args, self.worker = queue, ticket, args, worker
+        self.taken = threading.Lock()
+
+    def started(self) -> bool:
+        """Every engine the batch runs on exists already."""
+        hub, p = self.args[0], self.args[2]
+        return all(hub.engines.started(m.ops, m.device) for m in p.mems if m is not None)
+
+    def claim(self) -> bool:
+        # Never the worker's own thread from inside a batch: it runs the batches in order.
+        if threading.current_thread() is self.worker.t and self.worker.busy:
+            return False
+        return self.taken.acquire(blocking=False)
+
+    def run(self) -> None:
+        self.args[5].set_run(None)
+        try:
+            _run(*self.args, queue=self.queue, ticket=self.ticket)
+        except BaseException:  # noqa: BLE001 - _run reports through the fence
+            log.exception("batch run")
+
+
 class _Worker(Resource):
     """The thread that plans and finishes batches, in the order they were queued: each one
     runs on the engine thread at the place it reserved there (see _Queue), and its fence
-    completes here."""
+    completes here, unless a thread waiting for it took it first (BatchFence._block)."""
+
+    busy = False
 
     def __init__(self) -> None:
         import queue
@@ -993,16 +1060,15 @@ class _Worker(Resource):
 
     def _loop(self) -> None:
         while True:
-            item = self.q.get()
-            if item is None:
+            job = self.q.get()
+            if job is None:
                 return
-            queue, ticket, job = item
-            try:
-                _run(*job, queue=queue, ticket=ticket)
-            except BaseException:  # noqa: BLE001 - _run reports through the fence; keep serving
-                log.exception("batch worker")
-            finally:
-                queue.release(ticket)
+            if job.claim():
+                self.busy = True
+                try:
+                    job.run()
+                finally:
+                    self.busy = False
 
     def put(self, job: Any) -> None:
         self.q.put(job)
@@ -1487,11 +1553,13 @@ def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> li
 
 def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: BatchFence,
          held: list[Any], sync: bool, *, queue: _Queue, ticket: int) -> None:
-    import numpy as np
+    """Run one queued batch at its reservation `ticket` (released here, whatever happens)
+    and complete its fences."""
     t0 = time.perf_counter()
     err: BaseException | None = None
     res = fence.results
     try:
+        import numpy as np
         if rows.size:
             flags = np.zeros(rows.size, np.uint8)
             fds = np.empty(rows.size, np.int32)
@@ -1555,6 +1623,9 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     except BaseException as exc:  # noqa: BLE001 - delivered through the fence
         err = exc
     finally:
+        # The engine thread moves on before the fences complete: a callback of this batch
+        # may wait for a later one.
+        queue.release(ticket)
         dt = time.perf_counter() - t0
         fence.stats.update(seconds=dt, gbps=(fence.nbytes / dt / 1e9) if dt > 0 else 0.0,
                            entries=p.n, per_s=(p.n / dt) if dt > 0 else 0.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -106,6 +107,51 @@ def test_aligned_reads_into_host_memory_land_in_place(hub, disk_file) -> None:
     for o, ln, d in zip(offs, lens, dst):
         assert np.array_equal(m[d:d + ln], data[o:o + ln])
     del m
+    reg.close()
+
+
+def test_batches_waited_on_by_many_threads_and_by_none_all_run_in_order(hub, disk_file) -> None:
+    """A thread waiting for its batch runs it itself when the worker has not begun it; many
+    such threads at once, batches nobody waits for, and writes after reads of the same
+    memory all finish, with every byte where it belongs."""
+    path, data = disk_file
+    import mmap
+    mem = mmap.mmap(-1, 8 * MiB)
+    reg = hub.register(mem)
+    view = np.frombuffer(mem, np.uint8)
+    hub.load_batch([(path, 0, 4096, reg, 0)]).wait(60)     # the engine exists: waiters may run
+    n, per = 8, 24
+    errors: list[BaseException] = []
+    loose: list[object] = []
+
+    def reader(k: int) -> None:
+        rng = np.random.default_rng(100 + k)
+        base = k * (MiB - 64 * KiB)
+        try:
+            for r in range(per):
+                offs = rng.integers(0, (data.size - 64 * KiB) // 4096, 16) * 4096
+                dst = base + np.arange(16) * 4096
+                f = hub.load_batch(storage=path, offsets=offs, lengths=4096, memory=reg,
+                                   mem_offsets=dst)
+                if r % 4 == 3:
+                    loose.append(f)           # the worker runs this one
+                    continue
+                f.wait()
+                for o, d in zip(offs, dst):
+                    assert np.array_equal(view[d:d + 4096], data[o:o + 4096])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a batch never finished"
+    assert not errors, errors[0]
+    for f in loose:
+        f.wait(60)
+    del view
     reg.close()
 
 
