@@ -785,9 +785,10 @@ class Engines(Resource):
 
     def enqueue_batch(self, job: tuple[Any, ...]) -> None:
         """Queue a batch: its place on the engine thread is reserved now (so requests queued
-        after it run after it); the worker thread plans its engine runs and hands them over
-        there. Reserving and queueing for the worker happen under one lock, so the worker
-        meets reservations in their order."""
+        after it run after it); the worker thread, or a thread waiting for the batch that gets
+        there first (BatchFence._block), hands its engine runs over there. Reserving and
+        queueing for the worker happen under one lock, so the worker meets reservations in
+        their order."""
         with self._lock:
             self._check_taking()
             q = self._queue or self._open_queue()
