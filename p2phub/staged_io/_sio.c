@@ -42,6 +42,13 @@
 /* a host load waits for 1/REAP_SHARE of the reads in flight at a time */
 #define REAP_SHARE 8
 #define MAX_COPY_BATCH 512
+/* a read in place into registered memory goes in pieces of at most this */
+#define IN_PLACE_MAX (64ULL << 20)
+/* Reads in place of at most this go through the ring's table of registered memory (no
+ * pinning per read); larger ones as plain reads. Into 4 KiB-page memory on a virtio disk,
+ * 16 MiB reads ran 4-5% slower from the table than as plain reads, and 256 KiB-1 MiB ones
+ * 1-2% slower; 4-64 KiB ones were as fast or faster (docs/benchmarks.md). */
+#define FIXED_IN_PLACE_MAX (128ULL << 10)
 /* the kernel takes registered buffers of at most 1 GiB each */
 #define FIXED_MAX (1ULL << 30)
 /* entries of the ring's buffer table for the caller's memory (sio_register_mem), each a
@@ -1118,6 +1125,20 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
         if (!c->done)
             e->split_entries++;
     }
+    if (useful > cap && cap == e->slot_bytes - skip && !skip && !write &&
+        (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT && e->table && !e->no_in_place) {
+        /* A read in place into memory the ring holds registered (pinned, so the read cannot
+         * fault back to a slot) uses no slot's bytes: one piece for the rest of the entry,
+         * which the block layer cuts into requests as large as the disk takes, as it would
+         * a plain pread's. Slot-sized pieces are smaller requests (2 MiB where a virtio disk
+         * takes 4 MiB), each with its own cost. */
+        unsigned long long big = useful < IN_PLACE_MAX ? useful : IN_PLACE_MAX;
+
+        big -= big % SIO_ALIGN;
+        if (big > cap && ((mem[c->i] + c->done) | start) % SIO_ALIGN == 0 &&
+            mem_lookup(e, mem[c->i] + c->done, big) >= 0)
+            cap = big;
+    }
     if (useful > cap)
         useful = cap;
     p->entry = c->i;
@@ -1153,7 +1174,8 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
         return;
     }
     if (p->to_mem) {
-        int idx = e->table ? mem_lookup(e, (unsigned long long)(uintptr_t)addr, len) : -1;
+        int idx = e->table && len <= FIXED_IN_PLACE_MAX ?
+                  mem_lookup(e, (unsigned long long)(uintptr_t)addr, len) : -1;
 
         if (idx >= 0) {
             op = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
@@ -1176,8 +1198,8 @@ static int restage_faulted(struct sio_engine *e, int write, const int *fd, unsig
 {
     struct slot *p = &e->slots[s];
 
-    if (res != -EFAULT || !p->to_mem)
-        return 0;
+    if (res != -EFAULT || !p->to_mem || p->io_len > e->slot_bytes)
+        return 0;       /* (a piece larger than a slot fails: only registered memory has one) */
     p->to_mem = 0;
     p->done = 0;
     e->no_in_place = 1;

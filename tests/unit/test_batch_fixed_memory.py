@@ -92,6 +92,36 @@ def test_caller_buffer_and_unaligned_places(hub, data_file) -> None:
     reg.close()
 
 
+def test_large_reads_into_registered_memory_go_whole(hub, data_file) -> None:
+    """An entry larger than a staging slot, read in place into registered memory, is one read
+    (the block layer cuts it as it would a pread's), as a plain read rather than through the
+    table; an unaligned tail after it goes through a slot; the same entries into memory off a
+    page boundary go slot by slot. Every byte arrives."""
+    path, data = data_file
+    size, n = 1 * MiB + 8 * KiB, 6          # 4 slots' worth and more per entry
+    mem = mmap.mmap(-1, n * (size + 8 * KiB) + 4096)
+    reg = hub.register(mem)
+    view = np.frombuffer(mem, np.uint8)
+    f = _load(hub, path, data, reg, view, n=n, size=size)
+    _needs_table(hub, f)
+    assert f.stats["pieces"] == n and f.stats["in_place"] == n and f.stats["fixed_mem"] == 0
+    # an unaligned length: the aligned part whole and in place, the rest through a slot
+    odd = size - 512
+    offs = np.arange(n) * (size + 4096)
+    dst = np.arange(n)[::-1] * (size + 8 * KiB)
+    f = hub.load_batch(storage=path, offsets=offs, lengths=odd, memory=reg, mem_offsets=dst,
+                       direct=True)
+    f.wait(60)
+    for o, d in zip(offs, dst):
+        assert np.array_equal(view[d:d + odd], data[o:o + odd]), (o, d)
+    assert f.stats["in_place"] == n and f.stats["pieces"] == 2 * n
+    # off a page boundary in memory: slot-sized pieces, none in place
+    f = _load(hub, path, data, reg, view, n=2, size=size, seed=6, shift=512)
+    assert f.stats["in_place"] == 1 and f.stats["pieces"] == 1 + -(-size // (256 * KiB))
+    del view
+    reg.close()
+
+
 def test_a_closed_registration_leaves_the_ring(hub, data_file) -> None:
     """Closing a registration gives its range up at once (no read lands in its pages again)
     and the kernel lets go of it at the engine's next batch; memory mapped afterwards,
