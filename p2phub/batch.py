@@ -236,7 +236,10 @@ def _columns(entries: Any, storage: Any, offsets: Any, lengths: Any, memory: Any
     memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
     si = _column(np, "storage_index", 0 if storage_index is None else storage_index, n)
     mi = _column(np, "memory_index", 0 if memory_index is None else memory_index, n)
-    for name, idx, pool in (("storage_index", si, storages), ("memory_index", mi, memories)):
+    for name, idx, pool, given in (("storage_index", si, storages, storage_index),
+                                   ("memory_index", mi, memories, memory_index)):
+        if given is None and pool:
+            continue        # every entry the first: there is one
         bad = np.flatnonzero((idx < 0) | (idx >= len(pool)))
         if bad.size:
             i = int(bad[0])
@@ -381,62 +384,82 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
     if direct not in (True, False, "auto"):
         raise UsageError(f"direct={direct!r}: want True, False or 'auto'")
     first_of = lambda idx, k: int(np.argmax(idx == k))  # noqa: E731
-    if (i := _first(np, off < 0)) is not None:
+    # Reductions first, masks only to name a bad entry: most batches are good, and each
+    # numpy call counts (a batch is planned by a thread that just woke up).
+    if int(off.min()) < 0:
+        i = _first(np, off < 0)
         raise UsageError(f"entry {i}: offset {int(off[i])} is negative")
-    if (i := _first(np, ln <= 0)) is not None:
+    if int(ln.min()) <= 0:
+        i = _first(np, ln <= 0)
         raise UsageError(f"entry {i}: length {int(ln[i])} is not positive")
-    if (i := _first(np, mo < 0)) is not None:
+    if int(mo.min()) < 0:
+        i = _first(np, mo < 0)
         raise UsageError(f"entry {i}: memory offset {int(mo[i])} is negative")
+    mend = mo + ln
+    one_mem = len(memories) == 1
     for k, reg in enumerate(memories):
-        used = mi == k
-        if not used.any():
+        used = None if one_mem else mi == k
+        if used is not None and not used.any():
+            p.mems.append(None)  # type: ignore[arg-type]
             continue
-        m = _memory(hub, reg, first_of(mi, k))
-        if (i := _first(np, used & (mo + ln > m.length))) is not None:
+        m = _memory(hub, reg, 0 if one_mem else first_of(mi, k))
+        top = mend if used is None else np.where(used, mend, 0)
+        if int(top.max()) > m.length or int(top.min()) < 0:     # (< 0: the sum wrapped)
+            i = _first(np, (top > m.length) | (top < 0))
             raise UsageError(f"entry {i}: memory range {int(mo[i])}+{int(ln[i])} is outside "
                              f"{reg} ({m.length} bytes)")
         p.mems.append(m)
-    for k in range(len(memories)):
-        if not (mi == k).any():
-            p.mems.insert(k, None)  # type: ignore[arg-type]
-    nvme_rows = np.zeros(n, bool)
-    for k, target in enumerate(storages):
-        if staged.is_direct_storage(target):
-            nvme_rows |= si == k
+    direct_storage = [staged.is_direct_storage(t) for t in storages]
+    nvme_rows = None
+    if any(direct_storage):
+        nvme_rows = np.zeros(n, bool)
+        for k, is_ns in enumerate(direct_storage):
+            if is_ns:
+                nvme_rows |= si == k
+    one_sto = len(storages) == 1
+    fend = off + ln
     try:
         for k, m in enumerate(p.mems):
             if m is not None and m.ops is None:
-                if (i := _first(np, (mi == k) & ~nvme_rows)) is not None:
+                rows = mi == k if nvme_rows is None else (mi == k) & ~nvme_rows
+                if (i := _first(np, rows)) is not None:
                     _map_for_files(m, i)
         for k, target in enumerate(storages):
-            used = si == k
-            if not used.any():
+            used = None if one_sto else si == k
+            if used is not None and not used.any():
                 p.files.append(_File(None))
                 continue
-            i0 = first_of(si, k)
-            if staged.is_direct_storage(target):
+            i0 = 0 if one_sto else first_of(si, k)
+            if direct_storage[k]:
                 p.files.append(_File(target))
                 p.namespaces[k] = target
-                _check_namespace(np, p, k, target, used, write)
+                _check_namespace(np, p, k, target, np.ones(n, bool) if used is None else used,
+                                 write)
                 continue
-            aligned = not bool(((off[used] | ln[used]) % ALIGN).any())
+            odd = (off | ln) % ALIGN != 0
+            if used is not None:
+                odd &= used
+            aligned = not bool(odd.any())
             f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
             p.files.append(f)
             if (direct == "auto" and p.buffered_from and not write and f.direct
                     and isinstance(target, (str, os.PathLike))
-                    and bool((used & (ln >= p.buffered_from)).any())):
+                    and bool(((ln >= p.buffered_from) if used is None
+                              else used & (ln >= p.buffered_from)).any())):
                 try:
                     f.fd_buffered = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC)
                 except OSError as exc:
                     raise P2PHubOSError(exc.errno or errno.EIO, f"entry {i0}: open {f.name}") from None
             if write and f.direct and not aligned:
-                i = _first(np, used & (((off | ln) % ALIGN) != 0))
+                i = _first(np, odd)
                 raise UsageError(f"entry {i}: {f.name} is open with O_DIRECT and the write "
                                  f"{int(off[i])}+{int(ln[i])} is not aligned to {ALIGN} bytes")
-            past = used & (off + ln > f.size) if (not write or not f.regular) else None
-            if past is not None and (i := _first(np, past)) is not None:
-                raise UsageError(f"entry {i}: range {int(off[i])}+{int(ln[i])} is past the end "
-                                 f"of {f.name} ({f.size} bytes)")
+            if not write or not f.regular:
+                top = fend if used is None else np.where(used, fend, 0)
+                if int(top.max()) > f.size or int(top.min()) < 0:
+                    i = _first(np, (top > f.size) | (top < 0))
+                    raise UsageError(f"entry {i}: range {int(off[i])}+{int(ln[i])} is past the "
+                                     f"end of {f.name} ({f.size} bytes)")
     except BaseException:
         _close_plan(p)
         raise
@@ -1552,6 +1575,58 @@ def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> li
     return out
 
 
+def _row_targets(np: Any, p: _Plan, rows: Any, every: bool) -> tuple[Any, Any, Any]:
+    """Per file entry in `rows`: its fd, flags (1 O_DIRECT, 2 CUDA memory) and memory
+    address, looked up by storage and memory index (no mask per file or memory)."""
+    sidx = p.sidx if every else p.sidx[rows]
+    midx = p.midx if every else p.midx[rows]
+    moff = p.moff if every else p.moff[rows]
+    files, mems = p.files, p.mems
+    if len(files) == 1:
+        f = files[0]
+        fds = np.full(rows.size, f.fd, np.int32)
+        flags = np.full(rows.size, 1 if f.direct else 0, np.uint8)
+    else:
+        fds = np.array([f.fd for f in files], np.int32)[sidx]
+        flags = np.array([1 if f.direct else 0 for f in files], np.uint8)[sidx]
+    if any(f.fd_buffered >= 0 for f in files):
+        # large reads of a file opened twice go through its page-cache fd
+        alt = np.array([f.fd_buffered for f in files], np.int32)[sidx]
+        big = (alt >= 0) & ((p.length if every else p.length[rows]) >= p.buffered_from)
+        fds = np.where(big, alt, fds)
+        flags[big] &= ~np.uint8(1)
+    if len(mems) == 1:
+        m = mems[0]
+        mem = moff.astype(np.uint64) + np.uint64(m.ptr)
+        if m.cuda:
+            flags |= 2
+    else:
+        ptrs = np.array([m.ptr if m is not None else 0 for m in mems], np.uint64)
+        mem = ptrs[midx] + moff.astype(np.uint64)
+        cuda = np.array([bool(m is not None and m.cuda) for m in mems], bool)[midx]
+        flags[cuda] |= 2
+    return fds, flags, mem
+
+
+def _groups(np: Any, p: _Plan, rows: Any, every: bool) -> list[tuple[Any, int, Any, list[_Mem]]]:
+    """(ops, device, rows mask or None for all, memories) per engine the file entries run on."""
+    midx = p.midx if every else p.midx[rows]
+    # every memory the plan kept is used by some entry; with NVMe entries left out, only
+    # those the file entries use count (an NVMe-only one has no copy engine)
+    used = None if every else set(np.unique(midx).tolist())
+    keys: dict[tuple[str, int], list[Any]] = {}
+    for k, m in enumerate(p.mems):
+        if m is not None and (used is None or k in used):
+            key = (getattr(m.ops, "name", type(m.ops).__name__), m.device)
+            keys.setdefault(key, [m.ops, m.device, [], []])
+            keys[key][2].append(k)
+            keys[key][3].append(m)
+    if len(keys) == 1:
+        ops, dev, _ks, gmems = next(iter(keys.values()))
+        return [(ops, dev, None, gmems)]
+    return [(ops, dev, np.isin(midx, ks), gmems) for ops, dev, ks, gmems in keys.values()]
+
+
 def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: BatchFence,
          held: list[Any], sync: bool, *, queue: _Queue, ticket: int) -> None:
     """Run one queued batch at its reservation `ticket` (released here, whatever happens)
@@ -1562,47 +1637,30 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     try:
         import numpy as np
         if rows.size:
-            flags = np.zeros(rows.size, np.uint8)
-            fds = np.empty(rows.size, np.int32)
-            mem = np.empty(rows.size, np.uint64)
-            sidx, midx = p.sidx[rows], p.midx[rows]
-            for k, f in enumerate(p.files):
-                sel = sidx == k
-                if f.fd >= 0 and sel.any():
-                    fds[sel] = f.fd
-                    if f.direct:
-                        flags[sel] |= 1
-                    if f.fd_buffered >= 0:
-                        big = sel & (p.length[rows] >= p.buffered_from)
-                        fds[big] = f.fd_buffered
-                        flags[big] &= ~np.uint8(1)
-            groups: dict[tuple[str, int], Any] = {}
-            for k, m in enumerate(p.mems):
-                if m is None:
-                    continue
-                sel = midx == k
-                if not sel.any():
-                    continue
-                mem[sel] = m.ptr + p.moff[rows][sel]
-                if m.cuda:
-                    flags[sel] |= 2
-                key = (getattr(m.ops, "name", type(m.ops).__name__), m.device)
-                g = groups.setdefault(key, [m.ops, m.device, np.zeros(rows.size, bool), []])
-                g[2] |= sel
-                g[3].append(m)
+            every = rows.size == p.n        # no NVMe entries: the columns as they are
+            fds, flags, mem = _row_targets(np, p, rows, every)
             stats: dict[str, Any] = {}
-            for (_name, dev), (ops, _d, sel, gmems) in groups.items():
-                sub = rows[sel]
-                out = np.zeros(sub.size, np.int64)
+            for ops, dev, sel, gmems in _groups(np, p, rows, every):
                 eng = _engine(hub, ops, dev)
                 if not write:
                     _register_host(eng, gmems)
+                if sel is None:             # one engine takes every row: no copies
+                    sub, out = rows, (res if every else np.zeros(rows.size, np.int64))
+                    g_fd, g_mem, g_fl = fds, mem, flags
+                    g_off = p.off if every else p.off[rows]
+                    g_len = p.length if every else p.length[rows]
+                else:
+                    sub = rows[sel]
+                    out = np.zeros(sub.size, np.int64)
+                    g_fd, g_mem, g_fl = fds[sel], mem[sel], flags[sel]
+                    g_off, g_len = p.off[sub], p.length[sub]
                 _rc, st = eng.run(
-                    queue, ticket, write, np.ascontiguousarray(fds[sel]),
-                    np.ascontiguousarray(p.off[sub].astype(np.uint64)),
-                    np.ascontiguousarray(p.length[sub].astype(np.uint64)),
-                    np.ascontiguousarray(mem[sel]), np.ascontiguousarray(flags[sel]), out)
-                res[sub] = out
+                    queue, ticket, write, np.ascontiguousarray(g_fd),
+                    np.ascontiguousarray(g_off).view(np.uint64),
+                    np.ascontiguousarray(g_len).view(np.uint64),
+                    np.ascontiguousarray(g_mem), np.ascontiguousarray(g_fl), out)
+                if out is not res:
+                    res[sub] = out
                 for key, v in st.items():
                     stats[key] = v if isinstance(v, (bool, str)) else stats.get(key, 0) + v
             fence.stats.update(stats)

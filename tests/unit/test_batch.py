@@ -342,6 +342,22 @@ def test_column_form_refusals(hub, disk_file) -> None:
         hub.load_batch(storage=path, offsets=offs, lengths=[1, 2, 3], memory=reg)
     with pytest.raises(UsageError, match=r"entry 1: memory_index 5 is not one of the 1"):
         hub.load_batch(storage=path, offsets=[0, 0], lengths=8, memory=reg, memory_index=[0, 5])
+    # sums past 2**63 wrap negative in int64: still refused, naming the entry
+    big = np.full(4, 4096, np.int64)
+    big[2] = (1 << 63) - 4096
+    with pytest.raises(UsageError, match=r"entry 2: range .* past the end"):
+        hub.load_batch(storage=path, offsets=big, lengths=8192, memory=reg,
+                       mem_offsets=np.arange(4) * 8192)
+    with pytest.raises(UsageError, match=r"entry 2: memory range .* is outside"):
+        hub.load_batch(storage=path, offsets=np.zeros(4, np.int64), lengths=8192, memory=reg,
+                       mem_offsets=big)
+    # two memories, the second's range past its end: named, with the first's entries fine
+    reg2 = hub.register(bytearray(64 * KiB))
+    with pytest.raises(UsageError, match=r"entry 3: memory range 61440\+8192 is outside"):
+        hub.load_batch(storage=path, offsets=np.zeros(4, np.int64), lengths=8192,
+                       memory=[reg, reg2], memory_index=[0, 1, 0, 1],
+                       mem_offsets=[0, 0, 8192, 60 * KiB])
+    reg2.close()
     with pytest.raises(UsageError, match="an empty batch"):
         hub.load_batch([])
     with pytest.raises(UsageError, match="not both"):
