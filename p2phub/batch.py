@@ -471,7 +471,8 @@ def _check_namespace(np: Any, p: _Plan, k: int, ns: Any, used: Any, write: bool)
     if (i := _first(np, used & (((p.off | p.length) % lba) != 0))) is not None:
         raise UsageError(f"entry {i}: {int(p.off[i])}+{int(p.length[i])} is not a multiple of "
                          f"{ns}'s {lba}-byte LBA")
-    if (i := _first(np, used & (p.off + p.length > ns.blocks * lba))) is not None:
+    end = p.off + p.length                  # (< 0: the sum wrapped)
+    if (i := _first(np, used & ((end > ns.blocks * lba) | (end < 0)))) is not None:
         raise UsageError(f"entry {i}: range {int(p.off[i])}+{int(p.length[i])} is past the end "
                          f"of {ns} ({ns.blocks * lba} bytes)")
     for i in np.flatnonzero(used):
