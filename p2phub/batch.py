@@ -1112,10 +1112,6 @@ _QUEUE_CAPACITY = 1 << 16     # requests queued or uncollected at most; a push w
 _REAP_MAX = 4096
 
 
-class _Ignored:
-    """A reservation's place in the pending table: its completion carries nothing."""
-
-
 class _Queue(Resource):
     """The Hub's engine thread (staged_io/_sio_queue.c): single loads and saves are queued
     on it without the GIL and run in back-to-back runs as one submission each; batches run at
@@ -1162,9 +1158,6 @@ class _Queue(Resource):
         t = self.lib.sio_queue_reserve(self.q)
         if t < 0:
             raise UsageError("the hub's I/O engine is closed")
-        with self._plock:
-            if self._early.pop(t, None) is None:
-                self._pending[t] = _Ignored
         return t
 
     def wait_reached(self, ticket: int) -> None:
@@ -1188,10 +1181,12 @@ class _Queue(Resource):
         with self._plock:
             pop = self._pending.pop
             for k in range(n):
+                if not runs[k]:                 # a reservation's place: nothing to complete
+                    continue
                 req = pop(first + k, None)
                 if req is None:
                     self._early[first + k] = (res[k], runs[k])
-                elif req is not _Ignored:       # a reservation's place: nothing to complete
+                else:
                     done.append((req, res[k], runs[k]))
         _settle(done)
         for req, moved, run in done:

@@ -28,7 +28,7 @@ struct sioq_item {
     struct sio_engine *e;
     unsigned long long off, len, mem;
     long long result;
-    unsigned run;       /* the length of the run it completed in */
+    unsigned run;       /* the length of the run it completed in (0: a reservation) */
     int fd;
     unsigned char kind, write, flags, sync;
 };
@@ -249,7 +249,7 @@ static void serve_reservation(struct sio_queue *q, unsigned long long t)
     q->released = 0;
     q->parked = 0;
     q_item(q, t)->result = 0;
-    q_item(q, t)->run = 1;
+    q_item(q, t)->run = 0;      /* a reservation's place: no request's result */
 }
 
 static void *queue_main(void *arg)
@@ -260,6 +260,7 @@ static void *queue_main(void *arg)
     for (;;) {
         struct sioq_item *it;
         unsigned long long n;
+        int reserved;
 
         while (q->next == q->head && !q->stop) {
             q->idle = 1;
@@ -269,7 +270,8 @@ static void *queue_main(void *arg)
         if (q->next == q->head)
             break;      /* stopped, and nothing is left */
         it = q_item(q, q->next);
-        if (it->kind == SIOQ_RESERVED) {
+        reserved = it->kind == SIOQ_RESERVED;
+        if (reserved) {
             serve_reservation(q, q->next);
             n = 1;
         } else {
@@ -277,6 +279,12 @@ static void *queue_main(void *arg)
         }
         q->next += n;
         q->completed = q->next;
+        /* a reservation with every result before it collected: nobody needs to collect
+         * it (the reaper would take the GIL from the batch's own thread to do nothing) */
+        if (reserved && q->reaped == q->next - 1) {
+            q->reaped = q->next;
+            pthread_cond_broadcast(&q->space);
+        }
         pthread_cond_broadcast(&q->done);
     }
     pthread_mutex_unlock(&q->mu);

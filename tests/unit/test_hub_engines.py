@@ -271,3 +271,52 @@ def test_a_forced_close_frees_memory_only_after_its_transfers(tmp_path) -> None:
                          text=True, timeout=300)
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
     assert res.stdout.split() == ["ok"]
+
+
+def test_the_results_collector_sleeps_through_batches(tmp_path, monkeypatch) -> None:
+    """A batch's place on the engine thread carries no result: batches waited on one after
+    another wake no results collector (it would take the GIL from the batch's own thread),
+    and single requests not waited on, between batches, still complete, their fences and
+    bytes right, nothing left behind in the queue's tables."""
+    import threading
+
+    import numpy as np
+
+    from p2phub import batch
+    from p2phub.hub import Hub
+
+    path = tmp_path / "data.bin"
+    data = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    data.tofile(path)
+    reaps: list[str] = []
+    reap = batch._Queue.reap
+
+    def counted(self):  # type: ignore[no-untyped-def]
+        n = reap(self)
+        if n:
+            reaps.append(threading.current_thread().name)
+        return n
+
+    monkeypatch.setattr(batch._Queue, "reap", counted)
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(1 << 20)
+        view = np.frombuffer(mem.mmap(), np.uint8)
+        offs = np.arange(16) * 4096
+        for _ in range(10):
+            hub.load_batch(storage=str(path), offsets=offs, lengths=4096, memory=mem,
+                           mem_offsets=offs).wait(30)
+        assert reaps == [], reaps
+        fences = []
+        for k in range(6):
+            fences.append(hub.load(str(path), mem, 65536 * (k + 1), 4096, 65536 * (k + 1)))
+            hub.load_batch(storage=str(path), offsets=offs, lengths=4096, memory=mem,
+                           mem_offsets=offs).wait(30)
+        for f in fences:
+            f.wait(30)
+        for k in range(6):
+            o = 65536 * (k + 1)
+            assert np.array_equal(view[o:o + 4096], data[o:o + 4096])
+        q = hub.engines._queue           # nothing waits in its tables for a result
+        assert not q._pending and not q._early, (q._pending, q._early)
+        del view
+        mem.close()
