@@ -112,8 +112,10 @@ class BatchFence(Fence):
         # A thread that waits with no limit runs the batch itself when the worker has not
         # begun it: two thread hand-overs fewer on the path of a batch waited on at once.
         # Not before its engines exist: making one binds a device to the calling thread.
+        # Never the worker itself (waiting from inside a batch): it runs batches in order.
         job = self._job
-        if job is not None and timeout is None and job.started() and job.claim():
+        if (job is not None and timeout is None and threading.current_thread() is not job.worker.t
+                and job.started() and job.claim()):
             job.run()
         super()._block(timeout)
 
@@ -1057,9 +1059,6 @@ class _Job:
         return all(hub.engines.started(m.ops, m.device) for m in p.mems if m is not None)
 
     def claim(self) -> bool:
-        # Never the worker's own thread from inside a batch: it runs the batches in order.
-        if threading.current_thread() is self.worker.t and self.worker.busy:
-            return False
         return self.taken.acquire(blocking=False)
 
     def run(self) -> None:
@@ -1075,8 +1074,6 @@ class _Worker(Resource):
     runs on the engine thread at the place it reserved there (see _Queue), and its fence
     completes here, unless a thread waiting for it took it first (BatchFence._block)."""
 
-    busy = False
-
     def __init__(self) -> None:
         import queue
         self.q: Any = queue.SimpleQueue()
@@ -1089,11 +1086,7 @@ class _Worker(Resource):
             if job is None:
                 return
             if job.claim():
-                self.busy = True
-                try:
-                    job.run()
-                finally:
-                    self.busy = False
+                job.run()
 
     def put(self, job: Any) -> None:
         self.q.put(job)
@@ -1571,24 +1564,23 @@ def _namespace_parts(p: _Plan, write: bool, is_ns: Any, fence: BatchFence) -> li
     return out
 
 
-def _row_targets(np: Any, p: _Plan, rows: Any, every: bool) -> tuple[Any, Any, Any]:
-    """Per file entry in `rows`: its fd, flags (1 O_DIRECT, 2 CUDA memory) and memory
-    address, looked up by storage and memory index (no mask per file or memory)."""
-    sidx = p.sidx if every else p.sidx[rows]
-    midx = p.midx if every else p.midx[rows]
-    moff = p.moff if every else p.moff[rows]
+def _row_targets(np: Any, p: _Plan, sidx: Any, midx: Any, moff: Any,
+                 length: Any) -> tuple[Any, Any, Any]:
+    """Per file entry (the columns given, those entries' own): its fd, flags (1 O_DIRECT,
+    2 CUDA memory) and memory address, looked up by storage and memory index (no mask per
+    file or memory)."""
     files, mems = p.files, p.mems
     if len(files) == 1:
         f = files[0]
-        fds = np.full(rows.size, f.fd, np.int32)
-        flags = np.full(rows.size, 1 if f.direct else 0, np.uint8)
+        fds = np.full(sidx.size, f.fd, np.int32)
+        flags = np.full(sidx.size, 1 if f.direct else 0, np.uint8)
     else:
         fds = np.array([f.fd for f in files], np.int32)[sidx]
         flags = np.array([1 if f.direct else 0 for f in files], np.uint8)[sidx]
     if any(f.fd_buffered >= 0 for f in files):
         # large reads of a file opened twice go through its page-cache fd
         alt = np.array([f.fd_buffered for f in files], np.int32)[sidx]
-        big = (alt >= 0) & ((p.length if every else p.length[rows]) >= p.buffered_from)
+        big = (alt >= 0) & (length >= p.buffered_from)
         fds = np.where(big, alt, fds)
         flags[big] &= ~np.uint8(1)
     if len(mems) == 1:
@@ -1604,9 +1596,9 @@ def _row_targets(np: Any, p: _Plan, rows: Any, every: bool) -> tuple[Any, Any, A
     return fds, flags, mem
 
 
-def _groups(np: Any, p: _Plan, rows: Any, every: bool) -> list[tuple[Any, int, Any, list[_Mem]]]:
-    """(ops, device, rows mask or None for all, memories) per engine the file entries run on."""
-    midx = p.midx if every else p.midx[rows]
+def _groups(np: Any, p: _Plan, midx: Any, every: bool) -> list[tuple[Any, int, Any, list[_Mem]]]:
+    """(ops, device, mask over the file entries or None for all, memories) per engine the
+    file entries (memory indexes `midx`) run on."""
     # every memory the plan kept is used by some entry; with NVMe entries left out, only
     # those the file entries use count (an NVMe-only one has no copy engine)
     used = None if every else set(np.unique(midx).tolist())
@@ -1634,22 +1626,22 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
         import numpy as np
         if rows.size:
             every = rows.size == p.n        # no NVMe entries: the columns as they are
-            fds, flags, mem = _row_targets(np, p, rows, every)
+            cols = (p.sidx, p.midx, p.moff, p.off, p.length)
+            sidx, midx, moff, off, length = cols if every else [c[rows] for c in cols]
+            fds, flags, mem = _row_targets(np, p, sidx, midx, moff, length)
             stats: dict[str, Any] = {}
-            for ops, dev, sel, gmems in _groups(np, p, rows, every):
+            for ops, dev, sel, gmems in _groups(np, p, midx, every):
                 eng = _engine(hub, ops, dev)
                 if not write:
                     _register_host(eng, gmems)
                 if sel is None:             # one engine takes every row: no copies
                     sub, out = rows, (res if every else np.zeros(rows.size, np.int64))
-                    g_fd, g_mem, g_fl = fds, mem, flags
-                    g_off = p.off if every else p.off[rows]
-                    g_len = p.length if every else p.length[rows]
+                    g_fd, g_mem, g_fl, g_off, g_len = fds, mem, flags, off, length
                 else:
                     sub = rows[sel]
                     out = np.zeros(sub.size, np.int64)
                     g_fd, g_mem, g_fl = fds[sel], mem[sel], flags[sel]
-                    g_off, g_len = p.off[sub], p.length[sub]
+                    g_off, g_len = off[sel], length[sel]
                 _rc, st = eng.run(
                     queue, ticket, write, np.ascontiguousarray(g_fd),
                     np.ascontiguousarray(g_off).view(np.uint64),

@@ -1125,7 +1125,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
         if (!c->done)
             e->split_entries++;
     }
-    if (useful > cap && cap == e->slot_bytes - skip && !skip && !write &&
+    if (useful > cap && !skip && cap == e->slot_bytes && !write &&
         (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT && e->table && !e->no_in_place) {
         /* A read in place into memory the ring holds registered (pinned, so the read cannot
          * fault back to a slot) uses no slot's bytes: one piece for the rest of the entry,
