@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 Bad = argparse.ArgumentTypeError
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for the scripts under tools/: a bad argument is one line on stderr and exit 4,
+    the code `p2phub` itself gives a usage error (p2phub.exitcodes.Exit.USAGE)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        sys.exit(4)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
