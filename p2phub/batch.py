@@ -493,13 +493,15 @@ class _Engine(Resource):
     over there by the worker or by a thread waiting for it."""
 
     def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
-                 options: int = 0, split: int | None = None) -> None:
+                 options: int = 0, split: int | None = None,
+                 inflight: int | None = None) -> None:
         from .staged_io import load as load_sio
         self.mod = load_sio()
         self.ops, self.device = ops, device
         self.depth, self.slot, self.slots = depth, slot, slots
         self.options = options
         self.split = split          # None: the engine's default
+        self.inflight = inflight    # None: the engine's default
         self.path, self.path_reason = "", ""
         self.lock = threading.Lock()
         self.cuda = getattr(ops, "name", "") != "host"
@@ -530,6 +532,8 @@ class _Engine(Resource):
                      self.path_reason)
             if self.split is not None:
                 lib.sio_set_split(eng, self.split)
+            if self.inflight is not None:
+                lib.sio_set_inflight(eng, self.inflight)
             self._eng = eng
         return self._eng
 
@@ -591,6 +595,8 @@ class _Engine(Resource):
             stats["submit_path_reason"] = self.path_reason
             stats["split_bytes"] = int(st.split)
             stats["split_entries"] = int(st.split_entries)
+            stats["inflight_bytes"] = int(st.inflight_bytes)
+            stats["max_inflight_bytes"] = int(st.max_inflight_bytes)
             # the staging carved for this run: larger, fewer slots for large entries
             stats["slot_bytes"], stats["slots"] = int(st.slot_bytes), int(st.slots)
             if self._unsettled:
@@ -675,7 +681,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
                     slots: int = DEFAULT_SLOTS,
                     buffered_from: int = DEFAULT_BUFFERED_FROM, *,
                     fixed_buffers: bool = True, io_thread: bool = False,
-                    split: int | None = None, poll: bool = False) -> None:
+                    split: int | None = None, inflight: int | None = None,
+                    poll: bool = False) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces; a run whose entries average twice a slot or more
@@ -687,14 +694,19 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     (nothing is pinned beyond what a read is in flight on); `io_thread=True` reads on a second
     thread while the calling one issues the GPU copies of a load (slower than one thread on the
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
-    `split`: O_DIRECT reads of twice this and up go in pieces of it (0: slot-sized pieces
-    only, the engine's default), ``fence.stats["split_bytes"]`` and
-    ``["split_entries"]``.
+    `split`: O_DIRECT reads through the staging slots of twice this and up go in pieces of it
+    (0: slot-sized pieces only; the default 128 KiB), ``fence.stats["split_bytes"]`` and
+    ``["split_entries"]``; `inflight`: such reads keep at most this many bytes in flight
+    (0: only `depth` bounds them; the default 8 MiB), ``fence.stats["inflight_bytes"]`` and
+    ``["max_inflight_bytes"]``. Large reads then reach the disk as many small requests
+    without filling its queue with megabytes (faster on the virtio disks measured in
+    docs/benchmarks.md). Reads in place into host memory are not cut.
     `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
     latency is not paid, a CPU is spent while the disk works)."""
     hub._check_open()
     hub.engines.configure_batch(depth, slot, slots, buffered_from, fixed_buffers=fixed_buffers,
-                                io_thread=io_thread, split=split, poll=poll)
+                                io_thread=io_thread, split=split, inflight=inflight,
+                                poll=poll)
 
 
 class Engines(Resource):
@@ -710,6 +722,7 @@ class Engines(Resource):
                                            "buffered_from": DEFAULT_BUFFERED_FROM,
                                            "options": _OPT_NO_IO_THREAD}
         self.batch_split: int | None = None
+        self.batch_inflight: int | None = None
         self.staged_opts: dict[str, int] = {}
         self._batch: dict[tuple[str, int], _Engine] = {}
         self._stagers: dict[tuple[str, int], Stager] = {}
@@ -731,7 +744,7 @@ class Engines(Resource):
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
                         fixed_buffers: bool, io_thread: bool, split: int | None = None,
-                        poll: bool = False) -> None:
+                        inflight: int | None = None, poll: bool = False) -> None:
         if not 1 <= depth <= 4096:
             raise UsageError(f"depth={depth}: want 1..4096")
         if slot <= 0 or slot % ALIGN:
@@ -742,6 +755,8 @@ class Engines(Resource):
             raise UsageError(f"buffered_from={buffered_from} must be 0 (never) or positive")
         if split is not None and (split < 0 or split % ALIGN):
             raise UsageError(f"split={split} must be 0 or a positive multiple of {ALIGN}")
+        if inflight is not None and inflight < 0:
+            raise UsageError(f"inflight={inflight} must be 0 (no bound) or positive")
         with self._lock:
             engines, self._batch, self._routes = list(self._batch.values()), {}, {}
             self.batch_opts = {"depth": depth, "slot": slot, "slots": slots,
@@ -750,6 +765,7 @@ class Engines(Resource):
                                | (0 if io_thread else _OPT_NO_IO_THREAD)
                                | (_OPT_POLL if poll else 0)}
             self.batch_split = split
+            self.batch_inflight = inflight
             mark = self._queue.reserve() if self._queue is not None and engines else None
         self._quiesce(mark, engines)
 
@@ -779,7 +795,8 @@ class Engines(Resource):
         if eng is None:
             o = self.batch_opts
             eng = self._batch[key] = _Engine(ops, device, o["depth"], o["slot"], o["slots"],
-                                             o["options"], self.batch_split)
+                                             o["options"], self.batch_split,
+                                             self.batch_inflight)
         return eng
 
     def started(self, ops: Any, device: int) -> bool:

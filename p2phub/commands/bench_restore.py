@@ -10,7 +10,9 @@ reach, is as warm for the first method as for the last):
   p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
                reads go in slot-sized pieces), buf through the page cache, dio all O_DIRECT,
                nofixed staging not registered with io_uring, onethread one thread reads and
-               copies (the default), iothread a second thread reads (p2phub:d256:s256K);
+               copies (the default), iothread a second thread reads, splitSIZE/nosplit
+               the pieces large reads through the staging go in, inflightSIZE the bytes of
+               them in flight (p2phub:d256:s256K, p2phub:nosplit:inflight0);
                plain p2phub uses the API's defaults
   ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
                128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's
@@ -207,8 +209,9 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
     staging slots, reads through the page cache; "dio": every read O_DIRECT; "nofixed": the
     staging memory not registered with io_uring; "onethread" (the default): one thread reads
     and issues the GPU copies; "iothread": a second thread reads while the first copies;
-    "split128K": O_DIRECT reads of 256 KiB and up in 128 KiB pieces, "nosplit": slot-sized
-    pieces, the default;
+    "split1M": O_DIRECT reads through the staging of 2 MiB and up in 1 MiB pieces (the
+    default 128 KiB), "nosplit": slot-sized pieces; "inflight32M": at most 32 MiB of such
+    reads in flight (the default 8 MiB; "inflight0": only the depth bounds them);
     "poll": the engine polls for completions instead of sleeping)."""
     direct: bool | str = "auto"
     engine: dict[str, Any] = {"fixed_buffers": True, "io_thread": False}
@@ -225,13 +228,16 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
             engine["split"] = 0
         elif tok.startswith("split"):
             engine["split"] = _parse_size(tok[5:])
+        elif tok.startswith("inflight"):
+            engine["inflight"] = 0 if tok[8:] == "0" else _parse_size(tok[8:])
         elif tok[:1] == "d" and tok[1:].isdigit():
             depth = int(tok[1:])
         elif tok[:1] == "s":
             slot = _parse_size(tok[1:])
         else:
             raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf, dio, "
-                             "nofixed, onethread, iothread, splitSIZE, nosplit or poll)")
+                             "nofixed, onethread, iothread, splitSIZE, nosplit, inflightSIZE or "
+                             "poll)")
     return depth, slot, direct, engine
 
 

@@ -29,10 +29,14 @@
 #include <unistd.h>
 
 #define NEVENTS 64
-/* O_DIRECT reads of twice this and up may be cut into pieces of this size (sio_set_split),
- * so that a few large reads still fill the queue as many small ones do. Off by default:
- * slot-sized pieces (512 KiB-1 MiB) measured faster than 256 KiB ones on a virtio disk */
-#define SIO_SPLIT_DEFAULT 0ULL
+/* O_DIRECT reads through the staging slots of twice this and up go in pieces of this size
+ * (sio_set_split), and such reads keep at most SIO_INFLIGHT_DEFAULT bytes in flight
+ * (sio_set_inflight): a large read then reaches the disk as many small requests, few enough
+ * that the queue does not fill with megabytes. On the GPU machines' virtio disks 16 MiB reads
+ * in 128 KiB pieces with 8 MiB in flight ran 1.18-1.29x 2 MiB pieces with 256 MiB in flight,
+ * and 256 KiB-4 MiB reads 1.12-1.20x (docs/benchmarks.md); more bytes in flight was slower. */
+#define SIO_SPLIT_DEFAULT (128ULL << 10)
+#define SIO_INFLIGHT_DEFAULT (8ULL << 20)
 /* A run whose entries average this much or more reads (writes) in pieces this large: the
  * staging memory is carved into fewer, larger slots for it (carve_slots), never into fewer
  * than GANG_MIN_SLOTS. On the H200's virtio disk 16 MiB O_DIRECT reads in 2 MiB pieces ran
@@ -471,6 +475,7 @@ struct slot {
     unsigned long long mem;     /* memory address of the useful bytes */
     unsigned long long seq;     /* the copy round whose event frees the slot */
     int to_mem;                 /* a read straight into host memory: no staging, no copy */
+    unsigned long long flying;  /* bytes of the read in flight counted in inflight_bytes */
 };
 
 /* A range of the caller's memory in the ring's buffer table. The table changes only on the
@@ -501,6 +506,9 @@ struct sio_engine {
     char path_reason[160];      /* why this submission path */
     unsigned long long split;   /* reads of 2 x split bytes and up go in pieces of split */
     unsigned long long split_entries;   /* this batch: entries cut into split pieces */
+    unsigned long long inflight_max;    /* bytes of reads through slots in flight at most
+                                           (0: only `depth` bounds them) */
+    unsigned long long inflight_bytes;  /* bytes of reads through slots in flight now */
     unsigned options;           /* SIO_OPT_* */
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
@@ -583,9 +591,24 @@ static int q_enter(struct sio_engine *e, unsigned wait)
     }
 }
 
+/* The next completion: *data its slot, whose read bytes leave the in-flight count. */
 static int q_peek(struct sio_engine *e, unsigned long long *data, int *res)
 {
-    return e->use_aio ? aio_q_peek(&e->aio, data, res) : ring_peek(&e->ring, data, res);
+    int got = e->use_aio ? aio_q_peek(&e->aio, data, res) : ring_peek(&e->ring, data, res);
+
+    if (got) {
+        struct slot *p = &e->slots[*data];
+
+        e->inflight_bytes -= p->flying;
+        p->flying = 0;
+    }
+    return got;
+}
+
+/* Room for another read through a slot under the engine's byte bound. */
+static int fly_room(const struct sio_engine *e)
+{
+    return !e->inflight_max || e->inflight_bytes < e->inflight_max;
 }
 
 static const char *q_call(struct sio_engine *e)
@@ -895,6 +918,7 @@ struct sio_engine *sio_open(unsigned depth, unsigned long long slot_bytes, unsig
         }
     }
     e->split = SIO_SPLIT_DEFAULT;
+    e->inflight_max = SIO_INFLIGHT_DEFAULT;
     if (uring_refused()) {
         snprintf(e->path_reason, sizeof(e->path_reason),
                  "io_uring not used: P2PHUB_IO_URING is off");
@@ -1107,6 +1131,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
                       const long long *result, struct slot *p)
 {
     unsigned long long start, skip, useful, cap;
+    int in_place;
 
     while (c->i < n && (c->done >= len[c->i] || result[c->i] < 0)) {
         c->i++;
@@ -1118,15 +1143,18 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     skip = (flags[c->i] & SIO_DIRECT) ? start % SIO_ALIGN : 0;
     useful = len[c->i] - c->done;
     cap = e->slot_bytes - skip;
-    /* O_DIRECT reads only: a buffered read's pieces each start their own readahead */
-    if (!write && e->split && (flags[c->i] & SIO_DIRECT) && len[c->i] >= 2 * e->split &&
-        e->split - skip < cap) {
+    /* may land in place: an aligned O_DIRECT read into host memory */
+    in_place = !write && !e->no_in_place && (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
+               ((mem[c->i] + c->done) | start) % SIO_ALIGN == 0;
+    /* O_DIRECT reads through a slot only: a buffered read's pieces each start their own
+     * readahead, and a read in place is cut by the block layer as a plain pread is */
+    if (!write && !in_place && e->split && (flags[c->i] & SIO_DIRECT) &&
+        len[c->i] >= 2 * e->split && e->split - skip < cap) {
         cap = e->split - skip;
         if (!c->done)
             e->split_entries++;
     }
-    if (useful > cap && !skip && cap == e->slot_bytes && !write &&
-        (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT && e->table && !e->no_in_place) {
+    if (in_place && useful > cap && e->table) {
         /* A read in place into memory the ring holds registered (pinned, so the read cannot
          * fault back to a slot) uses no slot's bytes: one piece for the rest of the entry,
          * which the block layer cuts into requests as large as the disk takes, as it would
@@ -1135,8 +1163,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
         unsigned long long big = useful < IN_PLACE_MAX ? useful : IN_PLACE_MAX;
 
         big -= big % SIO_ALIGN;
-        if (big > cap && ((mem[c->i] + c->done) | start) % SIO_ALIGN == 0 &&
-            mem_lookup(e, mem[c->i] + c->done, big) >= 0)
+        if (big > cap && mem_lookup(e, mem[c->i] + c->done, big) >= 0)
             cap = big;
     }
     if (useful > cap)
@@ -1169,6 +1196,13 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
     unsigned len = (unsigned)(p->io_len - p->done);
 
     st->pieces++;
+    p->flying = 0;
+    if (!write && !p->to_mem) {
+        p->flying = len;
+        e->inflight_bytes += len;
+        if (e->inflight_bytes > st->max_inflight_bytes)
+            st->max_inflight_bytes = e->inflight_bytes;
+    }
     if (e->use_aio) {
         aio_q_push(&e->aio, write, fd[p->entry], addr, len, p->pos + p->done, s);
         return;
@@ -1284,7 +1318,7 @@ static void *io_main(void *arg)
         if (stop)
             break;
         /* 2. fill the queue */
-        while (more && nlf && inflight < e->depth) {
+        while (more && nlf && inflight < e->depth && fly_room(e)) {
             unsigned s = lfree[nlf - 1];
 
             if (!next_piece(e, &cur, 0, x->n, x->off, x->len, x->mem, x->flags, x->result,
@@ -1545,7 +1579,7 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
         int res, progressed = 0;
 
         /* 1. start new pieces while slots and queue room last */
-        while (more && e->nfree && inflight + rd.count < e->depth) {
+        while (more && e->nfree && inflight + rd.count < e->depth && fly_room(e)) {
             unsigned s = e->free_list[e->nfree - 1];
             struct slot *p = &e->slots[s];
 
@@ -1712,6 +1746,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     int rc;
 
     e->split_entries = 0;
+    e->inflight_bytes = 0;
     pthread_mutex_lock(&e->mem_lock);
     if (!e->use_aio && e->ring.single && e->ring.owner != (pid_t)syscall(__NR_gettid)) {
         /* a ring of one thread, driven now by another: set it up again for this one */
@@ -1741,6 +1776,7 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
     st->aio = e->use_aio;
     st->split = e->split;
     st->split_entries = e->split_entries;
+    st->inflight_bytes = e->inflight_max;
     return rc;
 }
 
@@ -1758,6 +1794,11 @@ int sio_engine_bind(struct sio_engine *e)
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes)
 {
     e->split = piece_bytes / SIO_ALIGN * SIO_ALIGN;
+}
+
+void sio_set_inflight(struct sio_engine *e, unsigned long long bytes)
+{
+    e->inflight_max = bytes;
 }
 
 int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen)

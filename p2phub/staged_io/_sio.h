@@ -30,6 +30,9 @@ struct sio_stats {
                                         (sio_register_mem): no page pinning per I/O */
     unsigned long long slot_bytes;   /* the staging slots this run was carved into: their */
     unsigned long long slots;        /* size and count (larger, fewer for large entries) */
+    unsigned long long inflight_bytes;     /* the bound on bytes of reads through slots in
+                                              flight (0: none) */
+    unsigned long long max_inflight_bytes; /* the most such bytes that were in flight */
 };
 
 /* Flags of one entry. */
@@ -65,10 +68,13 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
             const unsigned long long *mem, const unsigned char *flags, long long *result,
             struct sio_stats *stats, char *err, int errlen);
 
-/* O_DIRECT reads of 2 x piece_bytes and up go in pieces of piece_bytes (rounded down to SIO_ALIGN;
- * 0: only slot-sized pieces), so that a few large reads fill the queue. The default is set
- * by sio_open. */
+/* O_DIRECT reads through staging slots of 2 x piece_bytes and up go in pieces of piece_bytes
+ * (rounded down to SIO_ALIGN; 0: only slot-sized pieces), so that a few large reads reach the
+ * disk as many requests. Reads in place are not cut. The default is set by sio_open. */
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes);
+/* Reads through staging slots keep at most `bytes` in flight (0: only the depth bounds
+ * them); at least one read is always in flight. The default is set by sio_open. */
+void sio_set_inflight(struct sio_engine *e, unsigned long long bytes);
 
 /* The submission path: 0 io_uring, 1 Linux AIO (io_uring_setup refused, or P2PHUB_IO_URING=0
  * in the environment); `reason` gets why, for the log. */

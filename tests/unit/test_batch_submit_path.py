@@ -102,18 +102,53 @@ def test_io_uring_by_default(data_file) -> None:
 
 @pytest.mark.parametrize("split", [0, 64 * KiB, 256 * KiB, None])
 def test_large_reads_split_into_pieces(data_file, split) -> None:
-    """O_DIRECT reads of twice the split size and up go in pieces of it; 0 (the default)
-    keeps slot-sized pieces; the bytes are the same either way."""
+    """O_DIRECT reads through the staging slots of twice the split size and up go in pieces
+    of it (128 KiB by default; 0: slot-sized pieces); reads in place stay whole; the bytes
+    are the same either way."""
     path, data = data_file
     h = _hub(split=split)
     try:
         f, _mem, entries = _mixed_reads(h, path, data)
-        piece = split or 0
+        piece = 128 * KiB if split is None else split
         assert f.stats["split_bytes"] == piece
-        big = [ln for _o, ln, _d in entries if piece and ln >= 2 * piece]
+        staged = [ln for _o, ln, d in entries if d % 4096]
+        big = [ln for ln in staged if piece and ln >= 2 * piece]
         assert f.stats["split_entries"] == len(big)
         if piece:
-            assert f.stats["pieces"] >= sum(-(-ln // piece) for ln in big)
+            assert big
+            assert f.stats["pieces"] >= len(entries) - len(staged) + sum(
+                -(-ln // piece) for ln in big)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("inflight", [256 * KiB, 0, None])
+def test_reads_through_the_slots_keep_their_bytes_in_flight_bounded(data_file, inflight) -> None:
+    """At most `inflight` bytes of reads through the slots are in flight (one piece may pass
+    the bound: a read starts while less is in flight); 0 bounds them by the depth alone; the
+    default is 8 MiB. Every byte arrives either way."""
+    path, data = data_file
+    h = _hub(split=64 * KiB, inflight=inflight)
+    try:
+        f, _mem, _ = _mixed_reads(h, path, data)
+        bound = 8 * MiB if inflight is None else inflight
+        assert f.stats["inflight_bytes"] == bound
+        assert f.stats["max_inflight_bytes"] > 0
+        if bound:
+            assert f.stats["max_inflight_bytes"] < bound + 1 * MiB   # + one slot at most
+        if inflight == 256 * KiB:
+            assert f.stats["max_inflight_bytes"] < 256 * KiB + 64 * KiB + 4096
+        if inflight == 0:   # 32 deep, every staged piece at most 64 KiB + the skip
+            assert f.stats["max_inflight_bytes"] > 256 * KiB
+    finally:
+        h.close()
+
+
+def test_inflight_must_not_be_negative() -> None:
+    h = Hub(mode="staged")
+    try:
+        with pytest.raises(UsageError, match="inflight=-1"):
+            batch.configure_batch(h, inflight=-1)
     finally:
         h.close()
 
