@@ -32,9 +32,10 @@
 /* O_DIRECT reads through the staging slots of twice this and up go in pieces of this size
  * (sio_set_split), and such reads keep at most SIO_INFLIGHT_DEFAULT bytes in flight
  * (sio_set_inflight): a large read then reaches the disk as many small requests, few enough
- * that the queue does not fill with megabytes. On the GPU machines' virtio disks 16 MiB reads
- * in 128 KiB pieces with 8 MiB in flight ran 1.18-1.29x 2 MiB pieces with 256 MiB in flight,
- * and 256 KiB-4 MiB reads 1.12-1.20x (docs/benchmarks.md); more bytes in flight was slower. */
+ * that the queue does not fill with megabytes. On the GPU machines' virtio disks, 16 MiB reads
+ * in 128 KiB pieces with 8 MiB in flight ran 1.25-1.29x the 2 MiB pieces with up to 256 MiB
+ * in flight that were the default, 4 MiB reads 1.20x, 256 KiB-1 MiB ones level; with 16 or
+ * 32 MiB in flight, or 256 KiB pieces, less was gained (docs/benchmarks.md). */
 #define SIO_SPLIT_DEFAULT (128ULL << 10)
 #define SIO_INFLIGHT_DEFAULT (8ULL << 20)
 /* A run whose entries average this much or more reads (writes) in pieces this large: the
