@@ -267,9 +267,18 @@ def _memory(hub: "Hub", reg: Any, i: int) -> _Mem:
     return _Mem(reg, t.ptr, reg.length, t.gpu or t.ops is None, t.ops, t.ordinal)
 
 
-def _open_file(target: Any, write: bool, direct: bool, i: int) -> _File:
-    """Open (or look at) one storage target; entry i is the first that uses it."""
+def _open_file(target: Any, write: bool, direct: bool, i: int,
+               engines: "Engines | None" = None) -> _File:
+    """Open (or look at) one storage target; entry i is the first that uses it. A path read
+    from takes the engines' open file for it (as a per-request load does: one stat where an
+    open, an fstat and a close were), which stays open until the engines close."""
     f = _File(target)
+    if engines is not None and not write and type(target) is str:
+        cached = engines.open_file(target, False, direct)
+        if cached is not None:
+            f.fd, f.direct, f.size = cached
+            f.name = target
+            return f
     if isinstance(target, (str, os.PathLike)):
         f.name = os.fspath(target)
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
@@ -442,7 +451,8 @@ def _plan(hub: "Hub", write: bool, direct: bool | str, cols: tuple[Any, ...]) ->
             if used is not None:
                 odd &= used
             aligned = not bool(odd.any())
-            f = _open_file(target, write, bool(direct) and (aligned or not write), i0)
+            f = _open_file(target, write, bool(direct) and (aligned or not write), i0,
+                           hub.engines)
             p.files.append(f)
             if (direct == "auto" and p.buffered_from and not write and f.direct
                     and isinstance(target, (str, os.PathLike))

@@ -166,6 +166,33 @@ def test_read_to_the_last_byte_of_an_unaligned_file(hub, disk_file) -> None:
     assert mem[8192] == data[-1]
 
 
+def test_batches_reading_a_path_open_it_once_and_follow_a_rename(hub, disk_file, tmp_path) -> None:
+    """Batches that read a path share one open file with per-request loads (no fd per batch,
+    none left after hub.close()); once another file is renamed over the path, the next batch
+    reads the new file's bytes."""
+    path, data = disk_file
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    mem = bytearray(2 * MiB)
+    with hub.register(mem) as reg:
+        hub.load_batch([(path, 0, 4096, reg, 0)]).wait(30)
+        before = fds()
+        for i in range(20):
+            hub.load_batch([(path, i * 8192, 8192, reg, 0)]).wait(30)
+            hub.load(path, reg, i * 4096, 4096, 8192).wait(30)
+            assert bytes(mem[:8192]) == data[i * 8192:(i + 1) * 8192].tobytes()
+        assert fds() == before
+        new = tmp_path / "new.bin"
+        fresh = _file(new, 1 * MiB, 77)
+        os.rename(new, path)
+        hub.load_batch([(path, 4096, 64 * KiB, reg, 0)]).wait(30)
+        assert bytes(mem[:64 * KiB]) == fresh[4096:4096 + 64 * KiB].tobytes()
+        with pytest.raises(UsageError, match="past the end"):
+            hub.load_batch([(path, 1 * MiB - 4096, 8192, reg, 0)]).wait(30)
+    open_before_close = fds()
+    hub.close()
+    assert fds() < open_before_close
+
+
 def test_buffered_reads(hub, shm_file) -> None:
     path, data = shm_file
     mem = bytearray(40 * MiB)
