@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <limits.h>
 #include <linux/aio_abi.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
@@ -1806,6 +1807,59 @@ int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen)
 {
     say(reason, reasonlen, "%s", e->path_reason);
     return e->use_aio;
+}
+
+void sio_scan(unsigned long long n, const long long *off, const long long *len, long long len1,
+              const long long *moff, long long moff1, struct sio_scan *out)
+{
+    unsigned long long i;
+    long long total = 0;
+
+    out->min_off = out->min_len = out->min_moff = LLONG_MAX;
+    out->min_mend = out->min_fend = LLONG_MAX;
+    out->max_mend = out->max_fend = LLONG_MIN;
+    out->odd = 0;
+    for (i = 0; i < n; i++) {
+        long long o = off[i], l = len ? len[i] : len1, m = moff ? moff[i] : moff1;
+        long long mend, fend;
+
+        if (o < out->min_off)
+            out->min_off = o;
+        if (l < out->min_len)
+            out->min_len = l;
+        if (m < out->min_moff)
+            out->min_moff = m;
+        if (__builtin_add_overflow(m, l, &mend))
+            mend = -1;
+        if (__builtin_add_overflow(o, l, &fend))
+            fend = -1;
+        if (mend < out->min_mend)
+            out->min_mend = mend;
+        if (mend > out->max_mend)
+            out->max_mend = mend;
+        if (fend < out->min_fend)
+            out->min_fend = fend;
+        if (fend > out->max_fend)
+            out->max_fend = fend;
+        if ((o | l) % SIO_ALIGN)
+            out->odd = 1;
+        if (total >= 0 && __builtin_add_overflow(total, l, &total))
+            total = -1;
+    }
+    out->total = total;
+}
+
+void sio_targets(unsigned long long n, const long long *moff, unsigned long long base, int fd,
+                 unsigned char flags, int *fd_out, unsigned char *flags_out,
+                 unsigned long long *mem_out)
+{
+    unsigned long long i;
+
+    for (i = 0; i < n; i++) {
+        fd_out[i] = fd;
+        flags_out[i] = flags;
+        mem_out[i] = base + (unsigned long long)moff[i];
+    }
 }
 
 int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,

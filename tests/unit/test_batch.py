@@ -356,6 +356,28 @@ def test_bad_entries_are_refused_by_index_and_nothing_is_submitted(hub, disk_fil
     reg.close()
 
 
+def test_column_form_from_strided_arrays_and_a_shared_length(hub, disk_file) -> None:
+    """Columns that are views of other arrays (every other element, reversed, read-only) and
+    a scalar length that batches of the same size share: the bytes land where each entry
+    says, batch after batch of different sizes, and the shared length column stays as it is."""
+    path, data = disk_file
+    mem = bytearray(4 * MiB)
+    view = np.frombuffer(mem, np.uint8)
+    with hub.register(mem) as reg:
+        rng = np.random.default_rng(21)
+        for n in (64, 7, 64, 1):
+            offs = (rng.permutation(data.size // 8192 - 1)[:2 * n] * 8192)[::2]
+            dst = (np.arange(2 * n, dtype=np.int64)[::-1] * 16384)[1::2]
+            dst.flags.writeable = False
+            f = hub.load_batch(storage=path, offsets=offs, lengths=8192, memory=reg,
+                               mem_offsets=dst)
+            f.wait(30)
+            assert list(f.results) == [8192] * n and f.nbytes == 8192 * n
+            for o, d in zip(offs, dst):
+                assert np.array_equal(view[d:d + 8192], data[o:o + 8192]), (n, o, d)
+    del view
+
+
 def test_column_form_refusals(hub, disk_file) -> None:
     path, data = disk_file
     mem = bytearray(MiB)
