@@ -102,7 +102,14 @@ def main() -> int:
         out["unknown_param"] = "accepted"
     except Exception as exc:  # noqa: BLE001
         out["unknown_param"] = f"EXC:{type(exc).__name__}"
+    try:
+        nixl_agent("odd", nixl_agent_config(backends=[])).create_backend(
+            name, {"split_bytes": "4097"})
+        out["odd_split"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        out["odd_split"] = f"EXC:{type(exc).__name__}"
     params = {"depth": "64", "thread_count": "8"} if name == "GDS_MT" else {"depth": "64"}
+    params["split_bytes"], params["inflight_bytes"] = "65536", "1048576"
     agent.create_backend(name, params)
     out["backend_params"] = agent.get_backend_params(name)
 

@@ -84,10 +84,14 @@ def test_real_nixl_reads_and_writes_files_through_the_plugin(build: Path, tmp_pa
     out = _last_json(text)
     # found in NIXL_PLUGIN_DIR under each name, with p2phub's parameters and memory types
     assert {"P2PHUB", "GDS_MT", "GDS", "POSIX"} <= set(out["plugins"])
-    assert out["plugin_params"] == {"depth": "128", "slot_bytes": "524288", "slots": "256"}
+    assert out["plugin_params"] == {"depth": "128", "slot_bytes": "524288", "slots": "256",
+                                    "split_bytes": "131072", "inflight_bytes": "8388608"}
     assert out["plugin_mems"] == ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"]
     assert out["unknown_param"] == "EXC:nixlBackendError", text
     assert out["backend_params"]["depth"] == "64"
+    assert out["odd_split"] == "EXC:nixlBackendError", text
+    assert (out["backend_params"]["split_bytes"], out["backend_params"]["inflight_bytes"]) == (
+        "65536", "1048576")
     if name == "GDS_MT":  # GDS_MT's own parameter is accepted where the plugin stands in for it
         assert out["backend_params"]["thread_count"] == "8"
     # n scattered 4 KiB READs and prepped WRITEs, every block checked

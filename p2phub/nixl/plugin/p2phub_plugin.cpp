@@ -47,6 +47,9 @@ const nixl_b_params_t kDefaults = {
     {"depth", "128"},          /* I/Os in flight, 1..4096 */
     {"slot_bytes", "524288"},  /* staging slot size, a multiple of 4096 */
     {"slots", "256"},          /* staging slots (slot_bytes x slots of staging memory) */
+    {"split_bytes", "131072"}, /* O_DIRECT reads through the staging of twice this and up go
+                                  in pieces of it (0: slot-sized pieces), a multiple of 4096 */
+    {"inflight_bytes", "8388608"},  /* of those reads, bytes in flight at most (0: no bound) */
 };
 
 /* parameters of the backends this library may stand in for: accepted, without effect */
@@ -201,12 +204,16 @@ public:
         }
         if (!number(given, "depth", 1, 4096, depth_) ||
             !number(given, "slot_bytes", SIO_ALIGN, 1ULL << 30, slotBytes_) ||
-            !number(given, "slots", 1, 65536, slots_)) {
+            !number(given, "slots", 1, 65536, slots_) ||
+            !number(given, "split_bytes", 0, 1ULL << 30, splitBytes_) ||
+            !number(given, "inflight_bytes", 0, 1ULL << 40, inflightBytes_)) {
             initErr = true;
             return;
         }
-        if (slotBytes_ % SIO_ALIGN) {
-            say("slot_bytes=" + std::to_string(slotBytes_) + " is not a multiple of 4096");
+        if (slotBytes_ % SIO_ALIGN || splitBytes_ % SIO_ALIGN) {
+            say((slotBytes_ % SIO_ALIGN ? "slot_bytes=" + std::to_string(slotBytes_)
+                                        : "split_bytes=" + std::to_string(splitBytes_)) +
+                " is not a multiple of 4096");
             initErr = true;
             return;
         }
@@ -499,6 +506,8 @@ private:
             freeEngine(e);
             return nullptr;
         }
+        sio_set_split(e.eng, splitBytes_);
+        sio_set_inflight(e.eng, inflightBytes_);
         return &engines_.emplace(device, e).first->second;
     }
 
@@ -580,6 +589,7 @@ private:
     }
 
     unsigned long long depth_ = 0, slotBytes_ = 0, slots_ = 0;
+    unsigned long long splitBytes_ = 0, inflightBytes_ = 0;
     std::map<int, IoEngine> engines_; /* worker thread only */
     mutable std::mutex m_;
     mutable std::condition_variable cv_, doneCv_;
