@@ -750,11 +750,12 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     H200 measured in docs/benchmarks.md, so off by default; ``fence.stats`` says which ran).
     `split`: O_DIRECT reads through the staging slots of twice this and up go in pieces of it
     (0: slot-sized pieces only; the default 128 KiB), ``fence.stats["split_bytes"]`` and
-    ``["split_entries"]``; `inflight`: such reads keep at most this many bytes in flight
-    (0: only `depth` bounds them; the default 8 MiB), ``fence.stats["inflight_bytes"]`` and
-    ``["max_inflight_bytes"]``. Large reads then reach the disk as many small requests
-    without filling its queue with megabytes (faster on the virtio disks measured in
-    docs/benchmarks.md). Reads in place into host memory are not cut.
+    ``["split_entries"]``; `inflight`: O_DIRECT reads through the slots keep at most this
+    many bytes in flight (0: only `depth` bounds them; the default 8 MiB),
+    ``fence.stats["inflight_bytes"]`` and ``["max_inflight_bytes"]``. Large reads then reach
+    the disk as many small requests without filling its queue with megabytes (faster on the
+    virtio disks measured in docs/benchmarks.md). Reads in place into host memory and reads
+    through the page cache are neither cut nor counted.
     `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
     latency is not paid, a CPU is spent while the disk works)."""
     hub._check_open()

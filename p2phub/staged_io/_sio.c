@@ -31,12 +31,12 @@
 
 #define NEVENTS 64
 /* O_DIRECT reads through the staging slots of twice this and up go in pieces of this size
- * (sio_set_split), and such reads keep at most SIO_INFLIGHT_DEFAULT bytes in flight
- * (sio_set_inflight): a large read then reaches the disk as many small requests, few enough
- * that the queue does not fill with megabytes. On the GPU machines' virtio disks, 16 MiB reads
- * in 128 KiB pieces with 8 MiB in flight ran 1.25-1.29x the 2 MiB pieces with up to 256 MiB
- * in flight that were the default, 4 MiB reads 1.20x, 256 KiB-1 MiB ones level; with 16 or
- * 32 MiB in flight, or 256 KiB pieces, less was gained (docs/benchmarks.md). */
+ * (sio_set_split), and O_DIRECT reads through the slots keep at most SIO_INFLIGHT_DEFAULT
+ * bytes in flight (sio_set_inflight): a large read then reaches the disk as many small
+ * requests, few enough that its queue does not fill with megabytes. On the GPU machines'
+ * virtio disks this ran 16 MiB reads 1.23-1.29x as fast as the former default (2 MiB pieces,
+ * up to 256 MiB in flight), 4 MiB ones 1.20-1.21x, 256 KiB-1 MiB ones 0.93-1.23x; 16 or 32
+ * MiB in flight, or 256 KiB pieces, gained less (docs/benchmarks.md). */
 #define SIO_SPLIT_DEFAULT (128ULL << 10)
 #define SIO_INFLIGHT_DEFAULT (8ULL << 20)
 /* A run whose entries average this much or more reads (writes) in pieces this large: the
@@ -478,6 +478,7 @@ struct slot {
     unsigned long long seq;     /* the copy round whose event frees the slot */
     int to_mem;                 /* a read straight into host memory: no staging, no copy */
     unsigned long long flying;  /* bytes of the read in flight counted in inflight_bytes */
+    int bounded;                /* an O_DIRECT read through the slot: counted there */
 };
 
 /* A range of the caller's memory in the ring's buffer table. The table changes only on the
@@ -508,9 +509,9 @@ struct sio_engine {
     char path_reason[160];      /* why this submission path */
     unsigned long long split;   /* reads of 2 x split bytes and up go in pieces of split */
     unsigned long long split_entries;   /* this batch: entries cut into split pieces */
-    unsigned long long inflight_max;    /* bytes of reads through slots in flight at most
-                                           (0: only `depth` bounds them) */
-    unsigned long long inflight_bytes;  /* bytes of reads through slots in flight now */
+    unsigned long long inflight_max;    /* bytes of O_DIRECT reads through slots in flight at
+                                           most (0: only `depth` bounds them) */
+    unsigned long long inflight_bytes;  /* bytes of such reads in flight now */
     unsigned options;           /* SIO_OPT_* */
     int fixed;                  /* the staging memory is registered with the ring */
     int no_in_place;            /* this batch: a read in place faulted, stage the rest */
@@ -1185,6 +1186,8 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     p->to_mem = !write && !e->no_in_place &&
                 (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
                 ((p->mem | start | useful) % SIO_ALIGN) == 0;
+    /* a buffered read's pages come through the page cache and its readahead: not bounded */
+    p->bounded = !write && (flags[c->i] & SIO_DIRECT);
     c->done += useful;
     return 1;
 }
@@ -1199,7 +1202,7 @@ static void submit_io(struct sio_engine *e, int write, const int *fd, unsigned s
 
     st->pieces++;
     p->flying = 0;
-    if (!write && !p->to_mem) {
+    if (p->bounded && !p->to_mem) {
         p->flying = len;
         e->inflight_bytes += len;
         if (e->inflight_bytes > st->max_inflight_bytes)

@@ -30,8 +30,8 @@ struct sio_stats {
                                         (sio_register_mem): no page pinning per I/O */
     unsigned long long slot_bytes;   /* the staging slots this run was carved into: their */
     unsigned long long slots;        /* size and count (larger, fewer for large entries) */
-    unsigned long long inflight_bytes;     /* the bound on bytes of reads through slots in
-                                              flight (0: none) */
+    unsigned long long inflight_bytes;     /* the bound on bytes of O_DIRECT reads through
+                                              slots in flight (0: none) */
     unsigned long long max_inflight_bytes; /* the most such bytes that were in flight */
 };
 
@@ -72,8 +72,9 @@ int sio_run(struct sio_engine *e, int write, unsigned long long n, const int *fd
  * (rounded down to SIO_ALIGN; 0: only slot-sized pieces), so that a few large reads reach the
  * disk as many requests. Reads in place are not cut. The default is set by sio_open. */
 void sio_set_split(struct sio_engine *e, unsigned long long piece_bytes);
-/* Reads through staging slots keep at most `bytes` in flight (0: only the depth bounds
- * them); at least one read is always in flight. The default is set by sio_open. */
+/* O_DIRECT reads through staging slots keep at most `bytes` in flight (0: only the depth
+ * bounds them); at least one read is always in flight. Reads in place and buffered reads
+ * are not counted. The default is set by sio_open. */
 void sio_set_inflight(struct sio_engine *e, unsigned long long bytes);
 
 /* The submission path: 0 io_uring, 1 Linux AIO (io_uring_setup refused, or P2PHUB_IO_URING=0

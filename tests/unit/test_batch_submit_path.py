@@ -163,7 +163,8 @@ def test_split_must_be_a_multiple_of_4096() -> None:
 
 
 def test_buffered_reads_are_not_split(data_file) -> None:
-    """A read through the page cache stays whole: each piece would start its own readahead."""
+    """A read through the page cache stays whole (each piece would start its own readahead),
+    and its bytes are not counted against the bound on O_DIRECT bytes in flight."""
     path, data = data_file
     h = _hub(split=256 * KiB)
     try:
@@ -173,6 +174,7 @@ def test_buffered_reads_are_not_split(data_file) -> None:
                          direct=False)
         f.wait(60)
         assert f.stats["split_entries"] == 0 and f.stats["pieces"] == 3   # 1 MiB slots
+        assert f.stats["max_inflight_bytes"] == 0
         m = np.frombuffer(mem, np.uint8)
         assert np.array_equal(m[:2 * MiB], data[4096:4096 + 2 * MiB])
         assert np.array_equal(m[2 * MiB:3 * MiB], data[8 * MiB:9 * MiB])
