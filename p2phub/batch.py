@@ -1725,6 +1725,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     t0 = time.perf_counter()
     err: BaseException | None = None
     res = fence.results
+    failed = 0          # entries the engine runs failed (their counts: no scan when none)
     try:
         import numpy as np
         if rows.size:
@@ -1745,11 +1746,12 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                     out = np.zeros(sub.size, np.int64)
                     g_fd, g_mem, g_fl = fds[sel], mem[sel], flags[sel]
                     g_off, g_len = off[sel], length[sel]
-                _rc, st = eng.run(
+                rc, st = eng.run(
                     queue, ticket, write, np.ascontiguousarray(g_fd),
                     np.ascontiguousarray(g_off).view(np.uint64),
                     np.ascontiguousarray(g_len).view(np.uint64),
                     np.ascontiguousarray(g_mem), np.ascontiguousarray(g_fl), out)
+                failed += rc
                 if out is not res:
                     res[sub] = out
                 for key, v in st.items():
@@ -1763,8 +1765,10 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
             for i, fut in zip(nrows, futs):
                 exc = fut.exception()
                 res[i] = -(getattr(exc, "errno", None) or errno.EIO) if exc else p.length[i]
-        bad = np.flatnonzero(res < 0)
-        if bad.size:
+        # (a scan of every result only when some entry failed: on a thread that just woke,
+        # each numpy call costs tens of microseconds)
+        bad = np.flatnonzero(res < 0) if failed or parts else ()
+        if len(bad):
             i = int(bad[0])
             more = f" (and {bad.size - 1} more entries)" if bad.size > 1 else ""
             f = p.files[int(p.sidx[i])]

@@ -16,6 +16,7 @@ from p2phub import batch
 from p2phub.errors import P2PHubOSError, UsageError
 from p2phub.hub import Hub
 from p2phub.memory import Memory, MemoryShare
+from p2phub.ordering import FenceError
 
 KiB, MiB = 1 << 10, 1 << 20
 SHM = "/dev/shm"
@@ -376,6 +377,30 @@ def test_column_form_from_strided_arrays_and_a_shared_length(hub, disk_file) -> 
             for o, d in zip(offs, dst):
                 assert np.array_equal(view[d:d + 8192], data[o:o + 8192]), (n, o, d)
     del view
+
+
+def test_entries_that_fail_while_running_are_named_and_the_rest_land(hub, tmp_path) -> None:
+    """A file cut short after the batch was planned: the entries past its new end fail (EIO,
+    the first named in the error, the count of the others given), their results say so, and
+    every other entry's bytes arrive."""
+    path = tmp_path / "shrinks.bin"
+    data = _file(path, 1 * MiB, 8)
+    mem = bytearray(256 * KiB)
+    with hub.register(mem) as reg:
+        offs = [0, 256 * KiB, 768 * KiB, 512 * KiB, 896 * KiB]
+        with hub.engines.paused():      # planned (the file checked whole), not yet run
+            f = hub.load_batch(storage=str(path), offsets=offs, lengths=16 * KiB, memory=reg,
+                               mem_offsets=np.arange(5) * 16 * KiB)
+            os.truncate(path, 640 * KiB)
+        with pytest.raises(FenceError, match=r"entry 2: read .*shrinks.bin\[786432:\+16384\] "
+                                             r"\(and 1 more entries\): EIO") as got:
+            f.wait(30)
+        assert isinstance(got.value.__cause__, P2PHubOSError)
+        assert got.value.__cause__.errno == errno.EIO
+        assert list(f.results) == [16 * KiB, 16 * KiB, -errno.EIO, 16 * KiB, -errno.EIO]
+        for k in (0, 1, 3):
+            assert bytes(mem[k * 16 * KiB:(k + 1) * 16 * KiB]) == \
+                data[offs[k]:offs[k] + 16 * KiB].tobytes()
 
 
 def test_column_form_refusals(hub, disk_file) -> None:
