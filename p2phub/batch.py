@@ -1670,7 +1670,8 @@ def _row_targets(np: Any, p: _Plan, sidx: Any, midx: Any, moff: Any,
         ffi = mod.ffi
         mod.lib.sio_targets(sidx.size, ffi.from_buffer("long long[]", moff), m.ptr, f.fd,
                             (1 if f.direct else 0) | (2 if m.cuda else 0),
-                            ffi.from_buffer("int[]", fds), ffi.from_buffer("unsigned char[]", flags),
+                            ffi.from_buffer("int[]", fds),
+                            ffi.from_buffer("unsigned char[]", flags),
                             ffi.from_buffer("unsigned long long[]", mem))
         return fds, flags, mem
     if len(files) == 1:

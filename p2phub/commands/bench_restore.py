@@ -8,11 +8,12 @@ method; with --prime, the default, the run's reads are made once before its meth
 cache below this kernel, such as a virtual disk's backing on its host, which the drop does not
 reach, is as warm for the first method as for the last):
   p2phub:...   the same with other settings: dN queue depth, sSIZE staging slot (larger
-               reads go in slot-sized pieces), buf through the page cache, dio all O_DIRECT,
-               nofixed staging not registered with io_uring, onethread one thread reads and
-               copies (the default), iothread a second thread reads, splitSIZE/nosplit
-               the pieces large reads through the staging go in, inflightSIZE the bytes of
-               them in flight (p2phub:d256:s256K, p2phub:nosplit:inflight0);
+               reads go in slot-sized or split pieces), buf through the page cache, dio
+               all O_DIRECT, nofixed staging not registered with io_uring, onethread one
+               thread reads and copies (the default), iothread a second thread reads,
+               splitSIZE/nosplit the pieces large reads through the staging go in,
+               inflightSIZE the bytes of them in flight (p2phub:d256:s256K,
+               p2phub:nosplit:inflight0);
                plain p2phub uses the API's defaults
   ceiling      C io_uring, O_DIRECT, one read per request into host memory, queue depth 64,
                128 and 256 (p2phub.staged_io.sio_ceiling); the best depth is the run's

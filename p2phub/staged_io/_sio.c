@@ -1121,7 +1121,8 @@ static int release_rounds(struct sio_engine *e, int block, struct ready *ready, 
     return released;
 }
 
-/* The piece cursor: walks the entries, cutting each into slot-sized pieces. */
+/* The piece cursor: walks the entries, cutting each into slot-sized pieces (split-sized for
+ * large O_DIRECT reads through the slots, one piece for a large read in place). */
 struct cursor {
     unsigned long long i;      /* entry */
     unsigned long long done;   /* useful bytes of entry i already given out */
