@@ -273,10 +273,13 @@ def _scan(off: Any, ln: Any, mo: Any) -> Any:
     mod = _sio()
     ffi = mod.ffi
     out = ffi.new("struct sio_scan *")
-    o, l_, m = (ffi.from_buffer("long long[]", c if c.flags.c_contiguous else c.copy())
-                for c in (off, ln, mo))
-    mod.lib.sio_scan(off.size, o, l_, 0, m, 0, out)
+    mod.lib.sio_scan(off.size, _longs(ffi, off), _longs(ffi, ln), _longs(ffi, mo), out)
     return out
+
+
+def _longs(ffi: Any, col: Any) -> Any:
+    """An int64 column as C's long long[] (a contiguous copy where it is a strided view)."""
+    return ffi.from_buffer("long long[]", col if col.flags.c_contiguous else col.copy())
 
 
 def _first(np: Any, mask: Any) -> int | None:
@@ -549,8 +552,7 @@ class _Engine(Resource):
     def __init__(self, ops: Any, device: int, depth: int, slot: int, slots: int,
                  options: int = 0, split: int | None = None,
                  inflight: int | None = None) -> None:
-        from .staged_io import load as load_sio
-        self.mod = load_sio()
+        self.mod = _sio()
         self.ops, self.device = ops, device
         self.depth, self.slot, self.slots = depth, slot, slots
         self.options = options
@@ -1661,42 +1663,41 @@ def _row_targets(np: Any, p: _Plan, sidx: Any, midx: Any, moff: Any,
     2 CUDA memory) and memory address, looked up by storage and memory index (no mask per
     file or memory)."""
     files, mems = p.files, p.mems
-    if (len(files) == 1 and len(mems) == 1 and files[0].fd_buffered < 0
-            and moff.dtype == np.int64 and moff.flags.c_contiguous):
+    if len(files) == 1 and len(mems) == 1:
         # the common batch: one pass in C into this thread's reused arrays
         f, m = files[0], mems[0]
         fds, flags, mem = _scratch(np, sidx.size)
         mod = _sio()
         ffi = mod.ffi
-        mod.lib.sio_targets(sidx.size, ffi.from_buffer("long long[]", moff), m.ptr, f.fd,
+        mod.lib.sio_targets(sidx.size, _longs(ffi, moff), m.ptr, f.fd,
                             (1 if f.direct else 0) | (2 if m.cuda else 0),
                             ffi.from_buffer("int[]", fds),
                             ffi.from_buffer("unsigned char[]", flags),
                             ffi.from_buffer("unsigned long long[]", mem))
-        return fds, flags, mem
-    if len(files) == 1:
-        f = files[0]
-        fds = np.full(sidx.size, f.fd, np.int32)
-        flags = np.full(sidx.size, 1 if f.direct else 0, np.uint8)
     else:
-        fds = np.array([f.fd for f in files], np.int32)[sidx]
-        flags = np.array([1 if f.direct else 0 for f in files], np.uint8)[sidx]
+        if len(files) == 1:
+            f = files[0]
+            fds = np.full(sidx.size, f.fd, np.int32)
+            flags = np.full(sidx.size, 1 if f.direct else 0, np.uint8)
+        else:
+            fds = np.array([f.fd for f in files], np.int32)[sidx]
+            flags = np.array([1 if f.direct else 0 for f in files], np.uint8)[sidx]
+        if len(mems) == 1:
+            m = mems[0]
+            mem = moff.astype(np.uint64) + np.uint64(m.ptr)
+            if m.cuda:
+                flags |= 2
+        else:
+            ptrs = np.array([m.ptr if m is not None else 0 for m in mems], np.uint64)
+            mem = ptrs[midx] + moff.astype(np.uint64)
+            cuda = np.array([bool(m is not None and m.cuda) for m in mems], bool)[midx]
+            flags[cuda] |= 2
     if any(f.fd_buffered >= 0 for f in files):
         # large reads of a file opened twice go through its page-cache fd
         alt = np.array([f.fd_buffered for f in files], np.int32)[sidx]
         big = (alt >= 0) & (length >= p.buffered_from)
         fds = np.where(big, alt, fds)
         flags[big] &= ~np.uint8(1)
-    if len(mems) == 1:
-        m = mems[0]
-        mem = moff.astype(np.uint64) + np.uint64(m.ptr)
-        if m.cuda:
-            flags |= 2
-    else:
-        ptrs = np.array([m.ptr if m is not None else 0 for m in mems], np.uint64)
-        mem = ptrs[midx] + moff.astype(np.uint64)
-        cuda = np.array([bool(m is not None and m.cuda) for m in mems], bool)[midx]
-        flags[cuda] |= 2
     return fds, flags, mem
 
 

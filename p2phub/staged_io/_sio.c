@@ -1148,7 +1148,8 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     useful = len[c->i] - c->done;
     cap = e->slot_bytes - skip;
     /* may land in place: an aligned O_DIRECT read into host memory */
-    in_place = !write && !e->no_in_place && (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
+    in_place = !write && !e->no_in_place &&
+               (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
                ((mem[c->i] + c->done) | start) % SIO_ALIGN == 0;
     /* O_DIRECT reads through a slot only: a buffered read's pieces each start their own
      * readahead, and a read in place is cut by the block layer as a plain pread is */
@@ -1184,9 +1185,7 @@ static int next_piece(struct sio_engine *e, struct cursor *c, int write, unsigne
     p->mem = mem[c->i] + c->done;
     /* an O_DIRECT read into host memory whose address, offset and length are all aligned
      * lands in place, as a plain O_DIRECT read would */
-    p->to_mem = !write && !e->no_in_place &&
-                (flags[c->i] & (SIO_DIRECT | SIO_CUDA)) == SIO_DIRECT &&
-                ((p->mem | start | useful) % SIO_ALIGN) == 0;
+    p->to_mem = in_place && useful % SIO_ALIGN == 0;
     /* a buffered read's pages come through the page cache and its readahead: not bounded */
     p->bounded = !write && (flags[c->i] & SIO_DIRECT);
     c->done += useful;
@@ -1813,8 +1812,8 @@ int sio_submit_path(struct sio_engine *e, char *reason, int reasonlen)
     return e->use_aio;
 }
 
-void sio_scan(unsigned long long n, const long long *off, const long long *len, long long len1,
-              const long long *moff, long long moff1, struct sio_scan *out)
+void sio_scan(unsigned long long n, const long long *off, const long long *len,
+              const long long *moff, struct sio_scan *out)
 {
     unsigned long long i;
     long long total = 0;
@@ -1824,7 +1823,7 @@ void sio_scan(unsigned long long n, const long long *off, const long long *len, 
     out->max_mend = out->max_fend = LLONG_MIN;
     out->odd = 0;
     for (i = 0; i < n; i++) {
-        long long o = off[i], l = len ? len[i] : len1, m = moff ? moff[i] : moff1;
+        long long o = off[i], l = len[i], m = moff[i];
         long long mend, fend;
 
         if (o < out->min_off)

@@ -103,9 +103,8 @@ int sio_unregister_mem(struct sio_engine *e, void *addr, unsigned long long len)
  * kernel last refused a range (0: never). Returns 1 when the ring has a sparse buffer table. */
 int sio_mem_table(struct sio_engine *e, unsigned *live, unsigned *pending, int *refused_errno);
 
-/* What a batch's planner checks, in one pass over its columns (p2phub.batch._plan): each
- * column an array of n, or NULL for every entry `len1` (`moff1`). A sum that overflows is
- * -1, so that the planner's "negative" test names it. */
+/* What a batch's planner checks, in one pass over its n-entry columns (p2phub.batch._plan).
+ * A sum that overflows is -1, so that the planner's "negative" test names it. */
 struct sio_scan {
     long long min_off, min_len, min_moff;
     long long min_mend, max_mend;    /* moff + len */
@@ -113,8 +112,8 @@ struct sio_scan {
     long long total;                 /* the lengths' sum (-1 past 2^63) */
     int odd;                         /* an offset or length not a multiple of SIO_ALIGN */
 };
-void sio_scan(unsigned long long n, const long long *off, const long long *len, long long len1,
-              const long long *moff, long long moff1, struct sio_scan *out);
+void sio_scan(unsigned long long n, const long long *off, const long long *len,
+              const long long *moff, struct sio_scan *out);
 
 /* A batch's per-entry engine arguments where one fd and one memory serve every entry:
  * fd_out[i] = fd, flags_out[i] = flags, mem_out[i] = base + moff[i]. */

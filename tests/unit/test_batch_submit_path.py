@@ -144,20 +144,14 @@ def test_reads_through_the_slots_keep_their_bytes_in_flight_bounded(data_file, i
         h.close()
 
 
-def test_inflight_must_not_be_negative() -> None:
+@pytest.mark.parametrize("opts,match", [({"split": 1000}, "split=1000 must be 0 or a positive "
+                                                          "multiple of 4096"),
+                                        ({"inflight": -1}, "inflight=-1 must be 0")])
+def test_bad_split_or_inflight_is_refused(opts, match) -> None:
     h = Hub(mode="staged")
     try:
-        with pytest.raises(UsageError, match="inflight=-1"):
-            batch.configure_batch(h, inflight=-1)
-    finally:
-        h.close()
-
-
-def test_split_must_be_a_multiple_of_4096() -> None:
-    h = Hub(mode="staged")
-    try:
-        with pytest.raises(UsageError, match="split=1000"):
-            batch.configure_batch(h, split=1000)
+        with pytest.raises(UsageError, match=match):
+            batch.configure_batch(h, **opts)
     finally:
         h.close()
 
