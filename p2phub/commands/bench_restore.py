@@ -216,6 +216,17 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
     "poll": the engine polls for completions instead of sleeping)."""
     direct: bool | str = "auto"
     engine: dict[str, Any] = {"fixed_buffers": True, "io_thread": False}
+
+    def size(tok: str, key: str, least: int, align: int) -> int:
+        try:
+            v = _parse_size(tok[len(key):])
+        except ValueError:
+            v = -1
+        if v < least or v % align:
+            raise ValueError(f"{name}: {tok!r}: want {key}SIZE, SIZE at least {least} and a "
+                             f"multiple of {align} (such as {key}128K)")
+        return v
+
     for tok in name.split(":")[1:]:
         if tok in ("buf", "dio"):
             direct = tok == "dio"
@@ -228,13 +239,13 @@ def _variant(name: str, depth: int, slot: int) -> tuple[int, int, bool | str, di
         elif tok == "nosplit":
             engine["split"] = 0
         elif tok.startswith("split"):
-            engine["split"] = _parse_size(tok[5:])
+            engine["split"] = size(tok, "split", 0, 4096)
         elif tok.startswith("inflight"):
-            engine["inflight"] = 0 if tok[8:] == "0" else _parse_size(tok[8:])
+            engine["inflight"] = size(tok, "inflight", 0, 1)
         elif tok[:1] == "d" and tok[1:].isdigit():
             depth = int(tok[1:])
         elif tok[:1] == "s":
-            slot = _parse_size(tok[1:])
+            slot = size(tok, "s", 4096, 4096)
         else:
             raise ValueError(f"{name}: unknown setting {tok!r} (want dN, sSIZE, buf, dio, "
                              "nofixed, onethread, iothread, splitSIZE, nosplit, inflightSIZE or "

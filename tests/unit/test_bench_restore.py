@@ -70,8 +70,14 @@ def test_restore_bench_refuses_reads_over_16m(tmp_path, capsys) -> None:
     assert rc == 1 and "over 16M" in rep["error"]
 
 
-@pytest.mark.parametrize("method, why", [("nosuch", "unknown method 'nosuch'"),
-                                         ("p2phub:zz", "unknown setting 'zz'")])
+@pytest.mark.parametrize("method, why", [
+    ("nosuch", "unknown method 'nosuch'"),
+    ("p2phub:zz", "unknown setting 'zz'"),
+    ("p2phub:inflight-1", "'inflight-1': want inflightSIZE, SIZE at least 0"),
+    ("p2phub:inflightfoo", "'inflightfoo': want inflightSIZE"),
+    ("p2phub:split1000", "'split1000': want splitSIZE, SIZE at least 0 and a multiple of 4096"),
+    ("p2phub:s0", "'s0': want sSIZE, SIZE at least 4096"),
+])
 def test_restore_bench_names_an_unknown_method_as_a_usage_error(tmp_path, capsys, method,
                                                                  why) -> None:
     f = tmp_path / "never.bin"
