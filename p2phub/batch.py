@@ -618,9 +618,10 @@ class _Engine(Resource):
         """Its engine and staging exist (the first batch or request made them)."""
         return self._eng is not None
 
-    def run(self, queue: "_Queue", ticket: int, write: bool, fd: Any, off: Any, ln: Any,
-            mem: Any, flags: Any, result: Any) -> tuple[int, dict[str, Any]]:
-        """One batch, run on the engine thread at its reservation `ticket` of `queue`."""
+    def run(self, place: "_Reservation", write: bool, fd: Any, off: Any, ln: Any, mem: Any,
+            flags: Any, result: Any, last: bool) -> tuple[int, dict[str, Any]]:
+        """One batch, run on the engine thread at its reservation `place`; `last`: the
+        reservation is released as the run ends (saving the thread a wake-up for it)."""
         ffi, lib = self.mod.ffi, self.mod.lib
         eng = self.handle()
         with self.lock:
@@ -631,7 +632,9 @@ class _Engine(Resource):
         # let go of its reservation (Engines._quiesce, Engines._close).
         st = ffi.new("struct sio_stats *")
         err = ffi.new("char[]", 256)
-        rc = lib.sio_queue_run(queue.q, ticket, eng, int(write), len(off),
+        if last:
+            place.held = False      # the thread releases it, whatever the run's result
+        rc = lib.sio_queue_run(place.queue.q, place.ticket, int(last), eng, int(write), len(off),
                                ffi.from_buffer("int[]", fd),
                                ffi.from_buffer("unsigned long long[]", off),
                                ffi.from_buffer("unsigned long long[]", ln),
@@ -1143,6 +1146,21 @@ class _Job:
             log.exception("batch run")
 
 
+class _Reservation:
+    """A batch's place on the engine thread, let go of once: by the batch's last engine run,
+    which releases it as it ends, or by release()."""
+
+    __slots__ = ("queue", "ticket", "held")
+
+    def __init__(self, queue: "_Queue", ticket: int) -> None:
+        self.queue, self.ticket, self.held = queue, ticket, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.queue.release(self.ticket)
+
+
 class _Worker(Resource):
     """The thread that plans and finishes batches, in the order they were queued: each one
     runs on the engine thread at the place it reserved there (see _Queue), and its fence
@@ -1274,10 +1292,11 @@ class _Queue(Resource):
         runs = self.ffi.new("unsigned long long *")
         reqs = self.ffi.new("unsigned long long *")
         big = self.ffi.new("unsigned long long *")
+        wakes = self.ffi.new("unsigned long long *")
         err = self.ffi.new("char[]", 256)
-        self.lib.sio_queue_stats(self.q, runs, reqs, big, err, 256)
+        self.lib.sio_queue_stats(self.q, runs, reqs, big, wakes, err, 256)
         return {"runs": int(runs[0]), "requests": int(reqs[0]), "longest_run": int(big[0]),
-                "error": self.ffi.string(err).decode(errors="replace")}
+                "wakes": int(wakes[0]), "error": self.ffi.string(err).decode(errors="replace")}
 
     def _collect(self) -> None:
         while True:
@@ -1728,6 +1747,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     err: BaseException | None = None
     res = fence.results
     failed = 0          # entries the engine runs failed (their counts: no scan when none)
+    place = _Reservation(queue, ticket)
     try:
         import numpy as np
         if rows.size:
@@ -1736,7 +1756,8 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
             sidx, midx, moff, off, length = cols if every else [c[rows] for c in cols]
             fds, flags, mem = _row_targets(np, p, sidx, midx, moff, length)
             stats: dict[str, Any] = {}
-            for ops, dev, sel, gmems in _groups(np, p, midx, every):
+            groups = _groups(np, p, midx, every)
+            for g, (ops, dev, sel, gmems) in enumerate(groups):
                 eng = _engine(hub, ops, dev)
                 if not write:
                     _register_host(eng, gmems)
@@ -1748,11 +1769,14 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                     out = np.zeros(sub.size, np.int64)
                     g_fd, g_mem, g_fl = fds[sel], mem[sel], flags[sel]
                     g_off, g_len = off[sel], length[sel]
+                # the last run lets the reservation go as it ends, unless an fsync of this
+                # batch's files must come first
                 rc, st = eng.run(
-                    queue, ticket, write, np.ascontiguousarray(g_fd),
+                    place, write, np.ascontiguousarray(g_fd),
                     np.ascontiguousarray(g_off).view(np.uint64),
                     np.ascontiguousarray(g_len).view(np.uint64),
-                    np.ascontiguousarray(g_mem), np.ascontiguousarray(g_fl), out)
+                    np.ascontiguousarray(g_mem), np.ascontiguousarray(g_fl), out,
+                    last=g == len(groups) - 1 and not (write and sync))
                 failed += rc
                 if out is not res:
                     res[sub] = out
@@ -1781,7 +1805,7 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
     finally:
         # The engine thread moves on before the fences complete: a callback of this batch
         # may wait for a later one.
-        queue.release(ticket)
+        place.release()
         dt = time.perf_counter() - t0
         fence.stats.update(seconds=dt, gbps=(fence.nbytes / dt / 1e9) if dt > 0 else 0.0,
                            entries=p.n, per_s=(p.n / dt) if dt > 0 else 0.0)

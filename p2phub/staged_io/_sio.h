@@ -160,12 +160,14 @@ long long sio_queue_push(struct sio_queue *q, struct sio_engine *e, int write, i
 /* A place for a batch: the thread stops there until released. Its ticket, or -1. */
 long long sio_queue_reserve(struct sio_queue *q);
 /* Run a batch on the thread, at reservation `ticket` (waits for the items before it): as
- * sio_run. May be called several times before the release. */
-int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_engine *e,
-                  int write, unsigned long long n, const int *fd, const unsigned long long *off,
-                  const unsigned long long *len, const unsigned long long *mem,
-                  const unsigned char *flags, long long *result, struct sio_stats *st,
-                  char *err, int errlen);
+ * sio_run. May be called several times before the release; `release`: this run is the
+ * last, and the reservation is released as it ends (the ticket is not to be used again,
+ * whatever the result). */
+int sio_queue_run(struct sio_queue *q, unsigned long long ticket, int release,
+                  struct sio_engine *e, int write, unsigned long long n, const int *fd,
+                  const unsigned long long *off, const unsigned long long *len,
+                  const unsigned long long *mem, const unsigned char *flags, long long *result,
+                  struct sio_stats *st, char *err, int errlen);
 /* Wait until every item before reservation `ticket` has completed. */
 void sio_queue_wait_reached(struct sio_queue *q, unsigned long long ticket);
 void sio_queue_release(struct sio_queue *q, unsigned long long ticket);
@@ -184,7 +186,8 @@ unsigned long long sio_queue_reap(struct sio_queue *q, unsigned long long *first
  * on; -1 when it is not (replaced, gone, not regular, any stat error): one stat for the
  * open files that per-request loads reuse, without building Python's stat result. */
 long long sio_file_same(const char *path, unsigned long long dev, unsigned long long ino);
-/* runs of single requests, requests, the longest run; the last engine failure's message */
+/* runs of single requests, requests, the longest run, the thread's wake-ups; the last
+ * engine failure's message */
 void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
                      unsigned long long *requests, unsigned long long *biggest,
-                     char *err, int errlen);
+                     unsigned long long *wakes, char *err, int errlen);

@@ -3,7 +3,13 @@
  * queued one by one without the GIL and leave the queue in runs: what was queued while the
  * thread was busy goes to the engine as one submission. A batch reserves its place in the
  * queue when it is made and is run there when its planner hands it over, so a save and a
- * later load of the same file never trade places. Included by _sio.c. */
+ * later load of the same file never trade places. Included by _sio.c.
+ *
+ * A batch costs the thread one wake-up: a reservation alone does not wake it (there is
+ * nothing to run yet); the planner leaves its batch at the reservation's item, whether the
+ * thread is there yet or not, and wakes it only if it sleeps; the batch's last run releases
+ * the reservation as it ends. Waiters for a batch and for results sleep on conditions of
+ * their own, so that neither wakes the other. */
 
 #define SIOQ_REQUEST 0
 #define SIOQ_RESERVED 1
@@ -24,6 +30,8 @@
  * back meanwhile rather than take the GIL from it */
 #define SIOQ_HANDOFF_NS 100000LL
 
+struct sioq_part;
+
 struct sioq_item {
     struct sio_engine *e;
     unsigned long long off, len, mem;
@@ -31,12 +39,16 @@ struct sioq_item {
     unsigned run;       /* the length of the run it completed in (0: a reservation) */
     int fd;
     unsigned char kind, write, flags, sync;
+    /* a reservation: the batch left for the thread there, and whether it is released */
+    struct sioq_part *part;
+    unsigned char released;
 };
 
-/* a batch handed to the thread at its reservation */
+/* a batch left for the thread at its reservation */
 struct sioq_part {
     struct sio_engine *e;
     int write;
+    int release;        /* the reservation is released once it has run */
     unsigned long long n;
     const int *fd;
     const unsigned long long *off, *len, *mem;
@@ -54,16 +66,16 @@ struct sioq_part {
  * results nobody has collected. Everything below is under mu. */
 struct sio_queue {
     pthread_mutex_t mu;
-    pthread_cond_t work;    /* the idle thread: an item, stop */
-    pthread_cond_t hand;    /* the thread parked at a reservation: a part, the release */
+    pthread_cond_t work;    /* the idle thread: an item, a batch, a release, stop */
+    pthread_cond_t hand;    /* the thread parked at a reservation: a batch, the release */
     pthread_cond_t done;    /* waiters: completions, the thread parked at a reservation */
+    pthread_cond_t finish;  /* batch runners: their batch ran */
     pthread_cond_t space;   /* pushers: results collected */
     struct sioq_item *ring;
     unsigned long long cap;
     unsigned long long head, next, completed, reaped;
     unsigned long long parked;      /* 1 + the reservation the thread waits at; 0: none */
-    struct sioq_part *part;         /* a batch handed over at that reservation */
-    int released;                   /* that reservation is released */
+    unsigned reach_waiters;         /* threads in sio_queue_wait_reached */
     int stop;
     int started;
     int idle;                       /* the thread waits for an item */
@@ -80,6 +92,7 @@ struct sio_queue {
     long long run_start;
     unsigned long long run_n;
     unsigned long long runs, requests, biggest;
+    unsigned long long wakes;       /* the thread woke from a sleep (idle or parked) */
     long long handoff_ns;           /* when a waiter's ticket last completed */
     char err[256];
 };
@@ -221,17 +234,22 @@ static unsigned long long run_requests(struct sio_queue *q)
     return n;
 }
 
-/* Park at reservation t: run the parts handed over until it is released. */
+/* At reservation t: run the batches left there until it is released. */
 static void serve_reservation(struct sio_queue *q, unsigned long long t)
 {
+    struct sioq_item *it = q_item(q, t);
+
     q->parked = t + 1;
-    pthread_cond_broadcast(&q->done);
+    if (q->reach_waiters)
+        pthread_cond_broadcast(&q->done);
     for (;;) {
         struct sioq_part *p;
 
-        while (!q->part && !q->released)
+        while (!it->part && !it->released) {
             pthread_cond_wait(&q->hand, &q->mu);
-        p = q->part;
+            q->wakes++;
+        }
+        p = it->part;
         if (!p)
             break;
         pthread_mutex_unlock(&q->mu);
@@ -242,14 +260,15 @@ static void serve_reservation(struct sio_queue *q, unsigned long long t)
         else
             say(p->err, p->errlen, "cuCtxSetCurrent failed");
         pthread_mutex_lock(&q->mu);
-        q->part = NULL;
-        p->finished = 1;
-        pthread_cond_broadcast(&q->done);
+        it->part = NULL;
+        if (p->release)
+            it->released = 1;
+        p->finished = 1;        /* p is gone once its runner sees this */
+        pthread_cond_broadcast(&q->finish);
     }
-    q->released = 0;
     q->parked = 0;
-    q_item(q, t)->result = 0;
-    q_item(q, t)->run = 0;      /* a reservation's place: no request's result */
+    it->result = 0;
+    it->run = 0;        /* a reservation's place: no request's result */
 }
 
 static void *queue_main(void *arg)
@@ -266,6 +285,7 @@ static void *queue_main(void *arg)
             q->idle = 1;
             pthread_cond_wait(&q->work, &q->mu);
             q->idle = 0;
+            q->wakes++;
         }
         if (q->next == q->head)
             break;      /* stopped, and nothing is left */
@@ -319,6 +339,7 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
     pthread_cond_init(&q->work, &ca);
     pthread_cond_init(&q->hand, &ca);
     pthread_cond_init(&q->done, &ca);
+    pthread_cond_init(&q->finish, &ca);
     pthread_cond_init(&q->space, &ca);
     pthread_condattr_destroy(&ca);
     if (pthread_create(&q->thread, NULL, queue_main, q)) {
@@ -327,6 +348,7 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
         pthread_cond_destroy(&q->work);
         pthread_cond_destroy(&q->hand);
         pthread_cond_destroy(&q->done);
+        pthread_cond_destroy(&q->finish);
         pthread_cond_destroy(&q->space);
         goto fail;
     }
@@ -374,12 +396,15 @@ void sio_queue_free(struct sio_queue *q)
     pthread_cond_destroy(&q->work);
     pthread_cond_destroy(&q->hand);
     pthread_cond_destroy(&q->done);
+    pthread_cond_destroy(&q->finish);
     pthread_cond_destroy(&q->space);
     free(q->ring), free(q->r_fd), free(q->r_off), free(q->r_len), free(q->r_mem);
     free(q->r_flags), free(q->r_res);
     free(q);
 }
 
+/* Queue an item; wake the idle thread for a request (a reservation gives it nothing to
+ * run until its batch or release comes). */
 static long long q_push(struct sio_queue *q, const struct sioq_item *src)
 {
     unsigned long long t;
@@ -393,7 +418,7 @@ static long long q_push(struct sio_queue *q, const struct sioq_item *src)
     }
     t = q->head++;
     *q_item(q, t) = *src;
-    if (q->idle)
+    if (q->idle && src->kind == SIOQ_REQUEST)
         pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->mu);
     return (long long)t;
@@ -428,30 +453,33 @@ long long sio_queue_reserve(struct sio_queue *q)
     return q_push(q, &it);
 }
 
-/* wait (mu held) until the thread is parked at reservation t */
-static void wait_parked(struct sio_queue *q, unsigned long long t)
+/* Something was left at reservation t (mu held): wake the thread if it sleeps (parked
+ * there, or idle before it); a busy thread finds it when it gets there. */
+static void wake_for(struct sio_queue *q, unsigned long long t)
 {
-    while (q->parked != t + 1)
-        pthread_cond_wait(&q->done, &q->mu);
+    if (q->parked == t + 1)
+        pthread_cond_signal(&q->hand);
+    else if (q->idle)
+        pthread_cond_signal(&q->work);
 }
 
-int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_engine *e,
-                  int write, unsigned long long n, const int *fd, const unsigned long long *off,
-                  const unsigned long long *len, const unsigned long long *mem,
-                  const unsigned char *flags, long long *result, struct sio_stats *st,
-                  char *err, int errlen)
+int sio_queue_run(struct sio_queue *q, unsigned long long ticket, int release,
+                  struct sio_engine *e, int write, unsigned long long n, const int *fd,
+                  const unsigned long long *off, const unsigned long long *len,
+                  const unsigned long long *mem, const unsigned char *flags, long long *result,
+                  struct sio_stats *st, char *err, int errlen)
 {
     struct sioq_part p = {
-        .e = e, .write = write, .n = n, .fd = fd, .off = off, .len = len, .mem = mem,
-        .flags = flags, .result = result, .st = st, .err = err, .errlen = errlen,
+        .e = e, .write = write, .release = !!release, .n = n, .fd = fd, .off = off,
+        .len = len, .mem = mem, .flags = flags, .result = result, .st = st, .err = err,
+        .errlen = errlen,
     };
 
     pthread_mutex_lock(&q->mu);
-    wait_parked(q, ticket);
-    q->part = &p;
-    pthread_cond_signal(&q->hand);
+    q_item(q, ticket)->part = &p;
+    wake_for(q, ticket);
     while (!p.finished)
-        pthread_cond_wait(&q->done, &q->mu);
+        pthread_cond_wait(&q->finish, &q->mu);
     pthread_mutex_unlock(&q->mu);
     return p.rc;
 }
@@ -459,16 +487,20 @@ int sio_queue_run(struct sio_queue *q, unsigned long long ticket, struct sio_eng
 void sio_queue_wait_reached(struct sio_queue *q, unsigned long long ticket)
 {
     pthread_mutex_lock(&q->mu);
-    wait_parked(q, ticket);
+    q->reach_waiters++;
+    if (q->parked != ticket + 1 && q->idle)
+        pthread_cond_signal(&q->work);
+    while (q->parked != ticket + 1)
+        pthread_cond_wait(&q->done, &q->mu);
+    q->reach_waiters--;
     pthread_mutex_unlock(&q->mu);
 }
 
 void sio_queue_release(struct sio_queue *q, unsigned long long ticket)
 {
     pthread_mutex_lock(&q->mu);
-    wait_parked(q, ticket);
-    q->released = 1;
-    pthread_cond_signal(&q->hand);
+    q_item(q, ticket)->released = 1;
+    wake_for(q, ticket);
     pthread_mutex_unlock(&q->mu);
 }
 
@@ -549,12 +581,13 @@ unsigned long long sio_queue_reap(struct sio_queue *q, unsigned long long *first
 
 void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
                      unsigned long long *requests, unsigned long long *biggest,
-                     char *err, int errlen)
+                     unsigned long long *wakes, char *err, int errlen)
 {
     pthread_mutex_lock(&q->mu);
     *runs = q->runs;
     *requests = q->requests;
     *biggest = q->biggest;
+    *wakes = q->wakes;
     say(err, errlen, "%s", q->err);
     pthread_mutex_unlock(&q->mu);
 }

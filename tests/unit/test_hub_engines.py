@@ -320,3 +320,56 @@ def test_the_results_collector_sleeps_through_batches(tmp_path, monkeypatch) -> 
         assert not q._pending and not q._early, (q._pending, q._early)
         del view
         mem.close()
+
+
+def test_a_batch_wakes_the_engine_thread_once(tmp_path) -> None:
+    """A batch waited on at once costs the engine thread one wake-up (its hand-over): its
+    reservation alone does not wake the thread, and its last run releases it as it ends.
+    What depends on the thread coming to a reservation still works: a request queued behind
+    a batch runs after it, a save with sync (its fsync before the release) lands, and
+    paused() reaches a thread that sleeps."""
+    import numpy as np
+
+    from p2phub.hub import Hub
+
+    path = tmp_path / "data.bin"
+    data = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+    data.tofile(path)
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(1 << 20)
+        view = np.frombuffer(mem.mmap(), np.uint8)
+        offs = np.arange(4) * 4096
+        hub.load_batch(storage=str(path), offsets=offs, lengths=4096, memory=mem,
+                       mem_offsets=offs).wait(30)
+        q = hub.engines._queue
+        before = q.stats()["wakes"]
+        for k in range(10):
+            o = np.array([k * 8192])
+            hub.load_batch(storage=str(path), offsets=o, lengths=4096, memory=mem,
+                           mem_offsets=o + 65536).wait(30)
+        wakes = q.stats()["wakes"] - before
+        assert wakes <= 12, f"{wakes} wake-ups of the engine thread for 10 batches"
+        for k in range(10):
+            o = 65536 + k * 8192
+            assert np.array_equal(view[o:o + 4096], data[k * 8192:k * 8192 + 4096])
+        # a request queued right behind a batch, neither waited on yet
+        fb = hub.load_batch(storage=str(path), offsets=np.array([0]), lengths=4096,
+                            memory=mem, mem_offsets=np.array([131072]))
+        fr = hub.load(str(path), mem, 4096, 4096, 131072)
+        fr.wait(30)
+        assert fb.done()
+        assert np.array_equal(view[131072:135168], data[4096:8192])
+        # a save with sync: released after its fsync
+        out = tmp_path / "out.bin"
+        out.write_bytes(b"\0" * (1 << 16))
+        hub.save_batch(storage=str(out), offsets=np.array([0, 8192]), lengths=4096,
+                       memory=mem, mem_offsets=np.array([65536, 73728])).wait(30)
+        got = np.fromfile(out, np.uint8)
+        assert np.array_equal(got[:4096], data[:4096])
+        assert np.array_equal(got[8192:12288], data[8192:12288])
+        with hub.engines.paused():      # the thread sleeps: paused() wakes it to get there
+            pass
+        hub.load_batch(storage=str(path), offsets=offs, lengths=4096, memory=mem,
+                       mem_offsets=offs).wait(30)
+        del view
+        mem.close()
