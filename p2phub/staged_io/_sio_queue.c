@@ -300,10 +300,12 @@ static void *queue_main(void *arg)
         q->next += n;
         q->completed = q->next;
         /* a reservation with every result before it collected: nobody needs to collect
-         * it (the reaper would take the GIL from the batch's own thread to do nothing) */
+         * it (the reaper would take the GIL from the batch's own thread to do nothing),
+         * and nobody waits for it (its batch's runners wait on finish): no one to wake */
         if (reserved && q->reaped == q->next - 1) {
             q->reaped = q->next;
             pthread_cond_broadcast(&q->space);
+            continue;
         }
         pthread_cond_broadcast(&q->done);
     }
