@@ -840,13 +840,11 @@ class Engines(Resource):
         """Close `engines` once everything queued before reservation `mark` (taken with the
         engines already out of the table, so nothing after it refers to them) has run."""
         q = self._queue
-        try:
-            if mark is not None and q is not None:
-                q.wait_reached(mark)
+        if mark is None or q is None:
             _close_each(engines)
-        finally:
-            if mark is not None and q is not None:
-                q.release(mark)
+            return
+        with q.reached(mark):
+            _close_each(engines)
 
     def _engine_locked(self, ops: Any, device: int) -> "_Engine":
         self._check_open()
@@ -914,11 +912,8 @@ class Engines(Resource):
             self._check_taking()
             q = self._queue or self._open_queue()
             mark = q.reserve()
-        try:
-            q.wait_reached(mark)
+        with q.reached(mark):
             yield
-        finally:
-            q.release(mark)
 
     def _check_taking(self) -> None:
         self._check_open()
@@ -1008,10 +1003,8 @@ class Engines(Resource):
             self._drained.wait()
             return
         if q is not None and mark is not None:
-            try:
-                q.wait_reached(mark)
-            finally:
-                q.release(mark)
+            with q.reached(mark):
+                pass
 
     def worker_locked(self) -> "_Worker":
         if self._worker is None:
@@ -1247,6 +1240,17 @@ class _Queue(Resource):
 
     def wait_reached(self, ticket: int) -> None:
         self.lib.sio_queue_wait_reached(self.q, ticket)
+
+    @contextlib.contextmanager
+    def reached(self, ticket: int) -> Iterator[None]:
+        """A block run once the engine thread stands at reservation `ticket` (everything
+        queued before it has run, nothing after it runs meanwhile); the reservation is
+        released when the block ends, or if the wait fails."""
+        try:
+            self.wait_reached(ticket)
+            yield
+        finally:
+            self.release(ticket)
 
     def release(self, ticket: int) -> None:
         self.lib.sio_queue_release(self.q, ticket)
