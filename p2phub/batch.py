@@ -1204,9 +1204,12 @@ class _Queue(Resource):
         if q == self.ffi.NULL:
             raise P2PHubOSError(errno.EIO, "the I/O engine thread", self.ffi.string(err).decode())
         self.q = q
+        # Requests queued and not yet collected, by ticket. Every push and reservation of
+        # this queue happens under Engines._lock, so a push's ticket is known before it (the
+        # next one): the request is filed first and a collector finds it whenever its result
+        # comes, with no lock between the two (one dict operation each, under the GIL).
         self._pending: dict[int, Any] = {}
-        self._early: dict[int, tuple[int, int]] = {}   # collected before their push returned
-        self._plock = threading.Lock()
+        self._next = 0
         self._rlock = threading.Lock()                 # one collector at a time (shared arrays)
         self._first = self.ffi.new("unsigned long long *")
         self._res = np.empty(_REAP_MAX, np.int64)
@@ -1219,23 +1222,28 @@ class _Queue(Resource):
 
     # -------------------------------------------------------------- queueing
     def push(self, eng: Any, req: "RequestFence") -> None:
-        t = self.lib.sio_queue_push(self.q, eng, req.write, req.fd, req.offset, req.nbytes,
-                                    req.mem, req.flags, req.sync)
-        if t < 0:
-            raise UsageError("the hub's I/O engine is closed")
+        """Queue a request (under Engines._lock)."""
+        t = self._next
         req.ticket = t
         req.queue = self
-        with self._plock:
-            early = self._early.pop(t, None)
-            if early is None:
-                self._pending[t] = req
-                return
-        req.finish(early[0], early[1], self._why(early[0]))
+        self._pending[t] = req
+        got = self.lib.sio_queue_push(self.q, eng, req.write, req.fd, req.offset, req.nbytes,
+                                      req.mem, req.flags, req.sync)
+        if got != t:
+            del self._pending[t]
+            req.queue = None
+            if got < 0:
+                raise UsageError("the hub's I/O engine is closed")
+            raise AssertionError(f"I/O engine ticket {got}, {t} expected: queued without "
+                                 "the engines' lock")
+        self._next = t + 1
 
     def reserve(self) -> int:
+        """A place in the queue (under Engines._lock)."""
         t = self.lib.sio_queue_reserve(self.q)
         if t < 0:
             raise UsageError("the hub's I/O engine is closed")
+        self._next = t + 1
         return t
 
     def wait_reached(self, ticket: int) -> None:
@@ -1267,15 +1275,11 @@ class _Queue(Resource):
             res = self._res[:n].tolist()
             runs = self._runs[:n].tolist()
         done = []
-        with self._plock:
-            pop = self._pending.pop
-            for k in range(n):
-                if not runs[k]:                 # a reservation's place: nothing to complete
-                    continue
+        pop = self._pending.pop
+        for k in range(n):
+            if runs[k]:                         # (0: a reservation's place, nothing to complete)
                 req = pop(first + k, None)
-                if req is None:
-                    self._early[first + k] = (res[k], runs[k])
-                else:
+                if req is not None:
                     done.append((req, res[k], runs[k]))
         _settle(done)
         for req, moved, run in done:

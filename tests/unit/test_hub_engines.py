@@ -317,7 +317,7 @@ def test_the_results_collector_sleeps_through_batches(tmp_path, monkeypatch) -> 
             o = 65536 * (k + 1)
             assert np.array_equal(view[o:o + 4096], data[o:o + 4096])
         q = hub.engines._queue           # nothing waits in its tables for a result
-        assert not q._pending and not q._early, (q._pending, q._early)
+        assert not q._pending, q._pending
         del view
         mem.close()
 
