@@ -715,8 +715,10 @@ def size_of(fd: int, name: str = "") -> int:
 
 def is_direct_storage(obj: Any) -> bool:
     """A DirectStorage (an NVMe Namespace), the common file targets answered without the
-    protocol's attribute walk."""
-    return not isinstance(obj, (str, os.PathLike, int)) and isinstance(obj, DirectStorage)
+    protocol's attribute walk (a class without ``submit`` cannot be one: a hub.open() file,
+    an fd, a file object)."""
+    return (not isinstance(obj, (str, os.PathLike, int)) and hasattr(type(obj), "submit")
+            and isinstance(obj, DirectStorage))
 
 
 @runtime_checkable
