@@ -373,3 +373,67 @@ def test_a_batch_wakes_the_engine_thread_once(tmp_path) -> None:
                        mem_offsets=offs).wait(30)
         del view
         mem.close()
+
+
+def test_requests_batches_and_pauses_from_many_threads_all_land(tmp_path) -> None:
+    """Four threads issue single loads while a fifth runs batches and pauses on the same
+    engine thread: every request's result reaches its own fence (a request is filed under the
+    ticket the queue gives it), every byte lands where its request put it, and no request is
+    left uncollected."""
+    import threading
+
+    import numpy as np
+
+    from p2phub.hub import Hub
+
+    block, per_thread = 4096, 150
+    data = np.random.default_rng(7).integers(0, 256, 4 * per_thread * block, np.uint8)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(data.tobytes())
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(data.size + 64 * block)
+        f = hub.open(str(path), "r")
+        errors: list[BaseException] = []
+
+        def loads(k: int) -> None:
+            try:
+                fences = []
+                for i in range(per_thread):
+                    o = (k * per_thread + i) * block
+                    src = str(path) if i % 2 else f    # by path and through the open file
+                    fences.append(hub.load(src, mem, o, block, o))
+                for fe in fences:
+                    fe.wait(30)
+                    assert fe.stats["requests"] >= 1
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        def batches() -> None:
+            try:
+                offs = np.arange(64) * block
+                for r in range(20):
+                    hub.load_batch(storage=f, offsets=offs, lengths=block, memory=mem,
+                                   mem_offsets=data.size + offs).wait(30)
+                    if r % 4 == 0:
+                        with hub.engines.paused():
+                            pass
+                    else:
+                        hub.engines.wait_queued()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loads, args=(k,)) for k in range(4)]
+        threads.append(threading.Thread(target=batches))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        view = np.frombuffer(mem.mmap(), np.uint8)
+        assert np.array_equal(view[:data.size], data)
+        assert np.array_equal(view[data.size:], data[:64 * block])
+        hub.engines.wait_queued()
+        assert not hub.engines._queue._pending
+        del view
+        f.close()
+        mem.close()
