@@ -437,3 +437,29 @@ def test_requests_batches_and_pauses_from_many_threads_all_land(tmp_path) -> Non
         del view
         f.close()
         mem.close()
+
+
+def test_a_request_queued_out_of_step_with_the_tickets_still_completes(tmp_path, caplog) -> None:
+    """Were something to queue on the engine thread without the engines' lock, a request's
+    ticket would not be the one expected: it is filed under the ticket it got, with an error
+    logged, and still completes with its bytes (its memory held until then)."""
+    import logging
+
+    from p2phub.hub import Hub
+
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    with Hub(mode="staged") as hub:
+        mem = hub.alloc_host(4096)
+        hub.load(str(path), mem, 0, 4096).wait(30)      # the queue exists
+        q = hub.engines._queue
+        mark = q.lib.sio_queue_reserve(q.q)             # behind the Python side's back
+        with caplog.at_level(logging.ERROR, logger="p2phub.batch"):
+            fence = hub.load(str(path), mem, 0, 4096)
+        assert fence.ticket == mark + 1
+        assert "where" in caplog.text and "expected" in caplog.text
+        q.release(mark)
+        fence.wait(30)
+        assert bytes(memoryview(mem.mmap())[:4096]) == path.read_bytes()
+        assert not q._pending
+        mem.close()
