@@ -840,10 +840,7 @@ class Engines(Resource):
         """Close `engines` once everything queued before reservation `mark` (taken with the
         engines already out of the table, so nothing after it refers to them) has run."""
         q = self._queue
-        if mark is None or q is None:
-            _close_each(engines)
-            return
-        with q.reached(mark):
+        with contextlib.nullcontext() if mark is None or q is None else q.reached(mark):
             _close_each(engines)
 
     def _engine_locked(self, ops: Any, device: int) -> "_Engine":
@@ -1250,16 +1247,13 @@ class _Queue(Resource):
         self._next = t + 1
         return t
 
-    def wait_reached(self, ticket: int) -> None:
-        self.lib.sio_queue_wait_reached(self.q, ticket)
-
     @contextlib.contextmanager
     def reached(self, ticket: int) -> Iterator[None]:
         """A block run once the engine thread stands at reservation `ticket` (everything
         queued before it has run, nothing after it runs meanwhile); the reservation is
         released when the block ends, or if the wait fails."""
         try:
-            self.wait_reached(ticket)
+            self.lib.sio_queue_wait_reached(self.q, ticket)
             yield
         finally:
             self.release(ticket)
