@@ -67,6 +67,7 @@ from .backend import check_range
 from .errors import P2PHubOSError, UsageError
 from .memory import CopyTarget, Memory
 from .ordering.core import FencedAccess
+from .ordering.errors import FenceTimeout
 from .ordering.tracker import AccessKind, next_seq
 from .files import StorageFile
 from .staged import ALIGN, MODE_STAGED, Fence, HostOps, Stager
@@ -86,7 +87,14 @@ DEFAULT_SLOTS = 256
 # H200's virtio disk O_DIRECT reads of 1-16 MiB ran 1.0x-1.3x buffered ones, and 2-5x on the
 # development host (docs/benchmarks.md, "Large reads O_DIRECT by default")
 DEFAULT_BUFFERED_FROM = 0
+# A read batch of at most this many entries (and _REQUEST_BYTES) goes to the engine thread as
+# single requests: no planned hand-over. On an H100 machine a one-entry 4 KiB batch then took
+# 125-154 us at p50 against 145-176 planned (docs/benchmarks.md, "Small batches as requests");
+# at 4 entries and more the planned batch is level or ahead
+DEFAULT_REQUEST_ENTRIES = 2
 _OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
+_MAX_REQUEST_ENTRIES = 64   # configure_batch(request_entries=) at most
+_REQUEST_BYTES = 256 << 10  # ... and a batch of more bytes is planned (its time is the disk's)
 _MAX_OPEN_FILES = 64     # paths whose open file the engines keep for per-request loads
 _now = time.perf_counter
 
@@ -96,6 +104,7 @@ class BatchFence(Fence):
     None; ``results``: per entry, the bytes moved or -errno, once complete."""
 
     _job: "_Job | None" = None   # its run, while neither the worker nor a waiter took it
+    _last: "RequestFence | None" = None   # a small batch sent as single requests: its last
 
     def __init__(self, what: str, nbytes: int, count: int) -> None:
         super().__init__(what, nbytes)
@@ -108,6 +117,21 @@ class BatchFence(Fence):
         once someone took it."""
         self._job = job
 
+    def set_requests(self, last: "RequestFence | None") -> None:
+        """Sent as single requests, of which `last` was queued last (None: not sent)."""
+        self._last = last
+
+    def complete(self, err: BaseException | None) -> None:
+        """Complete the entries' fences by their results, then this one with `err`."""
+        res = self.results
+        if self.entries is not None:
+            for i, ef in enumerate(self.entries):
+                if res[i] < 0:
+                    ef._finish(P2PHubOSError(int(-res[i]), f"{ef.what}"))
+                else:
+                    ef._finish(err if err is not None and res[i] == 0 else None)
+        self._finish(err)
+
     def _block(self, timeout: float | None) -> None:
         # A thread that waits with no limit runs the batch itself when the worker has not
         # begun it: two thread hand-overs fewer on the path of a batch waited on at once.
@@ -117,6 +141,17 @@ class BatchFence(Fence):
         if (job is not None and timeout is None and threading.current_thread() is not job.worker.t
                 and job.started() and job.claim()):
             job.run()
+        last = self._last
+        if last is not None and not self._done:
+            # sent as requests: collect their results here, as a request's waiter does (the
+            # engine thread completes them in queue order: the last one, all of them)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                last.exception(timeout)
+            except FenceTimeout:
+                return
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         super()._block(timeout)
 
 
@@ -741,7 +776,8 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
                     buffered_from: int = DEFAULT_BUFFERED_FROM, *,
                     fixed_buffers: bool = True, io_thread: bool = False,
                     split: int | None = None, inflight: int | None = None,
-                    poll: bool = False) -> None:
+                    poll: bool = False,
+                    request_entries: int = DEFAULT_REQUEST_ENTRIES) -> None:
     """The batch engine's settings: `depth` I/Os in flight, `slots` staging slots of `slot`
     bytes (slot x slots bytes of pinned memory, allocated on the first batch; an entry larger
     than a slot is read in slot-sized pieces; a run whose entries average twice a slot or more
@@ -762,11 +798,15 @@ def configure_batch(hub: "Hub", depth: int = DEFAULT_DEPTH, slot: int = DEFAULT_
     virtio disks measured in docs/benchmarks.md). Reads in place into host memory and reads
     through the page cache are neither cut nor counted.
     `poll=True`: the engine polls for completions instead of sleeping (a busy host's wake-up
-    latency is not paid, a CPU is spent while the disk works)."""
+    latency is not paid, a CPU is spent while the disk works).
+    `request_entries`: a load_batch of at most this many entries into host or CUDA memory
+    (paths or fds, no NVMe namespace) is queued as that many single requests, which the
+    engine thread runs together as hub.load's are; ``fence.stats["requests"]`` counts them,
+    the engine's own figures are not collected for it (0: every batch is planned)."""
     hub._check_open()
     hub.engines.configure_batch(depth, slot, slots, buffered_from, fixed_buffers=fixed_buffers,
                                 io_thread=io_thread, split=split, inflight=inflight,
-                                poll=poll)
+                                poll=poll, request_entries=request_entries)
 
 
 class Engines(Resource):
@@ -780,7 +820,8 @@ class Engines(Resource):
         self.batch_opts: dict[str, int] = {"depth": DEFAULT_DEPTH, "slot": DEFAULT_SLOT,
                                            "slots": DEFAULT_SLOTS,
                                            "buffered_from": DEFAULT_BUFFERED_FROM,
-                                           "options": _OPT_NO_IO_THREAD}
+                                           "options": _OPT_NO_IO_THREAD,
+                                           "request_entries": DEFAULT_REQUEST_ENTRIES}
         self.batch_split: int | None = None
         self.batch_inflight: int | None = None
         self.staged_opts: dict[str, int] = {}
@@ -804,7 +845,8 @@ class Engines(Resource):
 
     def configure_batch(self, depth: int, slot: int, slots: int, buffered_from: int, *,
                         fixed_buffers: bool, io_thread: bool, split: int | None = None,
-                        inflight: int | None = None, poll: bool = False) -> None:
+                        inflight: int | None = None, poll: bool = False,
+                        request_entries: int = DEFAULT_REQUEST_ENTRIES) -> None:
         if not 1 <= depth <= 4096:
             raise UsageError(f"depth={depth}: want 1..4096")
         if slot <= 0 or slot % ALIGN:
@@ -817,13 +859,16 @@ class Engines(Resource):
             raise UsageError(f"split={split} must be 0 or a positive multiple of {ALIGN}")
         if inflight is not None and inflight < 0:
             raise UsageError(f"inflight={inflight} must be 0 (no bound) or positive")
+        if not 0 <= request_entries <= _MAX_REQUEST_ENTRIES:
+            raise UsageError(f"request_entries={request_entries}: want 0..{_MAX_REQUEST_ENTRIES}")
         with self._lock:
             engines, self._batch, self._routes = list(self._batch.values()), {}, {}
             self.batch_opts = {"depth": depth, "slot": slot, "slots": slots,
                                "buffered_from": buffered_from,
                                "options": (0 if fixed_buffers else _OPT_NO_FIXED)
                                | (0 if io_thread else _OPT_NO_IO_THREAD)
-                               | (_OPT_POLL if poll else 0)}
+                               | (_OPT_POLL if poll else 0),
+                               "request_entries": request_entries}
             self.batch_split = split
             self.batch_inflight = inflight
             mark = self._queue.reserve() if self._queue is not None and engines else None
@@ -880,6 +925,24 @@ class Engines(Resource):
                 route = self._routes[(target.ops, target.ordinal)] = (eng.handle(), eng.path)
             req.submit_path = route[1]
             (self._queue or self._open_queue()).push(route[0], req)
+
+    def push_many(self, reqs: list["RequestFence"], mems: list["_Mem"]) -> None:
+        """Queue requests back to back (reqs[i] into mems[i]) under one hold of the lock, so
+        the engine thread takes them in one run; nothing is queued if the first cannot be."""
+        with self._lock:
+            if self._stopping or self._closed:
+                self._check_taking()
+            routes = []
+            for m in mems:
+                route = self._routes.get((m.ops, m.device))
+                if route is None:
+                    eng = self._engine_locked(m.ops, m.device)
+                    route = self._routes[(m.ops, m.device)] = (eng.handle(), eng.path)
+                routes.append(route)
+            q = self._queue or self._open_queue()
+            for req, route in zip(reqs, routes):
+                req.submit_path = route[1]
+                q.push(route[0], req)
 
     def enqueue_batch(self, job: tuple[Any, ...]) -> None:
         """Queue a batch: its place on the engine thread is reserved now (so requests queued
@@ -1079,8 +1142,11 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     fence = BatchFence(f"{verb}_batch of {p.n} entries", p.total, p.n)
     if per_entry:
         fence.entries = [Fence(f"{verb}_batch entry {i}", int(p.length[i])) for i in range(p.n)]
-    fence.results = np.zeros(p.n, np.int64)
     fence.stats["io"] = {f.name: _io_name(f, p.buffered_from) for f in p.files if f.fd >= 0}
+    if (not write and p.n <= hub.engines.batch_opts["request_entries"]
+            and p.total <= _REQUEST_BYTES and _as_requests(p)):
+        return _send_requests(hub, p, fence)
+    fence.results = np.zeros(p.n, np.int64)
     held: list[Memory] = []
     try:
         for m in p.mems:
@@ -1107,6 +1173,91 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
         _release(held, p)
         raise
     return fence
+
+
+def _as_requests(p: _Plan) -> bool:
+    """The planned read batch can go to the engine thread as single requests: files the
+    batch does not own (the engines' open files, fds given), one fd each, memory the engine
+    copies to itself, no NVMe namespace."""
+    if p.namespaces:
+        return False
+    for f in p.files:
+        if f.owned or f.fd_buffered >= 0:
+            return False
+    for m in p.mems:
+        if m is not None and (m.cpu_map is not None or not _engine_copies(m.ops)):
+            return False
+    return True
+
+
+def _send_requests(hub: "Hub", p: _Plan, fence: BatchFence) -> BatchFence:
+    """Queue a small read batch's entries as single requests, back to back (the engine
+    thread runs them as one submission, with whatever else is queued); the fence completes
+    with the last of them. Like any batch, the entries are not ordered accesses of the
+    memory (hub.load's are)."""
+    t0 = _now()
+    off, ln, mo = p.off.tolist(), p.length.tolist(), p.moff.tolist()
+    si, mi = p.sidx.tolist(), p.midx.tolist()
+    reqs: list[RequestFence] = []
+    mems: list[_Mem] = []
+    for i in range(p.n):
+        f, m = p.files[si[i]], p.mems[mi[i]]
+        reqs.append(RequestFence(f.name, False, m.reg, None, f.fd, False, off[i], mo[i],
+                                 m.ptr + mo[i], ln[i], (1 if f.direct else 0) | (2 if m.cuda else 0),
+                                 None, False))
+        mems.append(m)
+    held: list[Memory] = []
+    try:
+        for m in p.mems:
+            if m is not None and not m.cuda and m.reg.mode == MODE_STAGED:
+                hub.engines.batch_engine(m.ops, m.device).register_memory(m.ptr, m.length,
+                                                                         m.reg.what)
+        for r in reqs:
+            r.reg.hold()
+            held.append(r.reg)
+        left = [p.n]
+        count = threading.Lock()
+
+        def one_done(_req: Any) -> None:
+            with count:
+                left[0] -= 1
+                if left[0]:
+                    return
+            _requests_done(p, reqs, fence, t0)
+
+        for r in reqs:
+            r.add_done_callback(one_done)
+        fence.set_requests(reqs[-1])
+        hub.engines.push_many(reqs, mems)
+    except BaseException:
+        fence.set_requests(None)
+        for reg in held:
+            reg.unhold()
+        raise
+    return fence
+
+
+def _requests_done(p: _Plan, reqs: list[RequestFence], fence: BatchFence, t0: float) -> None:
+    """A batch sent as requests: every request completed."""
+    import numpy as np
+    excs = [r.exception(0) for r in reqs]
+    res = [r.nbytes if e is None else -(getattr(e, "errno", None) or errno.EIO)
+           for r, e in zip(reqs, excs)]
+    fence.results = np.array(res, np.int64)
+    err: BaseException | None = None
+    bad = [i for i, v in enumerate(res) if v < 0]
+    if bad:
+        i = bad[0]
+        more = f" (and {len(bad) - 1} more entries)" if len(bad) > 1 else ""
+        f = p.files[int(p.sidx[i])]
+        err = P2PHubOSError(-res[i], f"entry {i}: read {f.name or f.target}"
+                            f"[{int(p.off[i])}:+{int(p.length[i])}]{more}")
+        err.__cause__ = excs[i]
+    dt = _now() - t0
+    fence.stats.update(seconds=dt, gbps=(fence.nbytes / dt / 1e9) if dt > 0 else 0.0,
+                       entries=p.n, per_s=(p.n / dt) if dt > 0 else 0.0, requests=p.n,
+                       submit_path=reqs[0].submit_path)
+    fence.complete(err)
 
 
 class _Job:
@@ -1390,6 +1541,12 @@ class RequestFence(Fence, FencedAccess):
     def direct(self) -> bool:
         return bool(self.flags & 1)
 
+    @property
+    def ordered(self) -> bool:
+        """An ordered access of its memory (a batch's entries sent as requests are not),
+        until it completes."""
+        return self._ordering is not None
+
     @property  # type: ignore[override]
     def stats(self) -> dict[str, Any]:
         """Once complete: its seconds, the length of the engine run it went in (`requests`),
@@ -1489,7 +1646,8 @@ def _settle(done: list[tuple[Any, int, int]]) -> None:
             reqs = g[1]
         reqs.append(req)    # type: ignore[union-attr]
     for reg, reqs in groups.values():
-        reg.ordering.retire_all(reqs)
+        # (a batch's entries sent as requests are no ordered access: no range to retire)
+        reg.ordering.retire_all([r for r in reqs if r.ordered])
         reg.unhold(len(reqs))
 
 
@@ -1819,12 +1977,4 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
             _release(held, p)
         except BaseException as exc:  # noqa: BLE001
             err = err or exc
-        if fence.entries is not None:
-            for i, ef in enumerate(fence.entries):
-                if res[i] < 0:
-                    ef._finish(P2PHubOSError(int(-res[i]), f"{ef.what}"))
-                elif err is not None and res[i] == 0:
-                    ef._finish(err)
-                else:
-                    ef._finish()
-        fence._finish(err)
+        fence.complete(err)

@@ -61,6 +61,21 @@ def test_scattered_reads_into_gpu_memory(torch, src, size, io_thread) -> None:
             assert f.stats["copies"] >= 1 and f.stats["io_thread"] is io_thread
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_batch_of_few_small_reads_into_gpu_memory_goes_as_requests(torch, src, n) -> None:
+    path, data = src
+    t = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    offs, lens, dsts = [5 * MiB, 123][:n], [64 * KiB, 4096][:n], [256 * KiB, 8][:n]
+    with Hub(mode="staged") as hub, hub.register(t) as reg:
+        f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg,
+                           mem_offsets=dsts)
+        f.wait(60)
+        assert f.stats["requests"] == n and list(f.results) == lens
+        for o, ln, d in zip(offs, lens, dsts):
+            assert bytes(t[d:d + ln].cpu().numpy()) == data[o:o + ln].tobytes()
+        assert reg.holds == 0
+
+
 def test_mixed_gpu_and_host_registrations_and_save(torch, src, tmp_path) -> None:
     path, data = src
     t = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")

@@ -1,0 +1,176 @@
+"""A load_batch of one or two small reads into host memory goes to the engine thread as single
+requests (configure_batch's request_entries): the bytes arrive (checked against the file),
+the fence, its results and per-entry fences behave as a planned batch's, a read that fails
+while running is named by entry, nothing is left held or open, and larger batches, hub.open()
+files and request_entries=0 are planned as before."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from p2phub import batch
+from p2phub.errors import P2PHubOSError, UsageError
+from p2phub.hub import Hub
+from p2phub.ordering import AccessKind, FenceError
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture()
+def hub():
+    h = Hub(mode="staged")
+    yield h
+    h.close()
+
+
+@pytest.fixture()
+def disk_file(tmp_path):
+    p = tmp_path / "data.bin"
+    data = np.random.default_rng(11).integers(0, 256, 4 * MiB + 100, dtype=np.uint8)
+    data.tofile(p)
+    return str(p), data
+
+
+@pytest.mark.parametrize("n,direct", [(1, True), (2, True), (2, False)])
+def test_a_batch_of_few_small_reads_goes_as_single_requests(hub, disk_file, n, direct) -> None:
+    path, data = disk_file
+    mem = bytearray(MiB)
+    with hub.register(mem) as reg:
+        offs = [3 * MiB + 4096, 123][:n]
+        lens = [4096, 64 * KiB - 5][:n]
+        dsts = [512 * KiB, 7][:n]
+        f = hub.load_batch(storage=path, offsets=offs, lengths=lens, memory=reg,
+                           mem_offsets=dsts, per_entry=True, direct=direct)
+        f.wait(30)
+        for o, ln, d in zip(offs, lens, dsts):
+            assert bytes(mem[d:d + ln]) == data[o:o + ln].tobytes()
+        assert list(f.results) == lens
+        assert f.stats["requests"] == n and "pieces" not in f.stats
+        assert f.stats["entries"] == n and f.stats["submit_path"] in ("io_uring", "aio")
+        assert f.stats["io"] == {path: "O_DIRECT" if direct else "buffered"}
+        assert all(e.done() and e.exception() is None for e in f.entries)
+        assert reg.holds == 0 and len(reg.ordering) == 0
+
+
+def test_the_entry_form_and_an_fd_go_as_requests_too(hub, disk_file) -> None:
+    path, data = disk_file
+    mem = bytearray(64 * KiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with hub.register(mem) as reg:
+            f = hub.load_batch([(fd, MiB, 8 * KiB, reg, 4096)])
+            f.wait(30)
+            assert f.stats["requests"] == 1 and f.stats["io"] == {f"fd {fd}": "buffered"}
+            assert bytes(mem[4096:12 * KiB]) == data[MiB:MiB + 8 * KiB].tobytes()
+        os.fstat(fd)    # the caller's fd is still the caller's
+    finally:
+        os.close(fd)
+
+
+def test_larger_batches_hub_open_files_and_request_entries_0_are_planned(hub, disk_file) -> None:
+    path, data = disk_file
+    mem = bytearray(2 * MiB)
+    with hub.register(mem) as reg:
+        cases = {
+            "three entries": dict(storage=path, offsets=[0, 8192, 4096], lengths=4096),
+            "more bytes": dict(storage=path, offsets=[0], lengths=batch._REQUEST_BYTES + 4096),
+        }
+        with hub.open(path) as opened:
+            cases["a hub.open() file"] = dict(storage=opened, offsets=[4096], lengths=4096)
+            for what, kw in cases.items():
+                f = hub.load_batch(memory=reg, mem_offsets=np.arange(len(kw["offsets"])) * 4096,
+                                   **kw)
+                f.wait(30)
+                assert "requests" not in f.stats and f.stats["pieces"] >= 1, what
+        batch.configure_batch(hub, request_entries=0)
+        f = hub.load_batch(storage=path, offsets=[MiB], lengths=4096, memory=reg)
+        f.wait(30)
+        assert "requests" not in f.stats and f.stats["pieces"] == 1
+        assert bytes(mem[:4096]) == data[MiB:MiB + 4096].tobytes()
+        batch.configure_batch(hub, request_entries=1)
+        f = hub.load_batch(storage=path, offsets=[0, 4096], lengths=4096, memory=reg,
+                           mem_offsets=[0, 4096])
+        f.wait(30)
+        assert "requests" not in f.stats
+        f = hub.load_batch(storage=path, offsets=[8192], lengths=4096, memory=reg)
+        f.wait(30)
+        assert f.stats["requests"] == 1
+
+
+def test_request_entries_refusals(hub) -> None:
+    for bad in (-1, batch._MAX_REQUEST_ENTRIES + 1):
+        with pytest.raises(UsageError, match="request_entries"):
+            batch.configure_batch(hub, request_entries=bad)
+
+
+def test_bad_small_batches_are_refused_before_anything_is_queued(hub, disk_file) -> None:
+    path, _data = disk_file
+    mem = bytearray(64 * KiB)
+    with hub.register(mem) as reg:
+        with pytest.raises(UsageError, match="entry 1: range .* is past the end"):
+            hub.load_batch(storage=path, offsets=[0, 4 * MiB], lengths=4096, memory=reg,
+                           mem_offsets=[0, 4096])
+        with pytest.raises(UsageError, match="entry 0: memory range"):
+            hub.load_batch(storage=path, offsets=[0], lengths=4096, memory=reg,
+                           mem_offsets=[62 * KiB])
+        assert reg.holds == 0 and hub.engines._queue is None   # nothing was ever queued
+
+
+def test_a_small_batch_entry_that_fails_while_running_is_named(hub, tmp_path) -> None:
+    """The file cut short after the batch was checked: the entry past its new end fails
+    (EIO, named by entry), the other one's bytes arrive."""
+    path = tmp_path / "shrinks.bin"
+    data = np.random.default_rng(5).integers(0, 256, MiB, dtype=np.uint8)
+    data.tofile(path)
+    mem = bytearray(64 * KiB)
+    with hub.register(mem) as reg:
+        with hub.engines.paused():      # checked and queued, not yet run
+            f = hub.load_batch(storage=str(path), offsets=[0, 768 * KiB], lengths=16 * KiB,
+                               memory=reg, mem_offsets=[0, 16 * KiB], per_entry=True)
+            os.truncate(path, 640 * KiB)
+        with pytest.raises(FenceError, match=r"entry 1: read .*shrinks.bin\[786432:\+16384\]"
+                                             r": EIO") as got:
+            f.wait(30)
+        assert isinstance(got.value.__cause__, P2PHubOSError)
+        assert got.value.__cause__.errno == errno.EIO
+        assert list(f.results) == [16 * KiB, -errno.EIO]
+        assert f.entries[0].exception() is None and f.entries[1].exception() is not None
+        assert bytes(mem[:16 * KiB]) == data[:16 * KiB].tobytes()
+        assert reg.holds == 0
+
+
+def test_a_small_batch_is_no_ordered_access_as_a_planned_one_is_not(hub, disk_file) -> None:
+    """A batch does not wait for the memory's live accesses (hub.load does): the same
+    whether it is planned or sent as requests."""
+    path, data = disk_file
+    mem = bytearray(64 * KiB)
+    with hub.register(mem) as reg:
+        a = reg.ordering.acquire(0, 64 * KiB, AccessKind.GPU_READ, "a kernel reading it")
+        try:
+            f = hub.load_batch(storage=path, offsets=[4096], lengths=4096, memory=reg)
+            f.wait(30)
+            assert f.stats["requests"] == 1
+            assert reg.ordering.live() == [a]
+        finally:
+            reg.ordering.retire(a)
+        assert bytes(mem[:4096]) == data[4096:8192].tobytes()
+
+
+def test_small_batches_queued_at_close_complete_and_leave_nothing(disk_file) -> None:
+    path, data = disk_file
+    h = Hub(mode="staged")
+    mem = bytearray(MiB)
+    reg = h.register(mem)
+    fences = [h.load_batch(storage=path, offsets=[k * 8192], lengths=4096, memory=reg,
+                           mem_offsets=[k * 4096]) for k in range(100)]
+    h.close()
+    for k, f in enumerate(fences):
+        assert f.done() and f.exception() is None and f.stats["requests"] == 1
+        assert bytes(mem[k * 4096:(k + 1) * 4096]) == data[k * 8192:k * 8192 + 4096].tobytes()
+    assert reg.holds == 0
+    with pytest.raises(UsageError, match="closed"):
+        h.load_batch(storage=path, offsets=[0], lengths=4096, memory=reg)
