@@ -27,8 +27,23 @@
 #define SIOQ_REAP_DELAY_NS 8000000LL
 #define SIOQ_REAP_BATCH 2048
 /* a thread whose wait just ended collects the results itself this soon: the reaper stands
- * back meanwhile rather than take the GIL from it */
+ * back meanwhile rather than take the GIL from it; and as long, from the results' arrival,
+ * while a thread whose ticket completed has yet to wake for it */
 #define SIOQ_HANDOFF_NS 100000LL
+/* A waiter first spins this long for its ticket (without the lock) before it sleeps, where
+ * the machine has SIOQ_SPIN_CPUS CPUs or more: the wake-up of a sleeping thread costs tens
+ * of microseconds on a virtual machine, and more the longer it slept, as much as a 4 KiB
+ * read; on fewer CPUs the spinning would take one from the engine thread. */
+#define SIOQ_SPIN_NS 60000LL
+#define SIOQ_SPIN_CPUS 4
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() do { } while (0)
+#endif
 
 struct sioq_part;
 
@@ -76,6 +91,9 @@ struct sio_queue {
     unsigned long long head, next, completed, reaped;
     unsigned long long parked;      /* 1 + the reservation the thread waits at; 0: none */
     unsigned reach_waiters;         /* threads in sio_queue_wait_reached */
+    unsigned ticket_waiters;        /* threads in sio_queue_wait */
+    unsigned long long wait_low;    /* the lowest ticket one of them waits for (~0: none) */
+    long long spin_ns;              /* sio_queue_wait spins this long before it sleeps */
     int stop;
     int started;
     int idle;                       /* the thread waits for an item */
@@ -298,7 +316,8 @@ static void *queue_main(void *arg)
             n = run_requests(q);
         }
         q->next += n;
-        q->completed = q->next;
+        /* (read without mu by spinning waiters) */
+        __atomic_store_n(&q->completed, q->next, __ATOMIC_RELEASE);
         /* a reservation with every result before it collected: nobody needs to collect
          * it (the reaper would take the GIL from the batch's own thread to do nothing),
          * and nobody waits for it (its batch's runners wait on finish): no one to wake */
@@ -326,6 +345,8 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
     if (!q)
         goto nomem;
     q->cap = capacity;
+    q->wait_low = ~0ULL;
+    q->spin_ns = sysconf(_SC_NPROCESSORS_ONLN) >= SIOQ_SPIN_CPUS ? SIOQ_SPIN_NS : 0;
     q->ring = calloc(capacity, sizeof(*q->ring));
     q->r_fd = calloc(SIOQ_MAX_RUN, sizeof(*q->r_fd));
     q->r_off = calloc(SIOQ_MAX_RUN, sizeof(*q->r_off));
@@ -506,20 +527,55 @@ void sio_queue_release(struct sio_queue *q, unsigned long long ticket)
     pthread_mutex_unlock(&q->mu);
 }
 
+void sio_queue_set_spin(struct sio_queue *q, long long ns)
+{
+    pthread_mutex_lock(&q->mu);
+    q->spin_ns = ns > 0 ? ns : 0;
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Spin until ticket completes or ns pass (mu not held). */
+static void spin_for(struct sio_queue *q, unsigned long long ticket, long long ns)
+{
+    long long end = now_ns() + ns;
+    unsigned i = 0;
+
+    while (__atomic_load_n(&q->completed, __ATOMIC_ACQUIRE) <= ticket) {
+        cpu_relax();
+        if (!(++i & 63) && now_ns() >= end)
+            break;
+    }
+}
+
 int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long timeout_ns)
 {
     struct timespec dl;
+    long long spin;
     int done;
 
     pthread_mutex_lock(&q->mu);
     if (timeout_ns >= 0)
         deadline_in(&dl, timeout_ns);
+    /* the reaper leaves a completed ticket's results to the thread registered for it */
+    q->ticket_waiters++;
+    if (ticket < q->wait_low)
+        q->wait_low = ticket;
+    spin = q->spin_ns;
+    if (timeout_ns >= 0 && timeout_ns < spin)
+        spin = timeout_ns;
+    if (q->completed <= ticket && spin > 0) {
+        pthread_mutex_unlock(&q->mu);
+        spin_for(q, ticket, spin);
+        pthread_mutex_lock(&q->mu);
+    }
     while (q->completed <= ticket) {
         if (timeout_ns < 0)
             pthread_cond_wait(&q->done, &q->mu);
         else if (pthread_cond_timedwait(&q->done, &q->mu, &dl) == ETIMEDOUT)
             break;
     }
+    if (!--q->ticket_waiters)
+        q->wait_low = ~0ULL;
     done = q->completed > ticket;
     if (done)
         q->handoff_ns = now_ns();
@@ -529,32 +585,41 @@ int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long tim
 
 long long sio_queue_wait_results(struct sio_queue *q, long long timeout_ns)
 {
-    struct timespec dl;
-    long long first = 0, left;
+    struct timespec end, dl;
+    long long first, left;
 
     pthread_mutex_lock(&q->mu);
-    deadline_in(&dl, timeout_ns);
-    while (q->completed == q->reaped && !(q->stop && q->reaped == q->head))
-        if (pthread_cond_timedwait(&q->done, &q->mu, &dl) == ETIMEDOUT)
-            break;
-    /* while the engine runs more, let results gather: one wake-up per many (it publishes
-     * results at the end of each run and broadcasts done; it holds mu from there until it
-     * waits idle or starts the next run, so idle is what it will do next); and leave them
-     * to a waiter that just woke for them */
-    while (q->completed > q->reaped && q->completed - q->reaped < SIOQ_REAP_BATCH &&
-           !q->stop) {
-        long long now = now_ns(), handoff = q->handoff_ns + SIOQ_HANDOFF_NS - now;
+    deadline_in(&end, timeout_ns);
+    for (;;) {
+        while (q->completed == q->reaped && !(q->stop && q->reaped == q->head))
+            if (pthread_cond_timedwait(&q->done, &q->mu, &end) == ETIMEDOUT)
+                goto out;
+        /* while the engine runs more, let results gather: one wake-up per many (it
+         * publishes results at the end of each run and broadcasts done; it holds mu from
+         * there until it waits idle or starts the next run, so idle is what it will do
+         * next); and leave them to a waiter that woke, or is to wake, for them */
+        first = 0;
+        while (q->completed > q->reaped && q->completed - q->reaped < SIOQ_REAP_BATCH &&
+               !q->stop) {
+            long long now = now_ns(), handoff = q->handoff_ns + SIOQ_HANDOFF_NS - now;
 
-        if (q->idle && handoff <= 0)
+            if (!first)
+                first = now;
+            if (q->ticket_waiters && q->wait_low < q->completed)
+                handoff = SIOQ_HANDOFF_NS - (now - first);
+            if (q->idle && handoff <= 0)
+                break;
+            left = SIOQ_REAP_DELAY_NS - (now - first);
+            if (left <= 0)
+                break;
+            deadline_in(&dl, q->idle && handoff < left ? handoff : left);
+            pthread_cond_timedwait(&q->done, &q->mu, &dl);
+        }
+        if (q->completed > q->reaped || q->stop)
             break;
-        if (!first)
-            first = now;
-        left = SIOQ_REAP_DELAY_NS - (now - first);
-        if (left <= 0)
-            break;
-        deadline_in(&dl, q->idle && handoff < left ? handoff : left);
-        pthread_cond_timedwait(&q->done, &q->mu, &dl);
+        /* a waiter collected them all: wait for the next ones, here rather than in Python */
     }
+out:
     left = q->stop && q->reaped == q->head ? -1 : (long long)(q->completed - q->reaped);
     pthread_mutex_unlock(&q->mu);
     return left;
