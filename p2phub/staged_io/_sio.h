@@ -172,11 +172,9 @@ int sio_queue_run(struct sio_queue *q, unsigned long long ticket, int release,
 void sio_queue_wait_reached(struct sio_queue *q, unsigned long long ticket);
 void sio_queue_release(struct sio_queue *q, unsigned long long ticket);
 
-/* 1 once item `ticket` has completed, 0 after timeout_ns (< 0: no limit). Spins for the
- * queue's spin time first (sio_queue_set_spin; by default 60 us on a machine of 4 CPUs or
- * more, else none), then sleeps. */
+/* 1 once item `ticket` has completed, 0 after timeout_ns (< 0: no limit). The reaper leaves
+ * the results of a completed ticket that a thread waits for to that thread. */
 int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long timeout_ns);
-void sio_queue_set_spin(struct sio_queue *q, long long ns);
 /* For the thread that collects results: wait up to timeout_ns for some (while requests keep
  * arriving, a little longer, so that one wake-up collects many); how many are ready, or -1
  * once the queue is closed and all were collected. */

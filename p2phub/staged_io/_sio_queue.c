@@ -30,20 +30,6 @@
  * back meanwhile rather than take the GIL from it; and as long, from the results' arrival,
  * while a thread whose ticket completed has yet to wake for it */
 #define SIOQ_HANDOFF_NS 100000LL
-/* A waiter first spins this long for its ticket (without the lock) before it sleeps, where
- * the machine has SIOQ_SPIN_CPUS CPUs or more: the wake-up of a sleeping thread costs tens
- * of microseconds on a virtual machine, and more the longer it slept, as much as a 4 KiB
- * read; on fewer CPUs the spinning would take one from the engine thread. */
-#define SIOQ_SPIN_NS 60000LL
-#define SIOQ_SPIN_CPUS 4
-
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield")
-#else
-#define cpu_relax() do { } while (0)
-#endif
 
 struct sioq_part;
 
@@ -93,7 +79,6 @@ struct sio_queue {
     unsigned reach_waiters;         /* threads in sio_queue_wait_reached */
     unsigned ticket_waiters;        /* threads in sio_queue_wait */
     unsigned long long wait_low;    /* the lowest ticket one of them waits for (~0: none) */
-    long long spin_ns;              /* sio_queue_wait spins this long before it sleeps */
     int stop;
     int started;
     int idle;                       /* the thread waits for an item */
@@ -316,8 +301,7 @@ static void *queue_main(void *arg)
             n = run_requests(q);
         }
         q->next += n;
-        /* (read without mu by spinning waiters) */
-        __atomic_store_n(&q->completed, q->next, __ATOMIC_RELEASE);
+        q->completed = q->next;
         /* a reservation with every result before it collected: nobody needs to collect
          * it (the reaper would take the GIL from the batch's own thread to do nothing),
          * and nobody waits for it (its batch's runners wait on finish): no one to wake */
@@ -346,7 +330,6 @@ struct sio_queue *sio_queue_open(unsigned long long capacity, char *err, int err
         goto nomem;
     q->cap = capacity;
     q->wait_low = ~0ULL;
-    q->spin_ns = sysconf(_SC_NPROCESSORS_ONLN) >= SIOQ_SPIN_CPUS ? SIOQ_SPIN_NS : 0;
     q->ring = calloc(capacity, sizeof(*q->ring));
     q->r_fd = calloc(SIOQ_MAX_RUN, sizeof(*q->r_fd));
     q->r_off = calloc(SIOQ_MAX_RUN, sizeof(*q->r_off));
@@ -527,30 +510,9 @@ void sio_queue_release(struct sio_queue *q, unsigned long long ticket)
     pthread_mutex_unlock(&q->mu);
 }
 
-void sio_queue_set_spin(struct sio_queue *q, long long ns)
-{
-    pthread_mutex_lock(&q->mu);
-    q->spin_ns = ns > 0 ? ns : 0;
-    pthread_mutex_unlock(&q->mu);
-}
-
-/* Spin until ticket completes or ns pass (mu not held). */
-static void spin_for(struct sio_queue *q, unsigned long long ticket, long long ns)
-{
-    long long end = now_ns() + ns;
-    unsigned i = 0;
-
-    while (__atomic_load_n(&q->completed, __ATOMIC_ACQUIRE) <= ticket) {
-        cpu_relax();
-        if (!(++i & 63) && now_ns() >= end)
-            break;
-    }
-}
-
 int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long timeout_ns)
 {
     struct timespec dl;
-    long long spin;
     int done;
 
     pthread_mutex_lock(&q->mu);
@@ -560,14 +522,6 @@ int sio_queue_wait(struct sio_queue *q, unsigned long long ticket, long long tim
     q->ticket_waiters++;
     if (ticket < q->wait_low)
         q->wait_low = ticket;
-    spin = q->spin_ns;
-    if (timeout_ns >= 0 && timeout_ns < spin)
-        spin = timeout_ns;
-    if (q->completed <= ticket && spin > 0) {
-        pthread_mutex_unlock(&q->mu);
-        spin_for(q, ticket, spin);
-        pthread_mutex_lock(&q->mu);
-    }
     while (q->completed <= ticket) {
         if (timeout_ns < 0)
             pthread_cond_wait(&q->done, &q->mu);

@@ -465,15 +465,12 @@ def test_a_request_queued_out_of_step_with_the_tickets_still_completes(tmp_path,
         mem.close()
 
 
-@pytest.mark.parametrize("spin_us", [0, 200])
-def test_a_waited_request_is_collected_by_its_waiter_whenever_it_comes(tmp_path,
-                                                                       spin_us: int) -> None:
+def test_a_waited_request_is_collected_by_its_waiter_whenever_it_comes(tmp_path) -> None:
     """Lone loads a millisecond apart, each waited on at once: the waiting thread collects
     its own result (the results collector, woken by the same completion, stands back for a
     thread registered for it) rather than a second thread taking the GIL and completing the
-    fence; with the waiter spinning first (the default on machines of 4 CPUs and more) as
-    without. A wait that times out during the spin still times out, and a fence left
-    unwaited is still completed by the collector. Bytes checked against the file."""
+    fence. A wait that times out still times out, and a fence left unwaited is still
+    completed by the collector. Bytes checked against the file."""
     import threading
     import time
 
@@ -490,7 +487,6 @@ def test_a_waited_request_is_collected_by_its_waiter_whenever_it_comes(tmp_path,
         view = np.frombuffer(mem.mmap(), np.uint8)
         hub.load(str(path), mem, 0, 4096).wait(30)          # the queue exists
         q = hub.engines._queue
-        q.lib.sio_queue_set_spin(q.q, spin_us * 1000)
         by: list[str] = []
         for k in range(100):
             time.sleep(0.001)
@@ -505,7 +501,7 @@ def test_a_waited_request_is_collected_by_its_waiter_whenever_it_comes(tmp_path,
         with hub.engines.paused():
             f = hub.load(str(path), mem, 0, 4096)
             with pytest.raises(FenceTimeout):
-                f.wait(0.00005)           # inside the spin
+                f.wait(0.00005)
             with pytest.raises(FenceTimeout):
                 f.wait(0.001)
         f.wait(30)
