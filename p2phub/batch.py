@@ -89,8 +89,8 @@ DEFAULT_SLOTS = 256
 DEFAULT_BUFFERED_FROM = 0
 # A read batch of at most this many entries (and _REQUEST_BYTES) goes to the engine thread as
 # single requests: no planned hand-over. On an H100 machine a one-entry 4 KiB batch then took
-# 125-154 us at p50 against 145-176 planned (docs/benchmarks.md, "Small batches as requests");
-# at 4 entries and more the planned batch is level or ahead
+# 96-139 us at p50 (median 123) against 125-134 (133) planned (docs/benchmarks.md, "Small
+# batches as requests"); at 4 entries and more the planned batch is level or ahead
 DEFAULT_REQUEST_ENTRIES = 2
 _OPT_NO_FIXED, _OPT_NO_IO_THREAD, _OPT_POLL = 1, 2, 4   # SIO_OPT_* of staged_io/_sio.h
 _MAX_REQUEST_ENTRIES = 64   # configure_batch(request_entries=) at most
@@ -1216,10 +1216,10 @@ def _send_requests(hub: "Hub", p: _Plan, fence: BatchFence) -> BatchFence:
             r.reg.hold()
             held.append(r.reg)
         left = [p.n]
-        count = threading.Lock()
+        lock = threading.Lock()
 
         def one_done(_req: Any) -> None:
-            with count:
+            with lock:      # (completions may come on two threads at once)
                 left[0] -= 1
                 if left[0]:
                     return
