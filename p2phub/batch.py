@@ -26,6 +26,9 @@ await, on_stream); with ``per_entry=True``, ``fence.entries`` holds one fence pe
 figures and, per file, whether it was read with O_DIRECT or through the page cache (by
 default, ``direct="auto"``, every read is O_DIRECT where the file system has it;
 ``configure_batch(buffered_from=N)`` sends entries of N bytes and up through the page cache).
+A read batch of one or two small entries (``configure_batch(request_entries=)``) is checked
+the same way and then queued as single requests, as hub.load's are: its ``fence.stats`` has
+``requests`` and no engine figures.
 
 Files go through p2phub's staged I/O engine (p2phub.staged_io): io_uring in C, a deep
 queue, staging slots registered with the ring (fixed buffers) and reused. A load into GPU
