@@ -174,3 +174,34 @@ def test_small_batches_queued_at_close_complete_and_leave_nothing(disk_file) -> 
     assert reg.holds == 0
     with pytest.raises(UsageError, match="closed"):
         h.load_batch(storage=path, offsets=[0], lengths=4096, memory=reg)
+
+
+def test_a_small_batch_times_out_then_completes_and_can_be_awaited(hub, disk_file) -> None:
+    """A wait with a limit on a small batch held behind paused() times out and leaves it
+    queued; it completes once the engine thread goes on, its bytes right; an asyncio await of
+    another one returns once its read landed (completed by the collector thread)."""
+    import asyncio
+
+    from p2phub.ordering import FenceTimeout
+
+    path, data = disk_file
+    mem = bytearray(64 * KiB)
+    with hub.register(mem) as reg:
+        with hub.engines.paused():
+            f = hub.load_batch(storage=path, offsets=[8192], lengths=4096, memory=reg)
+            with pytest.raises(FenceTimeout):
+                f.wait(0.01)
+            assert not f.done()
+        f.wait(30)
+        assert bytes(mem[:4096]) == data[8192:12288].tobytes()
+
+        async def restore() -> None:
+            g = hub.load_batch(storage=path, offsets=[MiB, 2 * MiB], lengths=4096, memory=reg,
+                               mem_offsets=[4096, 8192])
+            await asyncio.wait_for(g, 30)
+            assert g.stats["requests"] == 2
+
+        asyncio.run(restore())
+        assert bytes(mem[4096:8192]) == data[MiB:MiB + 4096].tobytes()
+        assert bytes(mem[8192:12288]) == data[2 * MiB:2 * MiB + 4096].tobytes()
+        assert reg.holds == 0
