@@ -60,6 +60,14 @@ EXIT_KLOG = 126
 
 GPU_MEM_BYTES = 64 << 20
 BOOT_ATTEMPTS = 3
+# A guest that has not started the lab script (guest.log) this long after QEMU started is stuck
+# in its boot: the VM is killed and booted again. A TCG boot takes ~30 s here, a debug kernel's
+# a few minutes. P2PHUB_LAB_BOOT_HANG_S overrides it (tests of this path).
+BOOT_HANG_S = int(os.environ.get("P2PHUB_LAB_BOOT_HANG_S", "600"))
+
+
+class _BootHang(Exception):
+    """The VM was killed: it never started the lab script."""
 
 
 def log(msg: str) -> None:
@@ -342,10 +350,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             try:
-                vm = _run_relayed(vng, env, args.timeout)
+                vm = _run_relayed(vng, env, args.timeout, run / "guest.log")
             except subprocess.TimeoutExpired:
                 log(f"timed out after {args.timeout} s (run dir {run})")
                 return EXIT_TIMEOUT
+            except _BootHang:
+                if attempt == BOOT_ATTEMPTS:
+                    log(f"the VM did not start the lab in {BOOT_HANG_S} s, {attempt} times "
+                        f"(run dir {run})")
+                    return EXIT_TIMEOUT
+                log(f"the VM did not start the lab in {BOOT_HANG_S} s; booting again "
+                    f"(attempt {attempt + 1} of {BOOT_ATTEMPTS})")
+                continue
             # A VM that died before the guest script wrote a line never ran COMMAND:
             # boot again rather than fail the command for it. Anything later is reported.
             if status_file.exists() or (run / "guest.log").exists() or attempt == BOOT_ATTEMPTS:
@@ -376,8 +392,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return status
 
 
-def _run_relayed(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    """Run vng with its output relayed through pipes.
+def _run_relayed(cmd: list[str], env: dict[str, str], timeout: int,
+                 started: Path) -> subprocess.CompletedProcess:
+    """Run vng with its output relayed through pipes; _BootHang when the guest has not
+    created `started` BOOT_HANG_S seconds in (the VM is killed).
 
     QEMU reopens the guest's stdout by path (/proc/self/fd/1) with truncation;
     handed a regular file it would overwrite what was already written there.
@@ -389,12 +407,21 @@ def _run_relayed(cmd: list[str], env: dict[str, str], timeout: int) -> subproces
               for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for t in relays:
         t.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
+    t0 = time.monotonic()
+    while True:
+        try:
+            rc = proc.wait(timeout=min(5, timeout))
+            break
+        except subprocess.TimeoutExpired:
+            now = time.monotonic() - t0
+            hung = now >= BOOT_HANG_S and not started.exists()
+            if now < timeout and not hung:
+                continue
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if hung:
+                raise _BootHang() from None
+            raise
     for t in relays:
         t.join(timeout=5)
     return subprocess.CompletedProcess(cmd, rc)
