@@ -172,6 +172,9 @@ class _File:
     size: int = 0
     name: str = ""
     regular: bool = True
+    # a hub.open() file read through its own fd (borrowed: a small batch's requests are
+    # queued behind its close's mark); a planned batch takes a duplicate (_own_borrowed)
+    storage: Any = None
 
 
 @dataclass
@@ -373,7 +376,13 @@ def _open_file(target: Any, write: bool, direct: bool, i: int,
             raise P2PHubOSError(errno.EBADF, f"entry {i}: {target.name}",
                                 f"open for {'reading' if write else 'writing'} only")
         buffered = target.direct and not direct     # an unaligned write, or direct=False
-        f.fd, f.owned, f.name = target.dup(buffered), True, target.name
+        if write or buffered:
+            f.fd, f.owned = target.dup(buffered), True
+        else:
+            if target.closing:
+                raise UsageError(f"entry {i}: {target!r} is closed")
+            f.fd, f.storage = target.fileno(), target
+        f.name = target.name
         f.direct = target.direct and not buffered
     else:
         if isinstance(target, int) and not isinstance(target, bool):
@@ -929,12 +938,17 @@ class Engines(Resource):
             req.submit_path = route[1]
             (self._queue or self._open_queue()).push(route[0], req)
 
-    def push_many(self, reqs: list["RequestFence"], mems: list["_Mem"]) -> None:
+    def push_many(self, reqs: list["RequestFence"], mems: list["_Mem"],
+                  files: list[StorageFile]) -> None:
         """Queue requests back to back (reqs[i] into mems[i]) under one hold of the lock, so
-        the engine thread takes them in one run; nothing is queued if the first cannot be."""
+        the engine thread takes them in one run; nothing is queued if the first cannot be.
+        `files`: the hub.open() files they read (as for push, none may have begun to close)."""
         with self._lock:
             if self._stopping or self._closed:
                 self._check_taking()
+            for f in files:
+                if f.closing:
+                    raise UsageError(f"{f!r} is closed")
             routes = []
             for m in mems:
                 route = self._routes.get((m.ops, m.device))
@@ -1149,6 +1163,7 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     if (not write and p.n <= hub.engines.batch_opts["request_entries"]
             and p.total <= _REQUEST_BYTES and _as_requests(p)):
         return _send_requests(hub, p, fence)
+    _own_borrowed(p)
     fence.results = np.zeros(p.n, np.int64)
     held: list[Memory] = []
     try:
@@ -1178,10 +1193,22 @@ def _batch(hub: "Hub", write: bool, entries: Any, storage: Any, offsets: Any, le
     return fence
 
 
+def _own_borrowed(p: _Plan) -> None:
+    """A planned batch reads a duplicate of each hub.open() file's fd, so that the file's
+    close never waits for (or races) the batch's planning and run."""
+    try:
+        for f in p.files:
+            if f.storage is not None:
+                f.fd, f.owned, f.storage = f.storage.dup(), True, None
+    except BaseException:
+        _close_plan(p)      # (the duplicates made so far)
+        raise
+
+
 def _as_requests(p: _Plan) -> bool:
     """The planned read batch can go to the engine thread as single requests: files the
-    batch does not own (the engines' open files, fds given), one fd each, memory the engine
-    copies to itself, no NVMe namespace."""
+    batch does not own (the engines' open files, hub.open() files, fds given), one fd each,
+    memory the engine copies to itself, no NVMe namespace."""
     if p.namespaces:
         return False
     for f in p.files:
@@ -1231,7 +1258,8 @@ def _send_requests(hub: "Hub", p: _Plan, fence: BatchFence) -> BatchFence:
         for r in reqs:
             r.add_done_callback(one_done)
         fence.set_requests(reqs[-1])
-        hub.engines.push_many(reqs, mems)
+        opened = [f.storage for f in p.files if f.storage is not None]
+        hub.engines.push_many(reqs, mems, opened)
     except BaseException:
         fence.set_requests(None)
         for reg in held:
@@ -1838,9 +1866,16 @@ def _scratch(np: Any, n: int) -> tuple[Any, Any, Any]:
     return arrs
 
 
+_SIO: Any = None
+
+
 def _sio() -> Any:
-    from .staged_io import load as load_sio
-    return load_sio()
+    """The compiled engine module (looked up once: the planner asks for it per batch)."""
+    global _SIO
+    if _SIO is None:
+        from .staged_io import load as load_sio
+        _SIO = load_sio()
+    return _SIO
 
 
 def _row_targets(np: Any, p: _Plan, sidx: Any, midx: Any, moff: Any,

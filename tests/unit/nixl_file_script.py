@@ -72,8 +72,10 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while st == "PROC" and time.monotonic() < deadline:
             st = call(key + ".check", lambda: a.check_xfer_state(h))
-        if st == "ERR" and out.get(key + ".check") is None:
-            call(key + ".check", lambda: a.check_xfer_state(h))     # how the failure is reported
+        if out.get(key + ".check") is None:
+            # asked once more whatever transfer() answered (a failure: how it is reported),
+            # so that the outcome's keys do not depend on whether the read took a while
+            call(key + ".check", lambda: a.check_xfer_state(h))
         out[key] = st if st in ("DONE", "ERR", "PROC") else out.get(key + ".check")
         call(key + ".release", lambda: a.release_xfer_handle(h))
 

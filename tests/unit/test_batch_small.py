@@ -1,8 +1,9 @@
 """A load_batch of one or two small reads into host memory goes to the engine thread as single
 requests (configure_batch's request_entries): the bytes arrive (checked against the file),
 the fence, its results and per-entry fences behave as a planned batch's, a read that fails
-while running is named by entry, nothing is left held or open, and larger batches, hub.open()
-files and request_entries=0 are planned as before."""
+while running is named by entry, nothing is left held or open, and larger batches and
+request_entries=0 are planned as before. A hub.open() file's small batch reads its own fd, queued
+behind the file's close; a planned one reads a duplicate."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_the_entry_form_and_an_fd_go_as_requests_too(hub, disk_file) -> None:
         os.close(fd)
 
 
-def test_larger_batches_hub_open_files_and_request_entries_0_are_planned(hub, disk_file) -> None:
+def test_larger_batches_and_request_entries_0_are_planned(hub, disk_file) -> None:
     path, data = disk_file
     mem = bytearray(2 * MiB)
     with hub.register(mem) as reg:
@@ -79,13 +80,11 @@ def test_larger_batches_hub_open_files_and_request_entries_0_are_planned(hub, di
             "three entries": dict(storage=path, offsets=[0, 8192, 4096], lengths=4096),
             "more bytes": dict(storage=path, offsets=[0], lengths=batch._REQUEST_BYTES + 4096),
         }
-        with hub.open(path) as opened:
-            cases["a hub.open() file"] = dict(storage=opened, offsets=[4096], lengths=4096)
-            for what, kw in cases.items():
-                f = hub.load_batch(memory=reg, mem_offsets=np.arange(len(kw["offsets"])) * 4096,
-                                   **kw)
-                f.wait(30)
-                assert "requests" not in f.stats and f.stats["pieces"] >= 1, what
+        for what, kw in cases.items():
+            f = hub.load_batch(memory=reg, mem_offsets=np.arange(len(kw["offsets"])) * 4096,
+                               **kw)
+            f.wait(30)
+            assert "requests" not in f.stats and f.stats["pieces"] >= 1, what
         batch.configure_batch(hub, request_entries=0)
         f = hub.load_batch(storage=path, offsets=[MiB], lengths=4096, memory=reg)
         f.wait(30)
@@ -99,6 +98,64 @@ def test_larger_batches_hub_open_files_and_request_entries_0_are_planned(hub, di
         f = hub.load_batch(storage=path, offsets=[8192], lengths=4096, memory=reg)
         f.wait(30)
         assert f.stats["requests"] == 1
+
+
+def test_a_hub_open_file_small_batch_reads_its_fd_and_a_planned_one_a_duplicate(hub, disk_file,
+                                                                                monkeypatch) -> None:
+    path, data = disk_file
+    mem = bytearray(MiB)
+    dups = []
+    with hub.register(mem) as reg, hub.open(path) as opened:
+        real_dup = opened.dup
+        monkeypatch.setattr(opened, "dup", lambda *a: dups.append(1) or real_dup(*a))
+        f = hub.load_batch(storage=opened, offsets=[8192, 3 * MiB], lengths=4096, memory=reg,
+                           mem_offsets=[0, 4096], per_entry=True)
+        f.wait(30)
+        assert f.stats["requests"] == 2 and not dups
+        assert f.stats["io"] == {path: "O_DIRECT" if opened.direct else "buffered"}
+        assert bytes(mem[:4096]) == data[8192:12288].tobytes()
+        assert bytes(mem[4096:8192]) == data[3 * MiB:3 * MiB + 4096].tobytes()
+        fds = None
+        for k in (1, 2):        # (the first planned batch makes the engine's staging)
+            f = hub.load_batch(storage=opened, offsets=[0, 4096, 8192], lengths=4096,
+                               memory=reg, mem_offsets=[0, 4096, 8192])
+            f.wait(30)
+            assert "requests" not in f.stats and len(dups) == k
+            assert bytes(mem[:3 * 4096]) == data[:3 * 4096].tobytes()
+            now = set(os.listdir("/proc/self/fd"))
+            assert fds is None or now == fds        # the duplicate is closed
+            fds = now
+        assert reg.holds == 0
+    # closed: refused by name, planned or not
+    for offs in ([0], [0, 4096, 8192]):
+        with pytest.raises(UsageError, match="closed"):
+            hub.load_batch(storage=opened, offsets=offs, lengths=4096, memory=reg)
+
+
+def test_a_small_batch_on_a_hub_open_file_closing_meanwhile_is_refused(hub, disk_file) -> None:
+    """The file's close begins between the batch's planning and its queueing: nothing is
+    queued on the fd the close is about to let go of."""
+    path, _data = disk_file
+    mem = bytearray(64 * KiB)
+    with hub.register(mem) as reg:
+        opened = hub.open(path)
+        real = batch._send_requests
+
+        def close_first(h, p, fence):
+            opened.closing = True       # what close() sets first, under the file's lock
+            try:
+                return real(h, p, fence)
+            finally:
+                opened.closing = False
+                opened.close()
+
+        batch._send_requests = close_first
+        try:
+            with pytest.raises(UsageError, match="closed"):
+                hub.load_batch(storage=opened, offsets=[0], lengths=4096, memory=reg)
+        finally:
+            batch._send_requests = real
+        assert reg.holds == 0 and len(reg.ordering) == 0
 
 
 def test_request_entries_refusals(hub) -> None:
