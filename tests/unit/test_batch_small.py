@@ -262,3 +262,59 @@ def test_a_small_batch_times_out_then_completes_and_can_be_awaited(hub, disk_fil
         assert bytes(mem[4096:8192]) == data[MiB:MiB + 4096].tobytes()
         assert bytes(mem[8192:12288]) == data[2 * MiB:2 * MiB + 4096].tobytes()
         assert reg.holds == 0
+
+
+def test_batches_on_a_hub_open_file_racing_its_close_read_it_or_are_refused(hub, disk_file,
+                                                                           tmp_path) -> None:
+    """Threads issue small and planned batches on a hub.open() file while it closes and its
+    fd number is taken again by another file (other bytes): each batch either is refused as
+    closed or lands the file's own bytes, and nothing is left held."""
+    import threading
+
+    path, data = disk_file
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\xee" * (4 * MiB))
+    mem = bytearray(8 * 64 * KiB)
+    with hub.register(mem) as reg:
+        for _round in range(5):
+            opened = hub.open(path)
+            go, bad, some = threading.Barrier(5), [], threading.Semaphore(0)
+
+            def issue(t: int) -> None:
+                base = t * 64 * KiB
+                go.wait()
+                for k in range(40):
+                    n = 1 + k % 3           # 1 and 2 entries go as requests, 3 are planned
+                    offs = [((t * 40 + k) * 3 + j) * 4096 % (4 * MiB) for j in range(n)]
+                    dsts = [base + j * 4096 for j in range(n)]
+                    try:
+                        f = hub.load_batch(storage=opened, offsets=offs, lengths=4096,
+                                           memory=reg, mem_offsets=dsts)
+                    except UsageError as exc:
+                        if "closed" not in str(exc):
+                            bad.append(repr(exc))
+                        continue
+                    try:
+                        f.wait(30)
+                    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                        bad.append(repr(exc))
+                        continue
+                    for o, d in zip(offs, dsts):
+                        if bytes(mem[d:d + 4096]) != data[o:o + 4096].tobytes():
+                            bad.append(f"thread {t} batch {k}: wrong bytes at {o}")
+                    some.release()
+
+            threads = [threading.Thread(target=issue, args=(t,)) for t in range(4)]
+            for th in threads:
+                th.start()
+            go.wait()
+            for _ in range(8):          # some batches ran before the close begins
+                some.acquire(timeout=30)
+            opened.close()
+            reuse = [os.open(other, os.O_RDONLY) for _ in range(4)]    # the fd numbers again
+            for th in threads:
+                th.join(60)
+            for fd in reuse:
+                os.close(fd)
+            assert not bad, bad[:5]
+        assert reg.holds == 0 and len(reg.ordering) == 0
