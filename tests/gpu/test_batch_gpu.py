@@ -73,6 +73,15 @@ def test_a_batch_of_few_small_reads_into_gpu_memory_goes_as_requests(torch, src,
         assert f.stats["requests"] == n and list(f.results) == lens
         for o, ln, d in zip(offs, lens, dsts):
             assert bytes(t[d:d + ln].cpu().numpy()) == data[o:o + ln].tobytes()
+        # the same on a hub.open() file: its own fd, no planning
+        t.zero_()
+        with hub.open(path) as opened:
+            f = hub.load_batch(storage=opened, offsets=offs, lengths=lens, memory=reg,
+                               mem_offsets=dsts)
+            f.wait(60)
+            assert f.stats["requests"] == n and list(f.results) == lens
+        for o, ln, d in zip(offs, lens, dsts):
+            assert bytes(t[d:d + ln].cpu().numpy()) == data[o:o + ln].tobytes()
         assert reg.holds == 0
 
 
