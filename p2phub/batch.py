@@ -927,14 +927,8 @@ class Engines(Resource):
         queued request still refers to, and a `file` from hub.open() that began to close
         (its close reserves its mark under this lock) takes no request queued after it."""
         with self._lock:
-            if self._stopping or self._closed:
-                self._check_taking()
-            if file is not None and file.closing:
-                raise UsageError(f"{file!r} is closed")
-            route = self._routes.get((target.ops, target.ordinal))
-            if route is None:
-                eng = self._engine_locked(target.ops, target.ordinal)
-                route = self._routes[(target.ops, target.ordinal)] = (eng.handle(), eng.path)
+            self._check_push_locked((file,) if file is not None else ())
+            route = self._route_locked(target.ops, target.ordinal)
             req.submit_path = route[1]
             (self._queue or self._open_queue()).push(route[0], req)
 
@@ -944,22 +938,30 @@ class Engines(Resource):
         the engine thread takes them in one run; nothing is queued if the first cannot be.
         `files`: the hub.open() files they read (as for push, none may have begun to close)."""
         with self._lock:
-            if self._stopping or self._closed:
-                self._check_taking()
-            for f in files:
-                if f.closing:
-                    raise UsageError(f"{f!r} is closed")
-            routes = []
-            for m in mems:
-                route = self._routes.get((m.ops, m.device))
-                if route is None:
-                    eng = self._engine_locked(m.ops, m.device)
-                    route = self._routes[(m.ops, m.device)] = (eng.handle(), eng.path)
-                routes.append(route)
+            self._check_push_locked(files)
+            routes = [self._route_locked(m.ops, m.device) for m in mems]
             q = self._queue or self._open_queue()
             for req, route in zip(reqs, routes):
                 req.submit_path = route[1]
                 q.push(route[0], req)
+
+    def _check_push_locked(self, files: Sequence[StorageFile]) -> None:
+        """A push is taken: the engines are open and none of the hub.open() `files` it reads
+        began to close (its close reserves its mark under the lock)."""
+        if self._stopping or self._closed:
+            self._check_taking()
+        for f in files:
+            if f.closing:
+                raise UsageError(f"{f!r} is closed")
+
+    def _route_locked(self, ops: Any, device: int) -> tuple[Any, str]:
+        """(engine handle, submission path) of the batch engine for (ops, device), made on
+        first use."""
+        route = self._routes.get((ops, device))
+        if route is None:
+            eng = self._engine_locked(ops, device)
+            route = self._routes[(ops, device)] = (eng.handle(), eng.path)
+        return route
 
     def enqueue_batch(self, job: tuple[Any, ...]) -> None:
         """Queue a batch: its place on the engine thread is reserved now (so requests queued
