@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labkit"))
 from p2phub_lab import runner  # noqa: E402
 
 
-def test_a_vm_that_never_starts_the_lab_is_killed_with_its_children(tmp_path, monkeypatch,
-                                                                     capsys) -> None:
+def test_a_vm_that_never_starts_the_lab_is_killed_with_its_children(tmp_path,
+                                                                     monkeypatch) -> None:
     monkeypatch.setattr(runner, "BOOT_HANG_S", 1)
     pidfile = tmp_path / "child.pid"
     # a stand-in vng whose child (the stand-in QEMU) would outlive it
