@@ -1,9 +1,14 @@
 /* SPDX-License-Identifier: GPL-2.0-only */
 /*
- * compat.h: the only place in p2phub.ko where kernel versions are tested.
+ * compat.h: the only place in p2phub.ko where kernel versions are tested,
+ * and where the answers of the compile probes (conftest.sh, written to
+ * conftest.h at each build) are used. An interface that moved is told by
+ * probing the target kernel's headers for it, never by its version number
+ * (distribution kernels carry backports); the older blocks below still test
+ * versions.
  *
- * Lab kernels: Debian 6.1.0-57 and 6.12.117. Each block names the change it
- * papers over.
+ * Lab kernels: Debian 6.1.0-57, 6.12.118 and 7.x. Each block names the change
+ * it papers over.
  */
 #ifndef _P2PHUB_COMPAT_H
 #define _P2PHUB_COMPAT_H
@@ -16,6 +21,8 @@
 #include <linux/module.h>
 #include <linux/swiotlb.h>
 #include <linux/version.h>
+
+#include "conftest.h"
 
 /*
  * MODULE_IMPORT_NS() takes a string literal since 6.13 ("module: Convert
@@ -128,6 +135,25 @@ static inline bool p2phub_swiotlb_addr(struct device *dev, phys_addr_t paddr)
 {
 	return is_swiotlb_buffer(dev, paddr);
 }
+#endif
+
+/*
+ * The importer's callback for an exporter taking its memory back, and the
+ * exporter's call that reaches every importer: Linux 7.0 renamed
+ * dma_buf_attach_ops.move_notify to invalidate_mappings and
+ * dma_buf_move_notify() to dma_buf_invalidate_mappings(), same arguments,
+ * same rule (the dma-buf's reservation lock held). Probed separately.
+ */
+#ifdef P2PHUB_HAVE_DMA_BUF_ATTACH_OPS_INVALIDATE_MAPPINGS
+#define P2PHUB_DMA_BUF_ATTACH_OPS_INVALIDATE(fn)	.invalidate_mappings = (fn)
+#else
+#define P2PHUB_DMA_BUF_ATTACH_OPS_INVALIDATE(fn)	.move_notify = (fn)
+#endif
+
+#ifdef P2PHUB_HAVE_DMA_BUF_INVALIDATE_MAPPINGS
+#define p2phub_dma_buf_invalidate(dmabuf)	dma_buf_invalidate_mappings(dmabuf)
+#else
+#define p2phub_dma_buf_invalidate(dmabuf)	dma_buf_move_notify(dmabuf)
 #endif
 
 #endif /* _P2PHUB_COMPAT_H */

@@ -239,7 +239,7 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 
 static const struct dma_buf_attach_ops p2phub_dmabuf_importer_ops = {
 	.allow_peer2peer = true,
-	.move_notify = p2phub_dmabuf_move_notify,
+	P2PHUB_DMA_BUF_ATTACH_OPS_INVALIDATE(p2phub_dmabuf_move_notify),
 };
 
 /*

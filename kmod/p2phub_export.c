@@ -539,7 +539,7 @@ void p2phub_export_files_put(struct file **files, unsigned int n)
 static void p2phub_export_move_notify(struct dma_buf *dmabuf)
 {
 	dma_resv_lock(dmabuf->resv, NULL);
-	dma_buf_move_notify(dmabuf);
+	p2phub_dma_buf_invalidate(dmabuf);
 	dma_resv_unlock(dmabuf->resv);
 }
 
@@ -562,7 +562,7 @@ static bool p2phub_export_move_notify_until(struct dma_buf *dmabuf,
 			return false;
 		usleep_range(500, 1000);
 	}
-	dma_buf_move_notify(dmabuf);
+	p2phub_dma_buf_invalidate(dmabuf);
 	dma_resv_unlock(dmabuf->resv);
 	return true;
 }
