@@ -31,7 +31,8 @@
 #define P2PHUB_MAX_REGS_PER_FILE	4096
 
 struct p2phub_file {
-	kuid_t uid;		/* charged one open (max_files_per_user) */
+	kuid_t uid;		/* the opener: charged one open (max_files_per_user)
+			 * and the pages registered through it */
 	struct mutex lock;	/* protects everything below */
 	struct xarray regs;	/* handle -> struct p2phub_reg (one ref each) */
 	u64 reg_bytes;		/* sum of the lengths in regs */

@@ -72,13 +72,16 @@ struct p2phub_reg *p2phub_reg_alloc(void)
 static unsigned int max_pinned_gib_per_user;
 module_param(max_pinned_gib_per_user, uint, 0644);
 MODULE_PARM_DESC(max_pinned_gib_per_user,
-		 "Bytes one user (effective uid) may have pinned through all its registrations, in all its processes, in GiB; 0: the registering process's RLIMIT_MEMLOCK, as io_uring counts (default 0). CAP_IPC_LOCK lifts it");
+		 "Bytes one user (the effective uid that opened /dev/p2phub) may have pinned through all its registrations, in all its processes, in GiB; 0: the registering process's RLIMIT_MEMLOCK (default 0). CAP_IPC_LOCK lifts it");
 
 /*
- * Pages pinned per effective uid (an xa value), under p2phub_pinned_lock
- * (nests in nothing, takes nothing). RLIMIT_MEMLOCK is charged per mm, and
+ * Pages pinned per user (an xa value), under p2phub_pinned_lock (nests in
+ * nothing, takes nothing). RLIMIT_MEMLOCK is charged per mm, and
  * registrations outlive their mm: forked children on one inherited fd each
- * start from zero. This ledger sums them all.
+ * start from zero. This ledger sums them all, keyed on the effective uid
+ * that opened the file (p2phub_file.uid), as io_uring charges the user that
+ * created the ring: a process that shares the fd and changes its uid (in a
+ * user namespace of its own, say) still draws on the opener's budget.
  */
 static DEFINE_MUTEX(p2phub_pinned_lock);
 static DEFINE_XARRAY(p2phub_pinned_users);
@@ -120,14 +123,14 @@ static void p2phub_uid_uncharge(kuid_t uid, unsigned long pages)
 }
 
 /*
- * The per-uid half of the charge: the uid's pages in every process against
- * max_pinned_gib_per_user, or when that is 0 against the caller's
- * RLIMIT_MEMLOCK. -EDQUOT over it.
+ * The per-user half of the charge: the pages of every registration made
+ * through any file @uid opened, against max_pinned_gib_per_user, or when
+ * that is 0 against the caller's RLIMIT_MEMLOCK. -EDQUOT over it.
  */
-static int p2phub_reg_charge_uid(struct p2phub_reg *reg, unsigned long pages)
+static int p2phub_reg_charge_uid(struct p2phub_reg *reg, kuid_t uid,
+				 unsigned long pages)
 {
 	unsigned int gib = READ_ONCE(max_pinned_gib_per_user);
-	kuid_t uid = current_euid();
 	unsigned long limit, had;
 	int ret;
 
@@ -137,7 +140,7 @@ static int p2phub_reg_charge_uid(struct p2phub_reg *reg, unsigned long pages)
 	if (ret == -EDQUOT && capable(CAP_IPC_LOCK))
 		ret = p2phub_uid_charge(uid, pages, 0, &had);
 	if (ret == -EDQUOT)
-		pr_info_ratelimited("pid %d (%s): REGISTER of %llu bytes refused: uid %u has %lu KiB pinned through p2phub in all its processes, the limit is %lu KiB (%s); close registrations, raise it or grant CAP_IPC_LOCK\n",
+		pr_info_ratelimited("pid %d (%s): REGISTER of %llu bytes refused: uid %u (the opener of the file) has %lu KiB pinned through p2phub in all its processes, the limit is %lu KiB (%s); close registrations, raise it or grant CAP_IPC_LOCK\n",
 				    task_pid_nr(current), current->comm,
 				    reg->length, from_kuid_munged(&init_user_ns, uid),
 				    had << (PAGE_SHIFT - 10),
@@ -154,12 +157,12 @@ static int p2phub_reg_charge_uid(struct p2phub_reg *reg, unsigned long pages)
 /*
  * Charge @reg's pages to the caller's pinned_vm (VmPin in /proc/PID/status)
  * against RLIMIT_MEMLOCK, as RDMA memory registrations are, and to the
- * caller's effective uid (p2phub_reg_charge_uid()); CAP_IPC_LOCK lifts the
+ * user that opened @pf (p2phub_reg_charge_uid()); CAP_IPC_LOCK lifts the
  * limits, not the charges. The mm is kept (mmgrab) so that the same mm is
  * uncharged at teardown, whichever task or work item does it. -ENOMEM over
- * the mm's limit, -EDQUOT over the uid's.
+ * the mm's limit, -EDQUOT over the user's.
  */
-int p2phub_reg_charge(struct p2phub_reg *reg)
+int p2phub_reg_charge(struct p2phub_reg *reg, const struct p2phub_file *pf)
 {
 	struct mm_struct *mm = current->mm;
 	unsigned long pages, limit;
@@ -179,7 +182,7 @@ int p2phub_reg_charge(struct p2phub_reg *reg)
 				    (s64)(pinned - pages) << (PAGE_SHIFT - 10));
 		return -ENOMEM;
 	}
-	ret = p2phub_reg_charge_uid(reg, pages);
+	ret = p2phub_reg_charge_uid(reg, pf->uid, pages);
 	if (ret) {
 		atomic64_sub(pages, &mm->pinned_vm);
 		return ret;

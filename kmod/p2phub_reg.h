@@ -154,7 +154,7 @@ struct p2phub_reg {
 	 */
 	struct mm_struct *acct_mm;
 	unsigned long acct_pages;
-	/* The same pages, charged to this effective uid (set with acct_mm). */
+	/* The same pages, charged to the file opener's uid (set with acct_mm). */
 	kuid_t acct_uid;
 	unsigned long acct_uid_pages;
 
@@ -176,6 +176,7 @@ struct p2phub_reg {
 			void *page_table;	/* under lock; NULL once claimed */
 			bool freed_early;	/* callback ran unpublished/claimed */
 			bool putting;		/* under lock: release's put_pages due */
+			bool released;		/* under lock: release claimed the table */
 			u32 maps_in_flight;	/* under lock: dma_map_pages running */
 		} nv;
 	};
@@ -229,7 +230,7 @@ void p2phub_reg_maps_free(struct list_head *maps);
  * uses it (false then); p2phub_reg_teardown() releases the pin once.
  */
 struct p2phub_reg *p2phub_reg_alloc(void);
-int p2phub_reg_charge(struct p2phub_reg *reg);
+int p2phub_reg_charge(struct p2phub_reg *reg, const struct p2phub_file *pf);
 bool p2phub_reg_kill(struct p2phub_reg *reg, bool force);
 void p2phub_reg_teardown(struct p2phub_reg *reg);
 

@@ -104,7 +104,7 @@ static long p2phub_ioctl_register(struct p2phub_file *pf, void __user *uarg)
 		goto err_put_pdev;
 	}
 	reg->length = a.length;
-	ret = p2phub_reg_charge(reg);
+	ret = p2phub_reg_charge(reg, pf);
 	if (ret)
 		goto err_put_reg;
 	if (a.flags & P2PHUB_REGISTER_F_DMABUF) {
