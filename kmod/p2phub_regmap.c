@@ -196,18 +196,21 @@ static struct notifier_block p2phub_reg_pci_nb = {
 
 /*
  * The mapping of @reg for @pdev, made on first ask and cached until
- * teardown. Returns ERR_PTR(-ESTALE) once the registration is not live.
+ * teardown, with a hold taken. Returns ERR_PTR(-ESTALE) once the
+ * registration is not live. Caller holds reg->lock, which the provider's
+ * map() may drop and take again; the map may be read until it is dropped
+ * (a teardown after that frees it: holds do not keep it).
  */
-struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
-					  struct pci_dev *pdev)
+static struct p2phub_reg_map *__p2phub_reg_map_get(struct p2phub_reg *reg,
+						   struct pci_dev *pdev)
 {
 	struct p2phub_reg_map *map;
 	int ret;
 
-	mutex_lock(&reg->lock);
+	lockdep_assert_held(&reg->lock);
 	if (reg->torn_down || READ_ONCE(reg->state) != P2PHUB_REG_LIVE) {
 		ret = -ESTALE;
-		goto err_unlock;
+		goto err_out;
 	}
 	list_for_each_entry(map, &reg->maps, node) {
 		/* A removed map's device left or was let go of: see below. */
@@ -216,7 +219,7 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	}
 	if (p2phub_dev_removing(pdev)) {
 		ret = -ENODEV;
-		goto err_unlock;
+		goto err_out;
 	}
 	/*
 	 * A function no driver drives cannot use the addresses, and its DMA
@@ -228,13 +231,13 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 				     "p2phub: registration %u: refusing a map for a device no driver is bound to\n",
 				     reg->handle);
 		ret = -ENODEV;
-		goto err_unlock;
+		goto err_out;
 	}
 
 	map = kzalloc(sizeof(*map), GFP_KERNEL_ACCOUNT);
 	if (!map) {
 		ret = -ENOMEM;
-		goto err_unlock;
+		goto err_out;
 	}
 	atomic_inc(&p2phub_stats.dev_maps);
 	map->reg = reg;
@@ -263,14 +266,23 @@ out_hold:
 	spin_lock(&reg->state_lock);
 	map->holds++;
 	spin_unlock(&reg->state_lock);
-	mutex_unlock(&reg->lock);
 	return map;
 
 err_free_map:
 	p2phub_reg_map_free(map);
-err_unlock:
-	mutex_unlock(&reg->lock);
+err_out:
 	return ERR_PTR(ret);
+}
+
+struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
+					  struct pci_dev *pdev)
+{
+	struct p2phub_reg_map *map;
+
+	mutex_lock(&reg->lock);
+	map = __p2phub_reg_map_get(reg, pdev);
+	mutex_unlock(&reg->lock);
+	return map;
 }
 
 void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
@@ -335,14 +347,23 @@ int p2phub_reg_dma_pages(struct p2phub_reg *reg, struct pci_dev *pdev,
 	u64 gen;
 
 	gen = READ_ONCE(reg->generation);
-	map = p2phub_reg_map_get(reg, pdev);
-	if (IS_ERR(map))
+	/*
+	 * Read the map under reg->lock: once it is dropped, a teardown (an
+	 * UNREGISTER is not refused for a bare hold) may free the map. The
+	 * liveness check below then refuses what was read.
+	 */
+	mutex_lock(&reg->lock);
+	map = __p2phub_reg_map_get(reg, pdev);
+	if (IS_ERR(map)) {
+		mutex_unlock(&reg->lock);
 		return PTR_ERR(map);
+	}
 	list->addrs = map->addrs;
 	list->npages = reg->npages;
 	list->page_shift = reg->page_shift;
 	list->generation = gen;
 	list->map = map;
+	mutex_unlock(&reg->lock);
 	/* Revoked while mapping: the caller must not see these addresses. */
 	if (!p2phub_reg_live(reg, gen)) {
 		p2phub_reg_dma_pages_put(reg, list, false);
