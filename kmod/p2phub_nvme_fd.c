@@ -297,12 +297,51 @@ err_free:
 	return ret;
 }
 
+/*
+ * Bus mastering off for a while, under status_lock like every other change
+ * of it; returns whether it was on. Caller holds h->lock, so RESUME cannot
+ * turn it on meanwhile.
+ */
+static bool p2phub_nvme_master_pause(struct p2phub_nvme_handle *h)
+{
+	unsigned long flags;
+	bool was;
+
+	lockdep_assert_held(&h->lock);
+	spin_lock_irqsave(&h->status_lock, flags);
+	was = h->pdev->is_busmaster;
+	if (was)
+		pci_clear_master(h->pdev);
+	spin_unlock_irqrestore(&h->status_lock, flags);
+	return was;
+}
+
+/*
+ * Bus mastering back on if it was, unless the controller was fenced or
+ * taken back meanwhile (those turn it off for good, until RESUME).
+ */
+static void p2phub_nvme_master_unpause(struct p2phub_nvme_handle *h, bool was)
+{
+	const u32 stopped = P2PHUB_NVME_ST_FENCED | P2PHUB_NVME_ST_ERROR |
+			    P2PHUB_NVME_ST_REMOVING | P2PHUB_NVME_ST_REVOKED;
+	unsigned long flags;
+
+	lockdep_assert_held(&h->lock);
+	if (!was)
+		return;
+	spin_lock_irqsave(&h->status_lock, flags);
+	if (!(h->status->state & stopped))
+		pci_set_master(h->pdev);
+	spin_unlock_irqrestore(&h->status_lock, flags);
+}
+
 static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 				       void __user *uarg)
 {
 	struct p2phub_nvme_dma_free arg;
 	struct p2phub_nvme_buf *b;
 	u32 cc, csts;
+	bool master;
 	int ret;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
@@ -320,6 +359,15 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 		goto out_unlock;
 	}
 	/*
+	 * The controller cannot DMA from here until the IOTLB forgets the
+	 * buffer: a lazily flushing domain frees the pages at unmap and
+	 * flushes later, and the owner may enable the controller again at
+	 * any time. The registers are read only now, so an enable that came
+	 * before is seen below, and one that comes after finds no bus
+	 * mastering until the flush is done.
+	 */
+	master = p2phub_nvme_master_pause(h);
+	/*
 	 * An enabled controller, or one still ready after CC.EN went 0 (its
 	 * shutdown not done), may still hold this buffer's address in a
 	 * queue or PRP list; a mapped buffer is still in the owner's hands.
@@ -330,11 +378,14 @@ static long p2phub_nvme_ioctl_dma_free(struct p2phub_nvme_handle *h,
 	    (cc != U32_MAX && (cc & NVME_CC_EN)) ||
 	    (csts != U32_MAX && (csts & NVME_CSTS_RDY))) {
 		ret = -EBUSY;
-		goto out_unlock;
+		goto out_unpause;
 	}
 	xa_erase(&h->bufs, arg.id);
 	p2phub_nvme_buf_free(h, b);
+	p2phub_flush_iotlb(&h->pdev->dev);
 	ret = 0;
+out_unpause:
+	p2phub_nvme_master_unpause(h, master);
 out_unlock:
 	mutex_unlock(&h->lock);
 	return ret;
