@@ -161,6 +161,11 @@ err_free:
 	return ret;
 }
 
+/*
+ * Called outside the export's dma_resv, by an importer or, for a
+ * registration made from this export, under that one's p2phub_reg.lock
+ * (class "derived", which nests outside ours).
+ */
 static void p2phub_export_detach(struct dma_buf *dmabuf,
 				 struct dma_buf_attachment *attach)
 {
@@ -168,15 +173,19 @@ static void p2phub_export_detach(struct dma_buf *dmabuf,
 	struct p2phub_export_att *att = attach->priv;
 	struct p2phub_reg *reg = exp->reg;
 
-	/* Attached, the registration is not torn down: the map is there. */
+	/*
+	 * Attached, the registration is not torn down: the map is there.
+	 * The importer stopped using it; its device keeps no address of it
+	 * once the last hold goes (p2phub_reg_map_put() unmaps and flushes
+	 * then), as if it had mapped the registration itself.
+	 */
 	spin_lock(&reg->state_lock);
 	if (!WARN_ON_ONCE(!reg->export_attached))
 		reg->export_attached--;
-	if (!WARN_ON_ONCE(!att->map->holds || !att->map->importers)) {
-		att->map->holds--;
+	if (!WARN_ON_ONCE(!att->map->importers))
 		att->map->importers--;
-	}
 	spin_unlock(&reg->state_lock);
+	p2phub_reg_map_put(reg, att->map, true);
 	kfree(attach->priv);
 	attach->priv = NULL;
 	atomic_dec(&p2phub_stats.export_attachments);
