@@ -183,6 +183,7 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 	struct dma_resv *resv = attach->dmabuf->resv;
 	struct p2phub_reg *reg = map->reg;
 	struct p2phub_db_revoke *rv;
+	bool releasing = false;
 	bool in_use;
 
 	dma_resv_assert_held(resv);
@@ -209,20 +210,16 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 	 * (an eviction): allocate without reclaim, and fall back below.
 	 */
 	rv = kzalloc(sizeof(*rv), GFP_NOWAIT | __GFP_NOWARN | __GFP_ACCOUNT);
-	if (!rv || dma_resv_reserve_fences(resv, 1) ||
-	    !kref_get_unless_zero(&reg->kref)) {
-		/*
-		 * No fence (out of memory), or the registration is being
-		 * released (nothing uses it): unmap at once.
-		 */
-		if (rv)
-			pr_err_ratelimited("registration %u: cannot defer the unmap of a revoked dma-buf; importers of its exports are told late\n",
-					   reg->handle);
-		kfree(rv);
-		dma_buf_unmap_attachment(attach, map->db.sgt,
-					 p2phub_dmabuf_dir(reg));
-		map->db.sgt = NULL;
-		return;
+	if (!rv || dma_resv_reserve_fences(resv, 1))
+		goto err_unmap_now;
+	/* Each export's file, so that the work allocates nothing. */
+	rv->files = p2phub_export_files(reg, &rv->nfiles,
+					GFP_NOWAIT | __GFP_NOWARN);
+	if (!rv->files && READ_ONCE(reg->nr_exports))
+		goto err_unmap_now;
+	if (!kref_get_unless_zero(&reg->kref)) {
+		releasing = true;	/* nothing uses it any more */
+		goto err_unmap_now;
 	}
 	__module_get(THIS_MODULE);	/* dropped by the fence's release */
 	spin_lock_init(&rv->lock);
@@ -230,11 +227,28 @@ static void p2phub_dmabuf_move_notify(struct dma_buf_attachment *attach)
 		       dma_fence_context_alloc(1), 1);
 	INIT_WORK(&rv->work, p2phub_dmabuf_revoke_work);
 	rv->reg = reg;
-	rv->files = p2phub_export_files(reg, &rv->nfiles,
-					GFP_NOWAIT | __GFP_NOWARN);
 	dma_resv_add_fence(resv, &rv->base, DMA_RESV_USAGE_BOOKKEEP);
 	reg->db.revoke = rv;	/* a marker only: never dereferenced */
 	queue_work(p2phub_reg_wq, &rv->work);
+	return;
+
+err_unmap_now:
+	/*
+	 * No fence, or no way to reach the exports' importers before it
+	 * (out of memory), or the registration is being released: unmap and
+	 * flush at once, before the exporter moves the memory. Importers of
+	 * the exports lose it now (their devices fault on the IOMMU) and are
+	 * told by the notification p2phub_reg_revoke() queued.
+	 */
+	if (!releasing)
+		pr_err_ratelimited("registration %u: cannot defer the unmap of a revoked dma-buf; importers of its exports are told late\n",
+				   reg->handle);
+	if (rv)
+		p2phub_export_files_put(rv->files, rv->nfiles);
+	kfree(rv);
+	dma_buf_unmap_attachment(attach, map->db.sgt, p2phub_dmabuf_dir(reg));
+	map->db.sgt = NULL;
+	p2phub_flush_iotlb(&map->pdev->dev);
 }
 
 static const struct dma_buf_attach_ops p2phub_dmabuf_importer_ops = {

@@ -33,8 +33,11 @@
  *  - setup reads the page table only under reg->lock after checking that
  *    no callback claimed it (freed_early), and publishes it there;
  *  - a map drops reg->lock around dma_map_pages(); afterwards, if the
- *    table was claimed meanwhile, the result is dropped unused (NVIDIA or
- *    put_pages() frees it);
+ *    table was claimed meanwhile, the result is dropped unused: NVIDIA
+ *    frees it when the callback claimed the table; when release did, the
+ *    map unmaps it and flushes the IOTLB itself (release's flush ran
+ *    before), still counted in flight, so put_pages() waits for it. A
+ *    mapping undone on any other late path is flushed the same way;
  *  - users re-check the registration after copying addresses out
  *    (p2phub_reg_live()), so addresses freed meanwhile are never trusted.
  *  - release calls put_pages() only if no callback ran since it claimed the
@@ -212,6 +215,19 @@ static void p2phub_nv_free_callback(void *data)
 }
 
 /*
+ * Undo a mapping no device was told about yet, and flush: the device's
+ * IOTLB may still have been filled through it (a guess, a stale queue).
+ * Caller holds reg->lock with the table valid.
+ */
+static void p2phub_nv_unmap_flush(struct pci_dev *pdev,
+				  struct nvidia_p2p_page_table *pt,
+				  struct nvidia_p2p_dma_mapping *m)
+{
+	p2phub_nv.dma_unmap_pages(pdev, pt, m);
+	p2phub_flush_iotlb(&pdev->dev);
+}
+
+/*
  * Map for map->pdev. Called with reg->lock held; drops it around
  * dma_map_pages(), which takes the driver's API lock.
  */
@@ -229,23 +245,27 @@ static int p2phub_nv_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 	mutex_unlock(&reg->lock);
 	ret = p2phub_nv.dma_map_pages(map->pdev, pt, &m);
 	mutex_lock(&reg->lock);
-	if (!--reg->nv.maps_in_flight)
-		wake_up_var(&reg->nv.maps_in_flight);
 	if (reg->nv.page_table != pt) {
 		/*
-		 * Claimed meanwhile: by the callback (NVIDIA frees the table
-		 * and this mapping) or by release (put_pages() does).
+		 * Claimed meanwhile. By the callback: NVIDIA frees the table
+		 * and this mapping. By release, with no callback since: its
+		 * flush ran already, and the table stays valid while we hold
+		 * reg->lock and count as in flight (a callback needs the lock
+		 * before NVIDIA frees anything, put_pages() waits for us), so
+		 * the mapping goes here, flushed like every other.
 		 */
-		return -ESTALE;
+		if (!ret && reg->nv.released && !reg->nv.freed_early)
+			p2phub_nv_unmap_flush(map->pdev, pt, m);
+		ret = -ESTALE;
+		goto out_in_flight;
 	}
 	if (ret)
-		return ret;
-	atomic_inc(&p2phub_stats.nv_dma_mappings);
+		goto out_in_flight;
 	if (reg->torn_down) {
 		/* Teardown took the maps meanwhile; this one would be lost. */
-		p2phub_nv.dma_unmap_pages(map->pdev, pt, m);
-		atomic_dec(&p2phub_stats.nv_dma_mappings);
-		return -ESTALE;
+		p2phub_nv_unmap_flush(map->pdev, pt, m);
+		ret = -ESTALE;
+		goto out_in_flight;
 	}
 	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(m) ||
 	    p2phub_nv_page_shift(m->page_size_type) != reg->page_shift ||
@@ -254,14 +274,18 @@ static int p2phub_nv_map(struct p2phub_reg *reg, struct p2phub_reg_map *map)
 				    "p2phub: registration %u: unexpected NVIDIA DMA mapping (version 0x%x, %u entries of type %u)\n",
 				    reg->handle, m->version, m->entries,
 				    m->page_size_type);
-		p2phub_nv.dma_unmap_pages(map->pdev, pt, m);
-		atomic_dec(&p2phub_stats.nv_dma_mappings);
-		return -EPROTO;
+		p2phub_nv_unmap_flush(map->pdev, pt, m);
+		ret = -EPROTO;
+		goto out_in_flight;
 	}
+	atomic_inc(&p2phub_stats.nv_dma_mappings);
 	for (i = 0; i < reg->npages; i++)
 		map->addrs[i] = m->dma_addresses[i];
 	map->nv.mapping = m;
-	return 0;
+out_in_flight:
+	if (!--reg->nv.maps_in_flight)
+		wake_up_var(&reg->nv.maps_in_flight);
+	return ret;
 }
 
 /* Unmap map->pdev now, as release() would; the core flushes the IOTLB. */
@@ -293,6 +317,7 @@ static void p2phub_nv_release(struct p2phub_reg *reg, struct list_head *maps)
 	pt = reg->nv.page_table;
 	claimed = pt;
 	reg->nv.page_table = NULL;		/* claimed: its end is ours */
+	reg->nv.released = claimed;		/* a late map unmaps itself */
 	/*
 	 * A callback cannot let NVIDIA free the table while we hold the lock
 	 * (it waits for it). Without the table the callback ran: NVIDIA
