@@ -33,7 +33,7 @@
 static bool allow_unsafe_noiommu;
 module_param(allow_unsafe_noiommu, bool, 0644);
 MODULE_PARM_DESC(allow_unsafe_noiommu,
-		 "Let user space own NVMe controllers that no IOMMU confines (their owner can then DMA to any memory); taints the kernel when used");
+		 "Let user space own NVMe controllers whose DMA no IOMMU translates (their owner can then DMA to any memory); taints the kernel when used. A translated controller whose IOMMU group holds a DMA API driver, or whose MSIs are not isolated, is refused whatever this says");
 
 /* Every bound controller: IOMMU group siblings of owned ones are watched. */
 DEFINE_MUTEX(p2phub_nvme_ctrls_lock);
@@ -134,21 +134,29 @@ static bool p2phub_nvme_group_owned(struct p2phub_nvme_ctrl *ctrl)
 
 /*
  * Why the IOMMU does not confine @pdev's DMA to what p2phub mapped for it,
- * as VFIO requires: NULL when it does. Caller holds p2phub_nvme_ctrls_lock,
- * which the bus notifier takes after a driver is set on a device and before
- * it probes: a sibling bound after this check sees the owner and takes the
- * controller back.
+ * as VFIO requires: NULL when it does. *@noiommu is set when the reason is
+ * that nothing translates the device's DMA at all, the one case
+ * allow_unsafe_noiommu may override (as VFIO's no-IOMMU mode does): a
+ * translated device whose group holds a DMA API driver, or whose MSIs are
+ * not isolated, is refused whatever the parameter says, since p2phub could
+ * claim nothing for it. Caller holds p2phub_nvme_ctrls_lock, which the bus
+ * notifier takes after a driver is set on a device and before it probes: a
+ * sibling bound after this check sees the owner and takes the controller
+ * back.
  */
-static const char *p2phub_nvme_unconfined(struct pci_dev *pdev)
+static const char *p2phub_nvme_unconfined(struct pci_dev *pdev, bool *noiommu)
 {
 	struct iommu_group *group;
 	const char *why = NULL;
 
 	lockdep_assert_held(&p2phub_nvme_ctrls_lock);
-	if (!p2phub_dev_translated(&pdev->dev))
+	*noiommu = false;
+	if (!p2phub_dev_translated(&pdev->dev)) {
+		*noiommu = true;
 		return device_iommu_mapped(&pdev->dev) ?
 		       "its IOMMU domain is identity (passthrough)" :
 		       "no IOMMU translates its DMA";
+	}
 	group = iommu_group_get(&pdev->dev);
 	if (!group)
 		return "it has no IOMMU group";
@@ -197,6 +205,7 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 	struct p2phub_nvme_ctrl *ctrl;
 	struct pci_dev *pdev;
 	const char *why;
+	bool noiommu;
 	int ret, fd;
 
 	ret = p2phub_copy_args(&arg, sizeof(arg), uarg, 0);
@@ -267,10 +276,12 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg)
 		ctrl->in_recovery = false;
 	}
 	mutex_lock(&p2phub_nvme_ctrls_lock);
-	why = p2phub_nvme_unconfined(pdev);
-	if (why && !allow_unsafe_noiommu) {
-		pci_info_ratelimited(pdev, "not handed to user space: %s (allow_unsafe_noiommu=1 overrides, tainting the kernel)\n",
-				     why);
+	why = p2phub_nvme_unconfined(pdev, &noiommu);
+	if (why && !(noiommu && allow_unsafe_noiommu)) {
+		pci_info_ratelimited(pdev, "not handed to user space: %s%s\n",
+				     why, noiommu ?
+				     " (allow_unsafe_noiommu=1 overrides, tainting the kernel)" :
+				     "; no module parameter overrides this");
 		ret = -EXDEV;
 		goto err_unlock_list;
 	}
