@@ -15,6 +15,9 @@ Series (counters end in ``_total`` on the wire):
     p2phub_kv_transfers_total{agent,direction}       transfers sent (acknowledged) / received
     p2phub_kv_errors_total{agent,direction}          failed transfers / refused data
     p2phub_kv_transfer_seconds{agent}                post -> acknowledgement, histogram
+    p2phub_kv_auth_failures_total{agent,reason}      connections refused before or at the
+                                                     proof of the KV secret (bad_proof,
+                                                     no_proof, timeout, malformed, too_many)
     p2phub_kv_registered_segments{agent}             live memory registrations of the agent
     p2phub_kv_registered_bytes{agent}                bytes they cover (pinned for transfers)
     p2phub_nvme_bytes_total{controller,op}           bytes read / written by completed commands
@@ -66,6 +69,9 @@ if ENABLED:
                                ["agent", "direction"])
     KV_ERRORS = _pc.Counter("p2phub_kv_errors", "KV transfers that failed, data refused",
                             ["agent", "direction"])
+    KV_AUTH_FAILURES = _pc.Counter("p2phub_kv_auth_failures",
+                                   "KV connections refused before or at the proof of the secret",
+                                   ["agent", "reason"])
     KV_SECONDS = _pc.Histogram("p2phub_kv_transfer_seconds", "KV transfer: post to acknowledgement",
                                ["agent"], buckets=_XFER_BUCKETS)
     class _NvmeTotals:
@@ -287,6 +293,12 @@ def kv_received(agent: str) -> None:
     """A transfer into an agent ended well (its receiver acknowledged it)."""
     if ENABLED:
         KV_TRANSFERS.labels(agent, "received").inc()
+
+
+def kv_auth_failed(agent: str, reason: str) -> None:
+    """A connection to or from an agent did not prove the KV secret (`reason`: why)."""
+    if ENABLED:
+        KV_AUTH_FAILURES.labels(agent, reason).inc()
 
 
 def kv_refused(agent: str) -> None:

@@ -29,6 +29,14 @@ connections to other peers and the pool stay usable, and the next transfer to th
 connects anew: a peer restarted at the same address is taken under its name (its new
 metadata comes with the handshake); one that moved is looked up again in the agent's
 ``rendezvous`` when it has one (else ``add_remote`` its new metadata).
+
+Authenticated: every connection starts with a mutual challenge-response over the
+deployment's secret (kv/auth.py: ``P2PHUB_KV_SECRET``, ``P2PHUB_KV_SECRET_FILE``, else a
+per-user one good for loopback); a peer that does not prove it gets nothing and is closed.
+Bounded: ``limits`` (kv.auth.KVLimits, from the environment by default) caps the connections
+still proving, the time to prove, the runs of one message, the queue pairs of one
+connection and the inbound connections of one peer; requests nobody released are dropped
+past their deadline.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any, Iterable, Sequence
 
 from .. import metrics
 from ..errors import UsageError
+from . import auth
 from . import transport as tp
 from ..ordering import AccessKind
 from .errors import KVError, KVPeerError
@@ -130,13 +139,19 @@ class Agent(Resource):
     ``rdma_devices``: the RDMA NICs this agent moves payload through (each one used, a
     request's runs striped across them); ``transport``: "auto" (RDMA to a peer that
     published rails when this agent has some, TCP otherwise), "tcp" or "rdma" (refuse a
-    peer without rails). ``transport_to(peer)`` says which a peer gets."""
+    peer without rails). ``transport_to(peer)`` says which a peer gets.
+
+    ``secret``: the key every connection proves (default: kv.auth.load_secret, from the
+    environment or the per-user file); an agent bound beyond loopback needs one configured.
+    ``limits``: kv.auth.KVLimits (default from the environment)."""
 
     def __init__(self, name: str, pool: KVPool | None = None, host: str = "127.0.0.1",
                  port: int = 0, stall_timeout: float = 5.0, *,
                  peer_timeout: float | None = None, xfer_timeout: float = 120.0,
                  rendezvous: Any = None, transport: str = "auto",
-                 rdma_devices: Sequence[str] | None = None) -> None:
+                 rdma_devices: Sequence[str] | None = None,
+                 secret: bytes | str | None = None,
+                 limits: auth.KVLimits | None = None) -> None:
         if not name or not isinstance(name, str):
             raise UsageError("agent name must be a non-empty string")
         if transport not in ("auto", "tcp", "rdma"):
@@ -149,6 +164,10 @@ class Agent(Resource):
                         ("xfer_timeout", xfer_timeout)):
             if v is not None and not v > 0:
                 raise UsageError(f"{what}={v} must be > 0")
+        if len(name.encode()) > auth.MAX_NAME:
+            raise UsageError(f"agent name of {len(name.encode())} bytes: at most {auth.MAX_NAME}")
+        self.limits = limits if limits is not None else auth.KVLimits.from_env()
+        self._secret = auth.load_secret(secret)
         self.name = name
         self.stall_timeout = float(stall_timeout)
         self.peer_timeout = float(peer_timeout or stall_timeout)
@@ -179,13 +198,22 @@ class Agent(Resource):
         self._conn_hooks = tp.ConnectionHooks(
             inbound=self._inbound, inbound_error=self._inbound_error, notified=self._notify,
             segment_table=self._seg_table, segment_devices=self._segment_devices,
-            failed=self._connection_failed)
+            failed=self._connection_failed, run_cap=self._run_cap)
         self.pool: KVPool | None = None
         self.layout: KVLayout | None = None
         self.cuda_device: int | None = None   # a CUDA pool's device: transfers are staged
         self.stage_chunk = 4 << 20            # bytes per staging chunk (two per direction)
+        self._proving = 0                     # accepted connections not yet proven
+        self._gone: dict[tuple[str, int], BaseException] = {}   # pruned failed requests
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
+        if not self._secret.configured and not auth.is_loopback(self.host):
+            self._listener.close()
+            raise UsageError(
+                f"agent {name!r}: listening on {self.host or host!r} (beyond loopback) needs a "
+                f"deployment secret: set {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE} (the "
+                f"same on every agent); the per-user one ({self._secret.source}) is for "
+                "agents of one user on one host")
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kv-accept-{name}")
         self._accept_thread.start()
@@ -209,6 +237,7 @@ class Agent(Resource):
                 late = [x for x in self._live if x.deadline < time.monotonic()]
                 overdue = [r for r in self._inbound_reqs.values()
                            if r.deadline < time.monotonic() and not r.done.done()]
+                self._prune_inbound()
             for c in conns:
                 c.heartbeat(self.peer_timeout / 4)
             for x in late:
@@ -216,6 +245,32 @@ class Agent(Resource):
             for r in overdue:
                 r._fail(KVPeerError(r.peer, "timed out", f"request {r.req} not complete "
                                     f"within its deadline ({r.deadline - r.created:.1f} s)"))
+
+    def _prune_inbound(self) -> None:
+        """Forget requests nobody released, a grace period past their deadline (a last
+        message still on its way is answered with ERR for a failed one: its error is kept,
+        for a bounded number of them). Under the agent lock."""
+        grace = 2 * max(self.stall_timeout, self.peer_timeout)
+        now = time.monotonic()
+        old = [k for k, r in self._inbound_reqs.items()
+               if r.deadline + grace < now and r.done.done()]
+        for k in old:
+            r = self._inbound_reqs.pop(k)
+            if r.error is not None:
+                self._gone[k] = r.error
+        while len(self._gone) > 4096:
+            del self._gone[next(iter(self._gone))]
+
+    def _run_cap(self) -> tuple[int, str]:
+        """The most runs one inbound message may have, and the limit that says so: the
+        agent's max_runs, and with a KV pool alone registered, its pages."""
+        cap, why = self.limits.max_runs, "max_runs, P2PHUB_KV_MAX_RUNS"
+        lay, pool = self.layout, self.pool
+        if lay is not None and pool is not None and len(self._segments) == len(pool.segments):
+            pages = lay.num_layers * lay.kv * lay.blocks_per_layer
+            if pages < cap:
+                cap, why = pages, "the pages of this agent's KV layout"
+        return cap, why
 
     def _expire(self, x: tp.Xfer) -> None:
         """Fail `x` past its deadline. One whose bytes are on the wire takes its connection
@@ -312,7 +367,7 @@ class Agent(Resource):
     def _inbound_error(self, peer: str, req: int) -> BaseException | None:
         with self._lock:
             r = self._inbound_reqs.get((peer, req))
-        return None if r is None else r.error
+            return self._gone.get((peer, req)) if r is None else r.error
 
     def _seg_table(self) -> tuple[Any, int]:
         with self._lock:
@@ -441,38 +496,94 @@ class Agent(Resource):
             raise KVPeerError(f"{host}:{port}", "unreachable",
                               f"handshake: {exc.strerror or exc}") from None
         with s:
+            try:
+                peer = self.prove(s, timeout, f"{host}:{port}")
+            except auth.KVAuthError as exc:
+                raise KVPeerError(f"{host}:{port}", "unauthenticated", str(exc)) from None
             body = json.dumps({"name": self.name, "incarnation": self.incarnation,
                                "want": "metadata", "metadata": self.metadata().decode()}).encode()
             s.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
             reply = tp.recv_hello(s, timeout)
         if "metadata" not in reply:
             raise KVError(f"handshake with {host}:{port}: no metadata in the reply")
+        md = json.loads(reply["metadata"])
+        if not isinstance(md, dict) or md.get("name") != peer:
+            raise KVError(f"handshake with {host}:{port}: it proved the name {peer!r} but sent "
+                          f"metadata of another agent")
         log.debug("%s: handshake with %s:%d", self.name, host, port)
-        return self.add_remote(reply["metadata"])
+        return self.add_remote(md)
+
+    def prove(self, sock: socket.socket, timeout: float, where: str) -> str:
+        """The client's side of the mutual challenge-response on a fresh connection to
+        another agent; returns the name that agent proved (kv.auth.KVAuthError if none)."""
+        return auth.client_handshake(sock, self._secret, self.name, timeout, where)
 
     # ------------------------------------------------------------------ connections
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._accept_one, args=(sock,), daemon=True).start()
+            where = _where(addr)
+            with self._lock:
+                full = self._proving >= self.limits.max_unauthenticated
+                if not full:
+                    self._proving += 1
+            if full:
+                self._auth_failed(where, "too_many", f"{where}: closed at once: "
+                                  f"{self.limits.max_unauthenticated} connections are still "
+                                  "proving the KV secret (max_unauthenticated, "
+                                  "P2PHUB_KV_MAX_UNAUTHENTICATED)")
+                sock.close()
+                continue
+            threading.Thread(target=self._accept_one, args=(sock, where), daemon=True,
+                             name=f"kv-accept-{self.name}").start()
 
-    def _accept_one(self, sock: socket.socket) -> None:
+    def _auth_failed(self, where: str, reason: str, msg: str) -> None:
+        log.warning("kv %s: refused %s", self.name, msg)
+        metrics.kv_auth_failed(self.name, reason)
+
+    def _accept_one(self, sock: socket.socket, where: str) -> None:
+        try:
+            try:
+                peer = auth.server_handshake(sock, self._secret, self.name,
+                                             self.limits.auth_timeout, where)
+            finally:
+                with self._lock:
+                    self._proving -= 1
+        except auth.KVAuthError as exc:
+            self._auth_failed(where, exc.reason, str(exc))
+            sock.close()
+            return
+        except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
+            self._auth_failed(where, "malformed", f"connection from {where}: {exc}")
+            sock.close()
+            return
         try:
             hello = tp.recv_hello(sock, self.stall_timeout)
+            if hello.get("name") != peer:
+                raise KVError(f"its HELLO names {hello.get('name')!r}, but it proved {peer!r}")
             if hello.get("want") == "metadata":
-                self.add_remote(hello["metadata"])
+                md = json.loads(hello["metadata"])
+                if not isinstance(md, dict) or md.get("name") != peer:
+                    raise KVError(f"{peer!r} sent metadata of another agent "
+                                  f"({md.get('name') if isinstance(md, dict) else None!r})")
+                self.add_remote(md)
                 body = json.dumps({"name": self.name, "metadata": self.metadata().decode()}).encode()
                 sock.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
                 sock.close()
                 return
-            peer = str(hello["name"])
+            self._check_peer_conns(peer)
             link = None
             if hello.get("qps") and self.rails is not None:
                 from .rdma import Link
-                link = Link(self.rails, len(hello["qps"]), peer)
+                nq = len(hello["qps"])
+                if nq > self.limits.max_qps or nq != len(hello.get("rdma") or []):
+                    raise KVError(f"{nq} queue pairs asked for: one per rail it published "
+                                  f"({len(hello.get('rdma') or [])}), at most "
+                                  f"{self.limits.max_qps} (max_qps, P2PHUB_KV_MAX_QPS)")
+                link = Link(self.rails, nq, peer)
                 try:   # its MRs too, when it sent them: READs are answered by RDMA WRITE
                     link.connect(hello["qps"], hello.get("rdma") or None)
                 except BaseException:
@@ -483,7 +594,7 @@ class Agent(Resource):
             sock.settimeout(None)
             _tune(sock)
         except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
-            log.info("kv %s: handshake refused: %s", self.name, exc)
+            log.info("kv %s: handshake of %r from %s refused: %s", self.name, peer, where, exc)
             sock.close()
             return
         conn = tp.Connection(self, sock, peer, outbound=False,
@@ -495,6 +606,17 @@ class Agent(Resource):
         if old is not None:
             old.close()
         conn.start()
+
+    def _check_peer_conns(self, peer: str) -> None:
+        """Refuse one more inbound connection of `peer` when max_conns_per_peer of them
+        (the one it would replace included) still have threads running."""
+        with self._lock:
+            cur = self._in.get(peer)
+            n = sum(1 for c in self._failed if not c.outbound and c.peer == peer and c.alive())
+            n += cur is not None
+        if n >= self.limits.max_conns_per_peer:
+            raise KVError(f"{n} connections of {peer!r} are still open (max_conns_per_peer="
+                          f"{self.limits.max_conns_per_peer}, P2PHUB_KV_MAX_CONNS_PER_PEER)")
 
     def connect(self, peer: str) -> tp.Connection:
         """The open connection to `peer`, made now if there is none."""
@@ -528,6 +650,13 @@ class Agent(Resource):
             raise
         try:
             _tune(sock)
+            try:
+                proven = self.prove(sock, self.stall_timeout, f"{ra.host}:{ra.port}")
+            except auth.KVAuthError as exc:
+                raise KVPeerError(peer, "unauthenticated", str(exc)) from None
+            if proven != peer:
+                raise KVPeerError(peer, "restarted", f"{ra.host}:{ra.port} is now agent "
+                                  f"{proven!r}; add_remote the new metadata of the one wanted")
             tp.send_hello(sock, self.name, self.incarnation,
                           extra={"qps": link.infos(), "rdma": self.rails.metadata()}
                           if link is not None else None)
@@ -576,6 +705,7 @@ class Agent(Resource):
             if r is None:
                 dl = time.monotonic() + (self.xfer_timeout if deadline is None else deadline)
                 r = self._inbound_reqs[(peer, req)] = tp.InboundRequest(peer, req, self.layout, dl)
+                self._gone.pop((peer, req), None)
             elif deadline is not None and not r.done.done():
                 r.deadline = time.monotonic() + deadline
             return r
@@ -897,6 +1027,12 @@ class Agent(Resource):
 
     def __repr__(self) -> str:
         return f"<kv.Agent {self.name!r} at {self.host}:{self.port}, {len(self._segments)} segments>"
+
+
+def _where(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
+    return str(addr)
 
 
 def _tune(sock: socket.socket) -> None:

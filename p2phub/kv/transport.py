@@ -4,7 +4,9 @@ Wire format (little endian). Every message starts with a 40-byte header:
 
     magic u32 "P2KV" | type u16 | flags u16 | xfer u64 | req u64 | layer u32 | n u32 | nbytes u64
 
-    HELLO  n bytes of JSON {name, incarnation}, both ways, once
+    AUTH   n bytes of JSON (at most 1 KiB): the challenge-response every connection starts
+           with, three messages, before any other (kv/auth.py)
+    HELLO  n bytes of JSON {name, incarnation}, both ways, once, after AUTH
     DATA   n runs of 24 bytes (seg u32, flags u32, off u64, len u64), then nbytes of payload
            that land at those runs of the receiver's registered segments, in order; with
            F_PLACED no payload follows: the sender WROTE it there over RDMA (kv/rdma.py)
@@ -50,13 +52,13 @@ from .._resource import Resource
 MAGIC = 0x564B3250  # b"P2KV"
 HDR = struct.Struct("<IHHQQIIQ")
 WIRE_RUN = 24
-HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ, HB = 1, 2, 3, 4, 5, 6, 7, 8
+HELLO, DATA, NOTIF, ACK, ERR, FAIL, READ, HB, AUTH = 1, 2, 3, 4, 5, 6, 7, 8, 9
 F_LAST = 1      # the last message of a transfer: the receiver ACKs it
 F_REQ_END = 2   # the last message of a request: the receiver completes its `done` fence
 F_READ_RESP = 4  # DATA answering a READ: the payload lands in the reader's planned ranges
 F_PLACED = 8     # DATA whose payload the sender already RDMA-WROTE at its runs (none follows)
 MAX_CTRL = 1 << 20          # bytes of a HELLO/NOTIF/ERR body
-MAX_RUNS = 1 << 24
+TABLE_CHUNK = 1 << 16       # bytes of a run table read at a time (it grows as bytes come)
 
 hot = _build.hot   # the compiled hot path (kv.cuda's staging uses it too)
 
@@ -231,7 +233,7 @@ class InboundRequest:
         self.created = time.monotonic()
         self._lock = threading.Lock()
         self._fences: dict[int, HostFence] = {}
-        self._runs: dict[int, bytes] = {}
+        self._runs: dict[int, list[bytes]] = {}   # per layer: the run tables that landed
         self.error: BaseException | None = None
         self.done = HostFence(f"kv request {req} from {peer}")
         self._layout = layout
@@ -266,7 +268,7 @@ class InboundRequest:
         with self._lock:
             if self.error is not None:
                 return
-            self._runs[layer] = self._runs.get(layer, b"") + wire
+            self._runs.setdefault(layer, []).append(wire)
         self._fence(layer).set()
 
     def _complete(self) -> None:
@@ -293,13 +295,14 @@ class InboundRequest:
     def visible_blocks(self, layer: int) -> list[tuple[int, int]]:
         """(kv, block) pages of `layer` that landed (empty unless the layer's fence is done)."""
         with self._lock:
-            wire = self._runs.get(layer, b"")
+            tables = list(self._runs.get(layer, ()))
         out = []
         lay = self._layout
-        for seg, _fl, off, ln in struct.iter_unpack("<IIQQ", wire):
-            for o in range(off, off + ln, lay.block_bytes):
-                ly, kv, blk = lay.locate(seg, o)
-                out.append((kv, blk))
+        for wire in tables:
+            for seg, _fl, off, ln in struct.iter_unpack("<IIQQ", wire):
+                for o in range(off, off + ln, lay.block_bytes):
+                    ly, kv, blk = lay.locate(seg, o)
+                    out.append((kv, blk))
         return out
 
 
@@ -323,6 +326,8 @@ class ConnectionHooks:
     segment_devices: Callable[[], Sequence[int] | None]            # per segment: -1 host, else CUDA
                                                                    # ordinal; None when all are host
     failed: Callable[["Connection", BaseException], None]          # this connection went down
+    run_cap: Callable[[], tuple[int, str]]                         # most runs in one message's
+                                                                   # table, and the limit's name
 
 
 class Connection(Resource):
@@ -574,6 +579,26 @@ class Connection(Resource):
             self._check_rx(rc)
         return bytes(buf)
 
+    def _recv_table(self, what: str, nruns: int, nbytes: int) -> bytes:
+        """A message's table of `nruns` runs, bounded before anything is allocated (every run
+        holds at least one of the message's `nbytes`, and no more runs than the agent's
+        limit) and read in chunks, so memory grows only with the bytes that came."""
+        cap, limit = self.hooks.run_cap()
+        if nruns > nbytes:
+            raise KVPeerError(self.peer, "reset", f"{what} with {nruns} runs for {nbytes} bytes "
+                              "(a run holds at least one byte)")
+        if nruns > cap:
+            raise KVPeerError(self.peer, "reset", f"{what} with {nruns} runs: more than {cap} "
+                              f"({limit})")
+        n = nruns * WIRE_RUN
+        if n <= TABLE_CHUNK:
+            return self._recv(n)
+        parts = []
+        while n:
+            parts.append(self._recv(min(n, TABLE_CHUNK)))
+            n -= len(parts[-1])
+        return b"".join(parts)
+
     def _check_rx(self, rc: int) -> None:
         if rc >= 0:
             self._last_rx = time.monotonic()
@@ -672,9 +697,7 @@ class Connection(Resource):
     def _data_runs(self, flags: int, xid: int, req: int, nruns: int, nbytes: int) -> bytes | None:
         """A DATA message's run table; None when the message belongs to a refused transfer
         (its payload is then dropped here)."""
-        if nruns > MAX_RUNS:
-            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
-        wire = self._recv(nruns * WIRE_RUN)
+        wire = self._recv_table("DATA", nruns, nbytes)
         if xid in self._skip:  # the rest of a refused transfer: drop it
             self._check_rx(hot().lib.kv_discard(self.fd, nbytes, self.timeout_ms))
             if flags & F_LAST:
@@ -759,9 +782,7 @@ class Connection(Resource):
         """DATA whose bytes the sender already WROTE over RDMA: check the runs, land."""
         if self.rdma is None:
             raise KVPeerError(self.peer, "reset", "RDMA-placed DATA on a connection without RDMA")
-        if nruns > MAX_RUNS:
-            raise KVPeerError(self.peer, "reset", f"DATA with {nruns} runs")
-        wire = self._recv(nruns * WIRE_RUN)
+        wire = self._recv_table("DATA", nruns, nbytes)
         if xid in self._skip:
             if flags & F_LAST:
                 self._skip.discard(xid)
@@ -799,10 +820,8 @@ class Connection(Resource):
     def _on_read(self, flags: int, xid: int, req: int, layer: int, nruns: int, nbytes: int) -> None:
         """Serve a READ: check the runs against our segments, send their bytes back (over
         RDMA into the reader's segments when it named them and we can, else on the socket)."""
-        if nruns > MAX_RUNS:
-            raise KVPeerError(self.peer, "reset", f"READ with {nruns} runs")
-        wire = self._recv(nruns * WIRE_RUN)
-        dest = self._recv(nruns * WIRE_RUN) if flags & F_PLACED else None
+        wire = self._recv_table("READ", nruns, nbytes)
+        dest = self._recv_table("READ", nruns, nbytes) if flags & F_PLACED else None
         dev = self._runs_device(wire, nruns)
         if dev is None:
             self._send_ctrl(ERR, xid, req, layer, f"READ of request {req}: its runs are in "

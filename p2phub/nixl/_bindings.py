@@ -329,11 +329,12 @@ class nixlAgent(Resource):  # noqa: N801
         transport, devices = transport_choice(getattr(config, "transport", None),
                                               getattr(config, "rdmaDevices", None))
         from ..errors import UsageError
+        from ..kv.auth import KVAuthError
         try:
             self.kv = NixlKVAgent(name, host=host, port=port,
                                   stall_timeout=float(config.stallTimeout),
                                   transport=transport, rdma_devices=devices or None)
-        except UsageError as exc:
+        except (UsageError, KVAuthError) as exc:
             raise nixlInvalidParamError(f"agent {name!r}: {exc}") from None
         from ._storage import Storage
         self.storage = Storage()          # FILE registrations and the batch engine's hub

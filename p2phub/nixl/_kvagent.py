@@ -1,6 +1,7 @@
 """The KV agent under the NIXL adapter: p2phub.kv.Agent, plus NIXL's metadata exchange
 (partial metadata merged into what is known of a peer, invalidation by a peer), spoken
-over the KV agent's own HELLO handshake so nothing else listens."""
+over the KV agent's own handshake (the secret proven both ways first, kv/auth.py) so
+nothing else listens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from ..errors import UsageError
 from ..kv import transport as tp
 from ..kv.agent import Agent
+from ..kv.auth import KVAuthError
 from ..kv.errors import KVError
 from .errors import nixlInvalidParamError, nixlRemoteDisconnectError
 
@@ -102,11 +104,18 @@ def exchange(agent: NixlKVAgent, host: str, port: int, md: dict, timeout: float)
         body = json.dumps({"name": agent.name, "incarnation": agent.incarnation,
                            "want": "metadata", "metadata": json.dumps(md)}).encode()
         try:
+            peer = agent.prove(s, timeout, f"{host}:{port}")
             s.sendall(tp.HDR.pack(tp.MAGIC, tp.HELLO, 0, 0, 0, 0, len(body), 0) + body)
             reply = tp.recv_hello(s, timeout)
+        except KVAuthError as exc:
+            raise nixlRemoteDisconnectError(f"metadata exchange refused: {exc}") from None
         except (OSError, KVError) as exc:
             raise nixlRemoteDisconnectError(f"metadata exchange with {host}:{port}: {exc}") from None
     got: Any = reply.get("metadata")
     if not got:
         raise nixlRemoteDisconnectError(f"{host}:{port} answered the metadata exchange without metadata")
-    return json.loads(got)
+    out = json.loads(got)
+    if not isinstance(out, dict) or out.get("name") != peer:
+        raise nixlRemoteDisconnectError(f"{host}:{port} proved the name {peer!r} but answered "
+                                        "with metadata of another agent")
+    return out
