@@ -129,10 +129,14 @@ class BatchFence(Fence):
         res = self.results
         if self.entries is not None:
             for i, ef in enumerate(self.entries):
-                if res[i] < 0:
-                    ef._finish(P2PHubOSError(int(-res[i]), f"{ef.what}"))
+                moved = int(res[i])
+                if moved < 0:
+                    ef._finish(P2PHubOSError(-moved, f"{ef.what}"))
+                elif moved != ef.nbytes:    # never run (the batch failed), or short
+                    ef._finish(err or P2PHubOSError(
+                        errno.EIO, f"{ef.what}: {moved} of {ef.nbytes} bytes moved"))
                 else:
-                    ef._finish(err if err is not None and res[i] == 0 else None)
+                    ef._finish(None)
         self._finish(err)
 
     def _block(self, timeout: float | None) -> None:
@@ -1996,13 +2000,15 @@ def _run(hub: "Hub", write: bool, p: _Plan, rows: Any, parts: list[Any], fence: 
                 exc = fut.exception()
                 res[i] = -(getattr(exc, "errno", None) or errno.EIO) if exc else p.length[i]
         # (a scan of every result only when some entry failed: on a thread that just woke,
-        # each numpy call costs tens of microseconds)
-        bad = np.flatnonzero(res < 0) if failed or parts else ()
+        # each numpy call costs tens of microseconds). An entry is done only when all of its
+        # bytes moved: a short one is a failure too.
+        bad = np.flatnonzero(res != p.length) if failed or parts else ()
         if len(bad):
             i = int(bad[0])
             more = f" (and {bad.size - 1} more entries)" if bad.size > 1 else ""
             f = p.files[int(p.sidx[i])]
-            err = P2PHubOSError(int(-res[i]), f"entry {i}: {'write' if write else 'read'} "
+            code = int(-res[i]) if res[i] < 0 else errno.EIO
+            err = P2PHubOSError(code, f"entry {i}: {'write' if write else 'read'} "
                                 f"{f.name or f.target}[{int(p.off[i])}:+{int(p.length[i])}]{more}")
     except BaseException as exc:  # noqa: BLE001 - delivered through the fence
         err = exc

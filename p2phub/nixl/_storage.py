@@ -11,8 +11,11 @@ at deregistration. Transfer descriptors are ``(file_offset, length, fd or that i
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
+import stat
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -21,6 +24,8 @@ from ..errors import P2PHubError
 from .errors import (
     nixlBackendError, nixlInvalidParamError, nixlNotFoundError,
 )
+
+logger = logging.getLogger(__name__)
 
 NETWORK = ("P2PHUB", "UCX")               # names served by the KV agent (TCP / RDMA)
 STORAGE = ("P2PHUB", "POSIX", "GDS", "GDS_MT")  # names served by the batch engine
@@ -61,14 +66,20 @@ _INT_PARAMS = {"ios_pool_size", "kernel_queue_size", "batch_pool_size", "batch_l
 
 
 def check_params(name: str, params: dict[str, Any]) -> dict[str, str]:
-    """The plugin's parameters with `params` applied; an unknown name or a bad value is
-    refused by name (NIXL's own plugins ignore what they do not know)."""
+    """The plugin's parameters with `params` applied. A bad value is refused by name; an
+    unknown name is logged and ignored, as NIXL's own plugins do (a stack passes one config
+    to several backends), or refused with P2PHUB_NIXL_STRICT_PARAMS=1."""
     spec = PLUGINS[name]
     out = dict(spec.params)
+    strict = os.environ.get("P2PHUB_NIXL_STRICT_PARAMS") == "1"
     for k, v in params.items():
         if k not in spec.params:
-            raise nixlInvalidParamError(f"{name} takes no parameter {k!r} (its parameters: "
-                                        f"{', '.join(sorted(spec.params))})")
+            what = (f"{name} takes no parameter {k!r} (its parameters: "
+                    f"{', '.join(sorted(spec.params))})")
+            if strict:
+                raise nixlInvalidParamError(f"{what}; P2PHUB_NIXL_STRICT_PARAMS=1")
+            logger.warning("%s: ignored", what)
+            continue
         s = str(v).strip()
         if k in _INT_PARAMS:
             if not s.isdigit() or int(s) <= 0:
@@ -115,17 +126,46 @@ def parse_path_meta(meta: bytes | str) -> Optional[tuple[str, int]]:
     return path, flags | os.O_CLOEXEC
 
 
+def open_path(path: str, flags: int) -> int:
+    """Open a path-mode FILE registration's file: created 0600 (KV caches hold users'
+    prompts), never through a symbolic link, and only a regular file or a block device."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
+        raise nixlBackendError(f"FILE registration: open {path!r}: {why}") from None
+    st = os.fstat(fd)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        os.close(fd)
+        raise nixlBackendError(f"FILE registration: {path!r} is not a regular file or a block "
+                               "device")
+    return fd
+
+
+# How long a FILE deregistration waits for the transfers still using the file.
+DEREGISTER_WAIT_S = 60.0
+
+
 # ---------------------------------------------------------------------------- registrations
-@dataclass
+@dataclass(eq=False)
 class FileReg:
-    """One FILE registration row: the fd it moves through and whether it owns it."""
+    """One FILE registration row and the open file it moves through: its own descriptor
+    (path mode: the file it opened; fd mode: a duplicate of the caller's fd, made at
+    registration), so a transfer reaches this file whatever becomes of the caller's fd
+    number. `busy`: transfers posted on it and not yet complete (under Storage's lock)."""
     dev: int                     # the descriptor's third field: the fd, or a path-mode id
     fd: int
     offset: int
     length: int
     meta: bytes
-    path: str = ""               # path mode: the file the backend opened (and will close)
-    owned: bool = False
+    path: str = ""               # path mode: the file the backend opened
+    busy: int = 0
+    released: bool = False
+
+    @property
+    def owned(self) -> bool:
+        """Path mode: the backend opened the file itself."""
+        return bool(self.path)
 
 
 @dataclass
@@ -190,6 +230,9 @@ class Storage:
         self._hub: Any = None
         self._lock = threading.Lock()        # the hub's creation
         self._reg_lock = threading.Lock()    # the spans' hub registrations (transfers on threads)
+        # the FILE registrations' busy counts and releases: a deregistration waits here for
+        # the transfers still using its file before it closes the descriptor
+        self._files_cv = threading.Condition()
 
     # -- the engine
     @property
@@ -204,11 +247,8 @@ class Storage:
             return self._hub
 
     def close(self) -> None:
-        for f in self.files:
-            if f.owned and f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
-        self.files = []
+        files, self.files = self.files, []
+        self._release_files(files)
         for sp in self.spans:
             if sp.hubreg is not None:
                 sp.hubreg.close(force=True)
@@ -218,13 +258,23 @@ class Storage:
             self._hub = None
 
     # -- memory
-    def add_mem(self, addr: int, length: int, vram: bool, device: int) -> None:
-        if (addr, length) not in self.mems:
-            self.mems[(addr, length)] = (vram, device, _allocation(addr, length) if vram else None)
+    def add_mems(self, ranges: list[tuple[int, int]], vram: bool, device: int) -> None:
+        """Add DRAM / VRAM ranges (one respan for all of them: a pool registered page by
+        page costs one merge, not one per page)."""
+        new = False
+        for addr, length in ranges:
+            if (addr, length) not in self.mems:
+                self.mems[(addr, length)] = (vram, device,
+                                             _allocation(addr, length) if vram else None)
+                new = True
+        if new:
             self._respan()
 
-    def drop_mem(self, addr: int, length: int) -> None:
-        if self.mems.pop((addr, length), None) is not None:
+    def drop_mems(self, ranges: list[tuple[int, int]]) -> None:
+        gone = False
+        for addr, length in ranges:
+            gone = self.mems.pop((addr, length), None) is not None or gone
+        if gone:
             self._respan()
 
     def _respan(self) -> None:
@@ -281,44 +331,79 @@ class Storage:
                 added.append(self._one(off, n, dev, meta, added))
         except BaseException:
             for f in added:
-                if f.owned:
-                    os.close(f.fd)
+                os.close(f.fd)
             raise
-        self.files.extend(added)
+        with self._files_cv:
+            self.files.extend(added)
 
     def _one(self, off: int, n: int, dev: int, meta: bytes, pending: list[FileReg]) -> FileReg:
         spec = parse_path_meta(meta)
         if spec is None:
+            if not isinstance(dev, int) or not 0 <= dev < 1 << 31:
+                raise nixlBackendError(f"FILE registration: {dev!r} is not a file descriptor")
             try:
-                fcntl.fcntl(dev, fcntl.F_GETFL)
+                # the registration's own reference to the file: the caller may close (and
+                # reuse) its fd number while a transfer is in flight
+                fd = fcntl.fcntl(dev, fcntl.F_DUPFD_CLOEXEC, 0)
             except OSError:
                 raise nixlBackendError(f"FILE registration: fd {dev} is not an open file "
                                        "descriptor (or give a path: \"rw:/path\")") from None
-            return FileReg(dev, dev, off, n, meta)
+            return FileReg(dev, fd, off, n, meta)
         path, flags = spec
         if any(f.owned and f.dev == dev for f in self.files + pending):
             raise nixlBackendError(f"FILE registration of {path!r}: id {dev} is already a "
                                    "path-mode registration (each file needs its own id)")
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as exc:
-            raise nixlBackendError(f"FILE registration: open {path!r}: "
-                                   f"{exc.strerror or exc}") from None
-        return FileReg(dev, fd, off, n, meta, path, True)
+        return FileReg(dev, open_path(path, flags), off, n, meta, path)
 
-    def deregister(self, rows: list[tuple[int, int, int, bytes]]) -> None:
-        gone: list[FileReg] = []
-        for off, n, dev, meta in rows:
-            f = next((f for f in self.files if f not in gone and (f.dev, f.offset, f.length,
-                                                                  f.meta) == (dev, off, n, meta)), None)
-            if f is None:
-                raise nixlNotFoundError(f"deregister_memory: FILE {off}+{n} of {dev} is not registered")
-            gone.append(f)
-        for f in gone:
-            self.files.remove(f)
-            if f.owned and f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+    def deregister(self, rows: list[tuple[int, int, int, bytes]],
+                   timeout: float = DEREGISTER_WAIT_S) -> None:
+        """Deregister FILE rows (all or none). A transfer still using one of their files is
+        waited for (up to `timeout` seconds, then nixlBackendError and nothing changes); the
+        file is closed only once none does."""
+        with self._files_cv:
+            gone: list[FileReg] = []
+            for off, n, dev, meta in rows:
+                f = next((f for f in self.files if f not in gone and (f.dev, f.offset, f.length,
+                                                                      f.meta) == (dev, off, n, meta)),
+                         None)
+                if f is None:
+                    raise nixlNotFoundError(f"deregister_memory: FILE {off}+{n} of {dev} is not "
+                                            "registered")
+                gone.append(f)
+            if not self._files_cv.wait_for(lambda: not any(f.busy for f in gone), timeout):
+                busy = next(f for f in gone if f.busy)
+                raise nixlBackendError(
+                    f"deregister_memory: FILE {busy.path or busy.dev}: {busy.busy} transfer(s) "
+                    f"still use it after {timeout:g} s (wait for them, then deregister)")
+            drop = set(map(id, gone))
+            self.files = [f for f in self.files if id(f) not in drop]
+        self._release_files(gone)
+
+    def _release_files(self, files: list[FileReg]) -> None:
+        with self._files_cv:
+            for f in files:
+                f.released = True
+                if f.fd >= 0 and not f.busy:    # else its last transfer closes it
+                    os.close(f.fd)
+                    f.fd = -1
+
+    def _hold_files(self, files: list[FileReg]) -> None:
+        with self._files_cv:
+            for f in files:
+                if f.released:
+                    raise nixlNotFoundError(f"FILE {f.path or f.dev}: its registration was "
+                                            "released")
+            for f in files:
+                f.busy += 1
+
+    def _unhold_files(self, files: list[FileReg]) -> None:
+        with self._files_cv:
+            for f in files:
+                f.busy -= 1
+                if f.released and not f.busy and f.fd >= 0:   # (closed with the agent)
+                    os.close(f.fd)
+                    f.fd = -1
+            self._files_cv.notify_all()
 
     def mem_cols(self, rows: list[tuple[int, int, int]], what: str) -> tuple[list[Span], Any, Any]:
         """The spans holding `rows` (addr, len, dev), and per row the index of its span and
@@ -381,12 +466,15 @@ class Storage:
         """Submit the transfer as one batch; returns its fence. A batch the engine refuses
         (a range past the end of a file, a write not aligned for O_DIRECT, a file open the
         wrong way) raises, with nothing moved."""
-        for f in x.files:
-            if f.fd < 0:
-                raise nixlNotFoundError(f"FILE {f.path or f.dev}: its registration was released")
-        regs = [self._hubreg(m) for m in x.mems]
-        kw = dict(storage=[f.fd for f in x.files], storage_index=x.fidx, offsets=x.foff,
-                  lengths=x.lens, memory=regs, memory_index=x.midx, mem_offsets=x.moff)
-        if x.write:
-            return self.hub.save_batch(sync=False, **kw)
-        return self.hub.load_batch(**kw)
+        files = x.files
+        self._hold_files(files)     # each file stays open (and registered) until it is done
+        try:
+            regs = [self._hubreg(m) for m in x.mems]
+            kw = dict(storage=[f.fd for f in files], storage_index=x.fidx, offsets=x.foff,
+                      lengths=x.lens, memory=regs, memory_index=x.midx, mem_offsets=x.moff)
+            fence = self.hub.save_batch(sync=False, **kw) if x.write else self.hub.load_batch(**kw)
+        except BaseException:
+            self._unhold_files(files)
+            raise
+        fence.add_done_callback(lambda _f: self._unhold_files(files))
+        return fence

@@ -1246,12 +1246,35 @@ static int restage_faulted(struct sio_engine *e, int write, const int *fd, unsig
     return 1;
 }
 
+/* An entry's result is the bytes its pieces moved, or the first error of any of them: pieces
+ * complete out of order, so a piece that lands after another failed must leave the error in
+ * place (an entry is done only when every byte of every piece moved). */
 static void fail_entry(long long *result, unsigned long long i, int res, int *failed)
 {
     if (result[i] >= 0) {
         result[i] = res;
         (*failed)++;
     }
+}
+
+/* An O_DIRECT write goes out in whole blocks from its slot: one that does not start and end
+ * on a block would write the slot's stale bytes around the range. Refused here whatever the
+ * caller checked (entries from..n). */
+static void refuse_unaligned_writes(unsigned long long from, unsigned long long n,
+                                    const unsigned long long *off, const unsigned long long *len,
+                                    const unsigned char *flags, long long *result, int *failed)
+{
+    unsigned long long i;
+
+    for (i = from; i < n; i++)
+        if ((flags[i] & SIO_DIRECT) && (off[i] % SIO_ALIGN || len[i] % SIO_ALIGN))
+            fail_entry(result, i, -EINVAL, failed);
+}
+
+static void credit_entry(long long *result, unsigned long long i, unsigned long long useful)
+{
+    if (result[i] >= 0)
+        result[i] += (long long)useful;
 }
 
 /* ------------------------------------------------------------------ CUDA loads, two threads
@@ -1369,7 +1392,7 @@ static void *io_main(void *arg)
                 inflight++;
                 continue;
             }
-            x->result[p->entry] += (long long)p->useful;
+            credit_entry(x->result, p->entry, p->useful);
             st->bytes += p->useful;
             st->in_place += p->to_mem;
             if (x->flags[p->entry] & SIO_CUDA) {
@@ -1562,6 +1585,8 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
         say(err, errlen, "CUDA memory in a batch on an engine without a CUDA stream");
         return -1;
     }
+    if (write)
+        refuse_unaligned_writes(0, n, off, len, flags, result, &failed);
     st->fixed = e->fixed;
     e->no_in_place = 0;
     if (!write && need_cuda && !(e->options & SIO_OPT_NO_IO_THREAD)) {
@@ -1592,6 +1617,8 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
                 unsigned long long fed = e->feed ? e->feed(e->feed_arg, n) : n;
 
                 if (fed > n) {      /* entries queued meanwhile join this batch */
+                    if (write)
+                        refuse_unaligned_writes(n, fed, off, len, flags, result, &failed);
                     n = fed;
                     continue;
                 }
@@ -1677,7 +1704,7 @@ static int run_batch(struct sio_engine *e, int write, unsigned long long n, cons
                 inflight++;
                 continue;
             }
-            result[p->entry] += (long long)p->useful;
+            credit_entry(result, p->entry, p->useful);
             st->bytes += p->useful;
             st->in_place += p->to_mem;
             if (write || !(flags[p->entry] & SIO_CUDA)) {

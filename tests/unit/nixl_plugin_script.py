@@ -102,6 +102,13 @@ def main() -> int:
         out["unknown_param"] = "accepted"
     except Exception as exc:  # noqa: BLE001
         out["unknown_param"] = f"EXC:{type(exc).__name__}"
+    os.environ["P2PHUB_NIXL_STRICT_PARAMS"] = "1"
+    try:
+        nixl_agent("strict", nixl_agent_config(backends=[])).create_backend(name, {"no_such": "1"})
+        out["unknown_param_strict"] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        out["unknown_param_strict"] = f"EXC:{type(exc).__name__}"
+    del os.environ["P2PHUB_NIXL_STRICT_PARAMS"]
     try:
         nixl_agent("odd", nixl_agent_config(backends=[])).create_backend(
             name, {"split_bytes": "4097"})

@@ -77,8 +77,21 @@ def test_plugins_backends_and_parameters() -> None:
         assert a.backends == {}
         with pytest.raises(nixlNotFoundError, match="no backend for DRAM"):
             a.register_memory([(_aligned(BLK).ctypes.data, BLK, 0, "")], "DRAM")
-        with pytest.raises(nixlInvalidParamError, match="POSIX takes no parameter 'use_iouring'"):
-            a.create_backend("POSIX", {"use_iouring": "true"})
+        # another backend's key is ignored, as NIXL's plugins do (one config, several
+        # backends), and refused by name where strict parameters are asked for
+        other = nixl_agent("other", nixl_agent_config(backends=[]))
+        strict = nixl_agent("strict", nixl_agent_config(backends=[]))
+        try:
+            other.create_backend("POSIX", {"thread_count": "8", "use_uring": "true"})
+            assert "thread_count" not in other.get_backend_params("POSIX")
+            assert other.get_backend_params("POSIX")["use_uring"] == "true"
+            os.environ["P2PHUB_NIXL_STRICT_PARAMS"] = "1"
+            with pytest.raises(nixlInvalidParamError, match="POSIX takes no parameter 'thread_count'"):
+                strict.create_backend("POSIX", {"thread_count": "8"})
+        finally:
+            os.environ.pop("P2PHUB_NIXL_STRICT_PARAMS", None)
+            other.close()
+            strict.close()
         with pytest.raises(nixlInvalidParamError, match="thread_count='many'"):
             a.create_backend("GDS_MT", {"thread_count": "many"})
         with pytest.raises(nixlInvalidParamError, match="use_uring"):
@@ -309,13 +322,13 @@ def test_vram_ranges_that_follow_one_another_merge_only_within_one_allocation(mo
     st = _storage.Storage()
     try:
         for addr in (0x10000, 0x20000, 0x30000, 0x40000, 0x50000):    # 64 KiB each, back to back
-            st.add_mem(addr, 0x10000, True, 0)
-        st.add_mem(0x60000, 0x10000, False, 0)               # DRAM right after the VRAM
-        st.add_mem(0x70000, 0x10000, False, 0)
+            st.add_mems([(addr, 0x10000)], True, 0)
+        st.add_mems([(0x60000, 0x10000)], False, 0)              # DRAM right after the VRAM
+        st.add_mems([(0x70000, 0x10000)], False, 0)
         assert [(s.addr, s.length, s.vram, s.alloc) for s in st.spans] == [
             (0x10000, 0x20000, True, 0x10000), (0x30000, 0x10000, True, 0x30000),
             (0x40000, 0x20000, True, None), (0x60000, 0x20000, False, None)]
-        st.drop_mem(0x20000, 0x10000)
+        st.drop_mems([(0x20000, 0x10000)])
         assert [(s.addr, s.length) for s in st.spans][:2] == [(0x10000, 0x10000), (0x30000, 0x10000)]
     finally:
         st.close()

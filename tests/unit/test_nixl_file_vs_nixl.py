@@ -20,7 +20,6 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 DIFFER = {
-    "unknown_parameter": (None, "nixlInvalidParamError"),
     "past_eof": ("nixlBackendError", "ERR"),
     "past_eof.mem_untouched": (False, True),
     "direct_misaligned_write": ("nixlBackendError", "ERR"),

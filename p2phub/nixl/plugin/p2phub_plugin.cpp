@@ -21,11 +21,14 @@ extern "C" {
 #include "_sio.h"
 }
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <set>
 #include <thread>
 
@@ -115,18 +118,28 @@ bool cudaOpen(std::string &why) {
 
 /* ------------------------------------------------------------------ metadata and requests */
 
-struct MemMD : nixlBackendMD {
-    nixl_mem_t type;
-    int device = -1;     /* VRAM: the CUDA device */
-    int fd = -1;         /* FILE: the fd transfers use */
-    bool ownsFd = false; /* path mode: opened here, closed at deregistration */
-    bool direct = false; /* FILE: the fd is O_DIRECT */
+/* A FILE registration's open file: its own descriptor (path mode: the file opened here; fd
+ * mode: a duplicate of the caller's fd made at registration), closed when the registration and
+ * every request prepared on it let go. A request in flight so always reaches the file it was
+ * prepared for, whatever becomes of the caller's fd number. `busy`: requests posted on it and
+ * not finished (under the engine's m_). */
+struct OpenFile {
+    int fd = -1;
+    bool direct = false; /* the fd is O_DIRECT */
+    int busy = 0;
 
-    explicit MemMD(nixl_mem_t t) : nixlBackendMD(true), type(t) {}
-    ~MemMD() override {
-        if (ownsFd)
+    ~OpenFile() {
+        if (fd >= 0)
             close(fd);
     }
+};
+
+struct MemMD : nixlBackendMD {
+    nixl_mem_t type;
+    int device = -1;               /* VRAM: the CUDA device */
+    std::shared_ptr<OpenFile> file; /* FILE */
+
+    explicit MemMD(nixl_mem_t t) : nixlBackendMD(true), type(t) {}
 };
 
 enum ReqState { kIdle = 0, kQueued, kDone, kFailed };
@@ -138,6 +151,7 @@ struct Request : nixlBackendReqH {
     std::vector<unsigned long long> off, len, mem;
     std::vector<unsigned char> flags;
     std::vector<long long> result;
+    std::vector<std::shared_ptr<OpenFile>> files; /* each file it uses, once */
     std::atomic<int> state{kIdle};
     std::string error;
 };
@@ -198,9 +212,16 @@ public:
                 continue;
             if (alias != kAliasParams.end() && alias->second.count(key))
                 continue;
-            say("backend " + getType() + ": unknown parameter '" + key + "'");
-            initErr = true;
-            return;
+            /* as NIXL's own plugins: a key meant for another backend is ignored, and said
+             * once; P2PHUB_NIXL_STRICT_PARAMS=1 refuses it instead */
+            const char *strict = getenv("P2PHUB_NIXL_STRICT_PARAMS");
+            if (strict && !strcmp(strict, "1")) {
+                say("backend " + getType() + ": unknown parameter '" + key +
+                    "' (P2PHUB_NIXL_STRICT_PARAMS=1)");
+                initErr = true;
+                return;
+            }
+            say("backend " + getType() + ": unknown parameter '" + key + "' ignored");
         }
         if (!number(given, "depth", 1, 4096, depth_) ||
             !number(given, "slot_bytes", SIO_ALIGN, 1ULL << 30, slotBytes_) ||
@@ -261,22 +282,34 @@ public:
         case FILE_SEG: {
             std::string path;
             int flags = 0;
+            auto file = std::make_shared<OpenFile>();
             if (parseMode(mem.metaInfo, path, flags)) {
-                md->fd = open(path.c_str(), flags, 0644);
-                if (md->fd < 0) {
-                    say("FILE " + path + ": " + strerror(errno));
+                /* 0600: KV caches hold users' prompts; never through a symbolic link */
+                file->fd = open(path.c_str(), flags | O_NOFOLLOW, 0600);
+                if (file->fd < 0) {
+                    say("FILE " + path + ": " +
+                        (errno == ELOOP ? "it is a symbolic link" : strerror(errno)));
                     return NIXL_ERR_BACKEND;
                 }
-                md->ownsFd = true;
+                struct stat st;
+                if (fstat(file->fd, &st) || !(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
+                    say("FILE " + path + ": not a regular file or a block device");
+                    return NIXL_ERR_BACKEND;
+                }
             } else {
-                md->fd = (int)mem.devId;
+                if (mem.devId > (uint64_t)INT_MAX ||
+                    (file->fd = fcntl((int)mem.devId, F_DUPFD_CLOEXEC, 0)) < 0) {
+                    say("FILE devId " + std::to_string(mem.devId) + " is not an open fd");
+                    return NIXL_ERR_INVALID_PARAM;
+                }
             }
-            const int fl = fcntl(md->fd, F_GETFL);
+            const int fl = fcntl(file->fd, F_GETFL);
             if (fl < 0) {
-                say("FILE devId " + std::to_string(mem.devId) + " is not an open fd");
-                return NIXL_ERR_INVALID_PARAM;
+                say("FILE devId " + std::to_string(mem.devId) + ": " + strerror(errno));
+                return NIXL_ERR_BACKEND;
             }
-            md->direct = (fl & O_DIRECT) != 0;
+            file->direct = (fl & O_DIRECT) != 0;
+            md->file = std::move(file);
             break;
         }
         default:
@@ -287,7 +320,14 @@ public:
     }
 
     nixl_status_t deregisterMem(nixlBackendMD *meta) override {
-        delete static_cast<MemMD *>(meta);
+        MemMD *md = static_cast<MemMD *>(meta);
+        if (md->file) {
+            /* a request still moving this file's bytes finishes first; one only prepared
+             * keeps the file open until it is released */
+            std::unique_lock<std::mutex> g(m_);
+            doneCv_.wait(g, [md] { return md->file->busy == 0; });
+        }
+        delete md;
         return NIXL_SUCCESS;
     }
 
@@ -346,7 +386,7 @@ public:
                 say("descriptor " + std::to_string(i) + ": lengths differ");
                 return NIXL_ERR_MISMATCH;
             }
-            unsigned char fl = fm->direct ? SIO_DIRECT : 0;
+            unsigned char fl = fm->file->direct ? SIO_DIRECT : 0;
             if (lm->type == VRAM_SEG) {
                 if (r->device >= 0 && r->device != lm->device) {
                     say("one transfer's VRAM must be on one device");
@@ -355,7 +395,9 @@ public:
                 r->device = lm->device;
                 fl |= SIO_CUDA;
             }
-            r->fd[i] = fm->fd;
+            r->fd[i] = fm->file->fd;
+            if (std::find(r->files.begin(), r->files.end(), fm->file) == r->files.end())
+                r->files.push_back(fm->file);
             r->off[i] = f.addr;
             r->len[i] = l.len;
             r->mem[i] = l.addr;
@@ -377,6 +419,8 @@ public:
         r->state.store(kQueued);
         {
             std::lock_guard<std::mutex> g(m_);
+            for (const auto &f : r->files)
+                f->busy++;
             queue_.push_back(r);
         }
         cv_.notify_one();
@@ -529,19 +573,18 @@ private:
         }
     }
 
-    void run(Request *r) {
+    /* Runs request r; its final state (the worker stores it once it let go of r's files). */
+    int run(Request *r) {
         if (!validate(r)) {
             say(r->error);
-            r->state.store(kFailed);
-            return;
+            return kFailed;
         }
         std::string why;
         IoEngine *e = engineFor(r->device, why);
         if (!e) {
             r->error = why;
             say(why);
-            r->state.store(kFailed);
-            return;
+            return kFailed;
         }
         if (e->ctx)
             cu.ctx_set_current(e->ctx);
@@ -563,10 +606,9 @@ private:
                     }
             }
             say(r->error);
-            r->state.store(kFailed);
-            return;
+            return kFailed;
         }
-        r->state.store(kDone);
+        return kDone;
     }
 
     void work() {
@@ -578,8 +620,11 @@ private:
             Request *r = queue_.front();
             queue_.pop_front();
             g.unlock();
-            run(r);
+            const int done = run(r);
             g.lock();
+            for (const auto &f : r->files)
+                f->busy--;
+            r->state.store(done); /* under m_: a waiter may free r as soon as it sees this */
             doneCv_.notify_all();
         }
         g.unlock();
