@@ -321,11 +321,8 @@ class Agent(Resource):
             self._segdev.append(-1 if device is None else device)
             self._any_cuda = self._any_cuda or device is not None
             self._segidx.add(addr, length)
-            c = h.ffi.new("struct kv_iov[]", len(self._segments))
-            for i, (a, n) in enumerate(self._segments):
-                c[i].addr, c[i].len = a, n
-            self._segc = c
-            return len(self._segments) - 1
+            self._segc = None       # the C table is built again when next used: a pool
+            return len(self._segments) - 1   # registered page by page costs one build
 
     def register_pool(self, pool: KVPool) -> None:
         """Register every segment of `pool` (once); its layout is published with the metadata."""
@@ -371,6 +368,11 @@ class Agent(Resource):
 
     def _seg_table(self) -> tuple[Any, int]:
         with self._lock:
+            if self._segc is None and self._segments:
+                c = tp.hot().ffi.new("struct kv_iov[]", len(self._segments))
+                for i, (a, n) in enumerate(self._segments):
+                    c[i].addr, c[i].len = a, n
+                self._segc = c
             return (self._segc if self._segc is not None else tp.hot().ffi.NULL), len(self._segments)
 
     # ------------------------------------------------------------------ metadata

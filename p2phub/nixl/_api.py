@@ -391,7 +391,10 @@ class nixl_agent(Resource):  # noqa: N801
         self.plugin_list = self.agent.getAvailPlugins()
         self.plugin_b_options: dict[str, dict[str, str]] = {}
         self.plugin_mem_types: dict[str, list[str]] = {}
-        self._regs: list[tuple[int, int]] = []           # registered DRAM and VRAM ranges
+        # registered DRAM and VRAM ranges -> whether the KV agent has them too (a network
+        # backend existed when they were registered: NIXL registers memory with the backends
+        # created by then)
+        self._regs: dict[tuple[int, int], bool] = {}
         self._est = _Estimator()
         self.nixl_mems = _MemNames({
             "DRAM": nixlBind.DRAM_SEG, "VRAM": nixlBind.VRAM_SEG, "FILE": nixlBind.FILE_SEG,
@@ -647,15 +650,22 @@ class nixl_agent(Resource):  # noqa: N801
             self._storage.register([(r[0], r[1], r[2], r[3]) for r in reg._rows])
             return reg
         vram = mem == "VRAM"
-        for addr, n, dev in reg.ranges():
-            if (addr, n) in self._regs:
-                continue
-            try:
-                self.kv.register_memory(addr, n, device=dev if vram else None)
-            except UsageError as exc:
-                raise nixlInvalidParamError(f"register_memory: {exc}") from None
-            self._regs.append((addr, n))
-            self._storage.add_mem(addr, n, vram, dev)
+        peers = any(b in NETWORK for b in self.backends)
+        added: dict[int, list[tuple[int, int]]] = {}
+        try:
+            for addr, n, dev in reg.ranges():
+                if (addr, n) in self._regs:
+                    continue
+                if peers:
+                    try:
+                        self.kv.register_memory(addr, n, device=dev if vram else None)
+                    except UsageError as exc:
+                        raise nixlInvalidParamError(f"register_memory: {exc}") from None
+                self._regs[(addr, n)] = peers
+                added.setdefault(dev, []).append((addr, n))
+        finally:    # what was registered is known to the storage side too, in one merge
+            for dev, ranges in added.items():
+                self._storage.add_mems(ranges, vram, dev)
         return reg
 
     def deregister_memory(self, dereg_list: nixlBind.nixlRegDList,
@@ -670,13 +680,14 @@ class nixl_agent(Resource):  # noqa: N801
         if dereg_list.getType() == nixlBind.FILE_SEG:
             self._storage.deregister([(r[0], r[1], r[2], r[3]) for r in dereg_list._rows])
             return
-        for addr, n, _dev in dereg_list.ranges():
+        ranges = [(addr, n) for addr, n, _dev in dereg_list.ranges()]
+        for addr, n in ranges:
             if (addr, n) not in self._regs:
                 raise nixlNotFoundError(f"deregister_memory: {addr:#x}+{n} is not registered")
-        for addr, n, _dev in dereg_list.ranges():
-            self._storage.drop_mem(addr, n)
-            self._regs.remove((addr, n))
-            self.kv.deregister_range(addr, n)
+        self._storage.drop_mems(ranges)
+        for key in ranges:
+            if self._regs.pop(key, False):
+                self.kv.deregister_range(*key)
 
     def query_memory(self, reg_list: Any, backend: str,
                      mem_type: Optional[str] = None) -> list[Optional[dict[str, str]]]:
@@ -819,7 +830,15 @@ class nixl_agent(Resource):  # noqa: N801
             self._registered(rows, "prep_xfer_dlist")
             if agent_name == self.name:
                 return _Prepped("loop", self.name, rows, None, mem)
-            return _Prepped("init", "", rows, self.kv.prep_local([(a, n) for a, n, _ in rows]), mem)
+            # the KV agent's list only for memory it has (a network backend): a list that
+            # only FILE transfers use needs none
+            kvlist = None
+            if any(self._regs.values()):
+                try:
+                    kvlist = self.kv.prep_local([(a, n) for a, n, _ in rows])
+                except UsageError:
+                    pass    # memory registered before the network backend: FILE only
+            return _Prepped("init", "", rows, kvlist, mem)
         try:
             return _Prepped("remote", agent_name, rows,
                             self.kv.prep_remote(agent_name, [(a, n) for a, n, _ in rows]), mem)
@@ -916,6 +935,10 @@ class nixl_agent(Resource):  # noqa: N801
                       rdev(rp.rows[j])) for i, j in zip(li, ri)]
             req = _Req(op, self.name, pairs, len(li), nbytes, notif, None)
         else:
+            if lp.kvlist is None:
+                raise nixlNotFoundError(
+                    "make_prepped_xfer: the local memory is not registered with a network "
+                    "backend (register it after create_backend('UCX' or 'P2PHUB'))")
             try:
                 x = self.kv.make_xfer(rp.peer, lp.kvlist, li, rp.kvlist, ri, notif=notif, op=op)
             except UsageError as exc:

@@ -55,20 +55,21 @@ class NixlKVAgent(Agent):
         """Take the registered segment (addr, length) out of service: its slot stays (segment
         ids are positional on the wire) but matches no address, so inbound runs into it are
         refused and the metadata shows an empty slot."""
-        h = tp.hot()
         with self._lock:
             try:
-                i = self._segments.index((addr, length))
-            except ValueError:
-                raise UsageError(f"{addr:#x}+{length} is not a registered segment") from None
+                i = self._segidx.find(addr, length)
+            except UsageError:
+                i = -1
+            if i < 0 or self._segments[i] != (addr, length):
+                try:        # (overlapping segments: the index found another one)
+                    i = self._segments.index((addr, length))
+                except ValueError:
+                    raise UsageError(f"{addr:#x}+{length} is not a registered segment") from None
             self._segments[i] = (0, 0)
             self._segidx.drop(i)
             if self.rails is not None:   # a peer's RDMA WRITE into it now fails at its NIC
                 self.rails.drop_segment(i)
-            c = h.ffi.new("struct kv_iov[]", len(self._segments))
-            for k, (a, n) in enumerate(self._segments):
-                c[k].addr, c[k].len = a, n
-            self._segc = c
+            self._segc = None       # built again when next used
 
     def metadata_dict(self, keep: list[tuple[int, int]] | None = None,
                       flags: dict | None = None) -> dict:
