@@ -690,6 +690,9 @@ class Agent(Resource):
         return conn
 
     def _connection_failed(self, conn: tp.Connection, exc: BaseException) -> None:
+        if not self._closed:
+            log.info("kv %s: connection %s %r ended: %s", self.name,
+                     "to" if conn.outbound else "from", conn.peer, exc)
         with self._lock:
             table = self._out if conn.outbound else self._in
             if table.get(conn.peer) is conn:
