@@ -232,6 +232,12 @@ def is_loopback(host: str) -> bool:
 
 
 # ------------------------------------------------------------------ the handshake
+def _nodelay(sock: socket.socket) -> None:
+    """The proof and the HELLO behind it go out at once (no Nagle wait for an ACK)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def _mac(key: bytes, role: bytes, cnonce: bytes, snonce: bytes, cname: str, sname: str) -> bytes:
     parts = [PROTOCOL, role, cnonce, snonce, cname.encode(), sname.encode()]
     msg = b"".join(struct.pack("<I", len(p)) + p for p in parts)
@@ -309,6 +315,7 @@ def client_handshake(sock: socket.socket, secret: Secret, name: str, timeout: fl
     Returns the name the peer proved. Raises KVAuthError naming the failure."""
     deadline = time.monotonic() + timeout
     what = f"handshake with {where}"
+    _nodelay(sock)
     cnonce = secrets.token_bytes(NONCE)
     _send(sock, {"v": 1, "name": name, "nonce": cnonce.hex()})
     body = _recv(sock, deadline, what, f"{timeout} s")
@@ -334,6 +341,7 @@ def server_handshake(sock: socket.socket, secret: Secret, name: str, timeout: fl
     deadline = time.monotonic() + timeout
     limit = f"auth_timeout={timeout} s (P2PHUB_KV_AUTH_TIMEOUT)"
     what = f"connection from {where}"
+    _nodelay(sock)
     body = _recv(sock, deadline, what, limit)
     cname = _field_name(body, what)
     cnonce = _field_hex(body, "nonce", NONCE, what)
