@@ -9,6 +9,11 @@ pages went where; the server checks every byte of them and reports. Both take th
 layout options (they must agree); --rdv tcpstore://H:P or redis://H:P finds the peer
 through a store instead of --to. Exit codes: 0 verified, 1 transfer or check failed,
 4 usage.
+
+Both prove the deployment's secret to each other first: P2PHUB_KV_SECRET or
+P2PHUB_KV_SECRET_FILE in the environment (never an option: a command line is visible to
+every user), else the per-user secret, which serves one user on one host; --listen beyond
+loopback needs one of the two variables.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     s = sub.add_parser("serve", help="receive KV requests into a pool and check them")
     s.add_argument("--name", default="decode", help="this agent's name (default decode)")
     s.add_argument("--listen", type=hostport(allow_zero=True), default="127.0.0.1:0",
-                   help="HOST:PORT to listen on (default 127.0.0.1:0: any free port)")
+                   help="HOST:PORT to listen on (default 127.0.0.1:0: any free port); beyond "
+                        "loopback it needs P2PHUB_KV_SECRET or P2PHUB_KV_SECRET_FILE")
     s.add_argument("--rdv", help="publish the metadata to tcpstore://H:P or redis://H:P[/db]")
     s.add_argument("--count", type=non_negative, default=0, help="exit after this many requests (0: never)")
     s.add_argument("--metrics-port", type=int_at_least(0), default=None, metavar="PORT",
