@@ -21,17 +21,20 @@
 #include <linux/module.h>
 #include <linux/swiotlb.h>
 #include <linux/version.h>
+#include <linux/workqueue.h>
 
 #include "conftest.h"
 
 /*
  * MODULE_IMPORT_NS() takes a string literal since 6.13 ("module: Convert
  * symbol namespace to string literal"); before that, a bare identifier.
+ * Probed (conftest.sh): the bare form fails to compile where the string
+ * form is wanted.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
-#define P2PHUB_IMPORT_NS_DMA_BUF()	MODULE_IMPORT_NS("DMA_BUF")
-#else
+#ifdef P2PHUB_HAVE_MODULE_IMPORT_NS_IDENTIFIER
 #define P2PHUB_IMPORT_NS_DMA_BUF()	MODULE_IMPORT_NS(DMA_BUF)
+#else
+#define P2PHUB_IMPORT_NS_DMA_BUF()	MODULE_IMPORT_NS("DMA_BUF")
 #endif
 
 /*
@@ -154,6 +157,18 @@ static inline bool p2phub_swiotlb_addr(struct device *dev, phys_addr_t paddr)
 #define p2phub_dma_buf_invalidate(dmabuf)	dma_buf_invalidate_mappings(dmabuf)
 #else
 #define p2phub_dma_buf_invalidate(dmabuf)	dma_buf_move_notify(dmabuf)
+#endif
+
+/*
+ * A workqueue bound to the CPU that queues its work: what flags 0 meant
+ * before the workqueue rework (6.17, "workqueue: Add new WQ_PERCPU flag").
+ * Where WQ_PERCPU exists it is said, since 7.0's alloc_workqueue() warns
+ * without it or WQ_UNBOUND.
+ */
+#ifdef P2PHUB_HAVE_WQ_PERCPU
+#define P2PHUB_WQ_PERCPU	WQ_PERCPU
+#else
+#define P2PHUB_WQ_PERCPU	0
 #endif
 
 #endif /* _P2PHUB_COMPAT_H */

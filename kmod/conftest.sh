@@ -53,6 +53,23 @@ void p2phub_probe(struct dma_buf *dmabuf)
 }
 EOF
 
+# Linux 6.13 ("module: Convert symbol namespace to string literal") made MODULE_IMPORT_NS()
+# take a string literal; before, a bare identifier that it stringified. The string form
+# compiles on both (as a wrong name on the older), so the identifier form is what is probed.
+probe MODULE_IMPORT_NS_IDENTIFIER <<'EOF'
+#include <linux/module.h>
+MODULE_IMPORT_NS(DMA_BUF);
+EOF
+
+# A workqueue states whether it is bound to a CPU or not (WQ_PERCPU, from the workqueue
+# rework of 6.17, backported to stable series: Debian's 6.12 has it); since 7.0
+# alloc_workqueue() warns (a kernel-log WARNING) when a caller gives neither WQ_PERCPU nor
+# WQ_UNBOUND. An enum value, not a macro: only a compile tells.
+probe WQ_PERCPU <<'EOF'
+#include <linux/workqueue.h>
+unsigned int p2phub_probe_flags = WQ_PERCPU;
+EOF
+
 # Every probe compiled at once (a few seconds in all); the answers in a fixed order.
 for c in "$tmp"/*.c; do
 	name=$(basename "$c" .c)

@@ -21,6 +21,7 @@
 
 #include "p2phub_reg.h"
 #include "p2phub_regmap.h"
+#include "compat.h"
 
 static unsigned int max_reg_gib = 1024;
 module_param(max_reg_gib, uint, 0644);
@@ -436,7 +437,7 @@ int p2phub_reg_init(void)
 	};
 	int i, ret;
 
-	p2phub_reg_wq = alloc_workqueue("p2phub_reg", 0, 0);
+	p2phub_reg_wq = alloc_workqueue("p2phub_reg", P2PHUB_WQ_PERCPU, 0);
 	if (!p2phub_reg_wq)
 		return -ENOMEM;
 	ret = p2phub_regmap_init();
