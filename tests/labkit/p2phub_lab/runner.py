@@ -1,6 +1,6 @@
 """The p2phub lab: a QEMU VM in which everything below the GPU is real.
 
-    tools/lab run [--kernel 6.1|6.12|debug|VERSION] [--iommu] [--topology flat|rootports|switch|bridge]
+    tools/lab run [--kernel 6.1|6.12|7.x|debug|VERSION] [--iommu] [--topology flat|rootports|switch|bridge]
                   [--nvme-backing file|null] [--keep] -- COMMAND...
     tools/lab kernels          the lab kernels found on this machine
     tools/lab probe-kvm        whether KVM can boot a guest here (else TCG is used)
@@ -53,6 +53,11 @@ CACHE = Path("/var/cache/p2phub-lab")
 # Where tests/labkit/build-debug-kernel puts the debug lab kernel (one directory per release).
 KERNEL_CACHE = Path(os.environ.get("P2PHUB_KERNEL_CACHE", "/var/lib/p2phub/kernels"))
 DEBUG_SUFFIX = "-p2phub-debug"
+# Kernels newer than the host's toolchain can build for (7.x: gcc 14, kbuild tools linked
+# against a newer glibc) live in a Debian build root of their own, with their headers, made by
+# tests/labkit/build-root (tools/setup): p2phub.ko is built there, with that kernel's own
+# compiler, and the VM boots the image from there (virtme-ng finds its modules beside it).
+BUILD_ROOT = Path(os.environ.get("P2PHUB_BUILD_ROOT", "/var/lib/p2phub/buildroot-trixie"))
 
 EXIT_TIMEOUT = 124
 EXIT_LAB = 125
@@ -77,15 +82,33 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- kernels
 
 
+_DEBIAN_KVER = r"\d+\.\d+\.\d+(-\d+)?(\+deb\d+)?-amd64"
+
+
+def build_root_kernels() -> list[str]:
+    """The kernels of the build root (BUILD_ROOT): image, modules and headers all there."""
+    found = []
+    for vmlinuz in sorted(glob.glob(str(BUILD_ROOT / "usr/lib/modules/*/vmlinuz"))):
+        ver = Path(vmlinuz).parent.name
+        if (re.fullmatch(_DEBIAN_KVER, ver) and (BUILD_ROOT / f"usr/lib/modules/{ver}/kernel").is_dir()
+                and (BUILD_ROOT / f"usr/src/linux-headers-{ver}/Makefile").exists()):
+            found.append(ver)
+    return found
+
+
 def lab_kernels() -> dict[str, str]:
-    """Series ("6.1", "6.12") -> newest installed generic amd64 kernel version."""
+    """Series ("6.1", "6.12", "7.3") -> newest installed generic amd64 kernel version
+    (on the host, or in the build root)."""
     found: dict[str, str] = {}
+    vers = []
     for vmlinuz in sorted(glob.glob("/boot/vmlinuz-*")):
         ver = vmlinuz.removeprefix("/boot/vmlinuz-")
-        if not re.fullmatch(r"\d+\.\d+\.\d+(-\d+)?(\+deb\d+)?-amd64", ver):
+        if not re.fullmatch(_DEBIAN_KVER, ver):
             continue  # skip -rt, -cloud and self-built kernels
         if not Path(f"/lib/modules/{ver}/kernel").is_dir():
             continue
+        vers.append(ver)
+    for ver in vers + build_root_kernels():
         series = ".".join(ver.split(".")[:2])
         if series not in found or _verkey(ver) > _verkey(found[series]):
             found[series] = ver
@@ -106,6 +129,8 @@ def debug_kernel() -> str | None:
 def kernel_image(kver: str) -> Path:
     if kver.endswith(DEBUG_SUFFIX):
         return KERNEL_CACHE / kver / "boot" / f"vmlinuz-{kver}"
+    if not Path(f"/boot/vmlinuz-{kver}").exists() and kver in build_root_kernels():
+        return BUILD_ROOT / "usr/lib/modules" / kver / "vmlinuz"
     return Path(f"/boot/vmlinuz-{kver}")
 
 
@@ -118,16 +143,24 @@ def resolve_kernel(want: str | None) -> str:
     kernels = lab_kernels()
     if not kernels:
         raise SystemExit("no lab kernel installed: run tools/setup")
-    if want is None:
-        return kernels[max(kernels, key=_verkey)]
+    if want is None:   # the newest the host builds for; a build root's only when asked for
+        own = set(build_root_kernels())
+        host = [k for k, v in kernels.items() if v not in own] or list(kernels)
+        return kernels[max(host, key=_verkey)]
     if want in kernels:
         return kernels[want]
-    if Path(f"/boot/vmlinuz-{want}").exists():
+    major = re.fullmatch(r"(\d+)\.x", want)
+    if major:   # "7.x": the newest kernel of that major version
+        series = [k for k in kernels if k.split(".")[0] == major.group(1)]
+        if series:
+            return kernels[max(series, key=_verkey)]
+    if Path(f"/boot/vmlinuz-{want}").exists() or want in build_root_kernels():
         return want
     raise SystemExit(f"lab kernel {want!r} not installed (have: {', '.join(kernels.values())})")
 
 
 def headers_dir(kver: str) -> Path:
+    """The kernel's build tree, as the build sees it (inside the build root for its kernels)."""
     if kver.endswith(DEBUG_SUFFIX):
         d = KERNEL_CACHE / kver / "build"
         if (d / "Makefile").exists():
@@ -136,7 +169,42 @@ def headers_dir(kver: str) -> Path:
     for d in (Path(f"/usr/src/linux-headers-{kver}"), Path(f"/lib/modules/{kver}/build")):
         if (d / "Makefile").exists():
             return d
+    if build_root_for(kver) is not None:
+        return Path(f"/usr/src/linux-headers-{kver}")
     raise SystemExit(f"no kernel headers for {kver}: run tools/setup")
+
+
+def build_root_for(kver: str) -> Path | None:
+    """The build root that builds modules for kver, or None when the host does."""
+    if kver.endswith(DEBUG_SUFFIX) or any(
+            (d / "Makefile").exists()
+            for d in (Path(f"/usr/src/linux-headers-{kver}"), Path(f"/lib/modules/{kver}/build"))):
+        return None
+    return BUILD_ROOT if (BUILD_ROOT / f"usr/src/linux-headers-{kver}/Makefile").exists() else None
+
+
+# Run as `sh -c SCRIPT sh ROOT TOP CMD...` in a mount namespace of its own (the mounts go
+# with it): the checkout and NVIDIA's kernel source (nv-p2p.h) at their own paths in the
+# build root, /proc for objtool, and CMD in the chroot with a clean environment.
+_IN_BUILD_ROOT = """set -e
+root=$1 top=$2
+shift 2
+mount -t proc proc "$root/proc"
+mkdir -p "$root$top"
+mount --bind "$top" "$root$top"
+nv=/usr/src/nvidia-open-kernel-src
+if [ -d "$nv" ]; then
+	mkdir -p "$root$nv"
+	mount --bind -o ro "$nv" "$root$nv"
+fi
+exec chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 "$@"
+"""
+
+
+def in_build_root(root: Path, cmd: list[str]) -> list[str]:
+    """cmd, to run with the build root's toolchain and headers (root needed: chroot)."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _IN_BUILD_ROOT,
+            "sh", str(root), str(TOP), *cmd]
 
 
 # --------------------------------------------------------------------------- build
@@ -170,6 +238,9 @@ def build_modules(kver: str, dest: Path | None = None) -> list[Path]:
                 cmd.append(f"KBUILD_EXTRA_SYMBOLS={out / 'p2phub' / 'Module.symvers'}")
             if name == "fakegpu":
                 cmd.append(f"P2PHUB_KMOD={out / 'p2phub'}")   # the mirrored kmod/ headers
+            root = build_root_for(kver)
+            if root is not None:
+                cmd = in_build_root(root, cmd)
             res = subprocess.run(cmd, capture_output=True, text=True)
             warnings = [l for l in res.stderr.splitlines() if "warning:" in l]
             if res.returncode != 0 or warnings:
@@ -472,7 +543,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="boot the lab, run COMMAND in it")
-    r.add_argument("--kernel", help="6.1, 6.12, debug or a full version (default: newest Debian kernel)")
+    r.add_argument("--kernel", help="6.1, 6.12, 7.x (the newest 7 series), debug or a full version "
+                                    "(default: newest Debian kernel)")
     r.add_argument("--iommu", action="store_true", help="add an emulated intel-iommu")
     r.add_argument("--topology", default="flat", choices=("flat", "rootports", "switch", "bridge"),
                    help="bridge: flat plus two NVMe controllers behind one PCI bridge (one IOMMU group)")

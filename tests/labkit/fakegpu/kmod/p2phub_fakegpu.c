@@ -77,6 +77,14 @@
 #include "p2phub_fakegpu.h"
 #include "p2phub_uargs.h"
 
+/* The dma-buf API's spelling on this kernel (conftest.sh; the same as p2phub's compat.h). */
+#include "conftest.h"
+#ifdef P2PHUB_HAVE_DMA_BUF_INVALIDATE_MAPPINGS
+#define fakegpu_dma_buf_invalidate(dmabuf)	dma_buf_invalidate_mappings(dmabuf)
+#else
+#define fakegpu_dma_buf_invalidate(dmabuf)	dma_buf_move_notify(dmabuf)
+#endif
+
 #ifdef P2PHUB_FAKEGPU_NV_P2P
 #include "nv-p2p.h"
 #endif
@@ -143,8 +151,8 @@ static int fakegpu_dmabuf_attach(struct dma_buf *dmabuf,
 	if (!attach->peer2peer) {
 		atomic_inc(&fg.nrefused);
 		dev_info_ratelimited(&fg.pdev->dev,
-				     "dma-buf %lu: refusing %s, importer does not allow peer-to-peer\n",
-				     file_inode(dmabuf->file)->i_ino,
+				     "dma-buf %llu: refusing %s, importer does not allow peer-to-peer\n",
+				     (unsigned long long)file_inode(dmabuf->file)->i_ino,
 				     dev_name(attach->dev));
 		return -EOPNOTSUPP;
 	}
@@ -236,8 +244,8 @@ static struct sg_table *fakegpu_dmabuf_map(struct dma_buf_attachment *attach,
 			       buf->length, dir, DMA_ATTR_SKIP_CPU_SYNC);
 	if (dma_mapping_error(attach->dev, dma)) {
 		dev_warn_ratelimited(&fg.pdev->dev,
-				     "dma-buf %lu: cannot map BAR [%#llx, +%#llx) for %s\n",
-				     file_inode(attach->dmabuf->file)->i_ino,
+				     "dma-buf %llu: cannot map BAR [%#llx, +%#llx) for %s\n",
+				     (unsigned long long)file_inode(attach->dmabuf->file)->i_ino,
 				     buf->offset, buf->length,
 				     dev_name(attach->dev));
 		ret = -EIO;
@@ -1072,7 +1080,7 @@ static long fakegpu_ioctl_revoke(void __user *uarg)
 		WRITE_ONCE(buf->revoked, true);
 		atomic_inc(&fg.nrevoked);
 		/* Reaches every dynamic importer, CONFIG_DMABUF_MOVE_NOTIFY or not. */
-		dma_buf_move_notify(dmabuf);
+		fakegpu_dma_buf_invalidate(dmabuf);
 	}
 	dma_resv_unlock(dmabuf->resv);
 
@@ -1178,8 +1186,9 @@ static int fakegpu_state_show(struct seq_file *m, void *unused)
 		   atomic_read(&fg.npins), atomic_read(&fg.nrefused));
 	mutex_lock(&fakegpu_lock);
 	list_for_each_entry(buf, &fg.bufs, node)
-		seq_printf(m, "dmabuf ino %lu offset %#llx length %#llx attachments %d%s\n",
-			   file_inode(buf->dmabuf->file)->i_ino, buf->offset,
+		seq_printf(m, "dmabuf ino %llu offset %#llx length %#llx attachments %d%s\n",
+			   (unsigned long long)file_inode(buf->dmabuf->file)->i_ino,
+			   buf->offset,
 			   buf->length, atomic_read(&buf->attachments),
 			   READ_ONCE(buf->revoked) ? " revoked" : "");
 	seq_printf(m, "nv page_tables %u dma_mappings %u callbacks %u unacked %u late %u misuse %u\n",
@@ -1351,4 +1360,8 @@ module_exit(fakegpu_exit);
 
 MODULE_DESCRIPTION("p2phub lab stand-in GPU: dma-buf exporter and NVIDIA P2P API over ivshmem BAR2");
 MODULE_LICENSE("GPL");
+#ifdef P2PHUB_HAVE_MODULE_IMPORT_NS_IDENTIFIER
 MODULE_IMPORT_NS(DMA_BUF);
+#else
+MODULE_IMPORT_NS("DMA_BUF");
+#endif

@@ -39,6 +39,9 @@
 
 #include "nv-p2p.h"
 
+/* The dma-buf API's spelling on this kernel (conftest.sh). */
+#include "conftest.h"
+
 struct consumer {
 	struct mutex lock;
 	struct dentry *dir;
@@ -129,7 +132,11 @@ static void consumer_move_notify(struct dma_buf_attachment *attach)
 
 static const struct dma_buf_attach_ops consumer_importer_ops = {
 	.allow_peer2peer = true,
+#ifdef P2PHUB_HAVE_DMA_BUF_ATTACH_OPS_INVALIDATE_MAPPINGS
+	.invalidate_mappings = consumer_move_notify,
+#else
 	.move_notify = consumer_move_notify,
+#endif
 };
 
 static struct pci_dev *consumer_pci_get(const char *bdf)
@@ -406,4 +413,8 @@ module_exit(consumer_exit);
 
 MODULE_DESCRIPTION("p2phub lab: in-kernel consumer of the stand-in GPU");
 MODULE_LICENSE("GPL");
+#ifdef P2PHUB_HAVE_MODULE_IMPORT_NS_IDENTIFIER
 MODULE_IMPORT_NS(DMA_BUF);
+#else
+MODULE_IMPORT_NS("DMA_BUF");
+#endif
