@@ -25,7 +25,9 @@ pytest.importorskip("numpy")
 
 
 def _env(lab: dict, transport: str) -> dict[str, dict[str, str]]:
-    return {role: {"P2PHUB_NIXL_HOST": lab[f"node_{n}_addr"],
+    # listening beyond loopback: both roles share a configured secret, as a deployment would
+    return {role: {"P2PHUB_KV_SECRET": "the lab's KV secret, the same for both roles",
+                   "P2PHUB_NIXL_HOST": lab[f"node_{n}_addr"],
                    "P2PHUB_NIXL_RDMA_DEVICES": lab[f"node_{n}_rdma"],
                    "P2PHUB_NIXL_TRANSPORT": transport}
             for role, n in (("prefill", "a"), ("decode", "b"))}
