@@ -167,21 +167,24 @@ def _read_secret_file(path: str, what: str) -> bytes:
 
 
 def user_secret_dir() -> str:
-    """Where the per-user secret lives: $XDG_RUNTIME_DIR/p2phub, else /tmp/p2phub-<uid>."""
+    """Where the per-user secret lives: $XDG_RUNTIME_DIR/p2phub where that directory is this
+    user's and private, else /tmp/p2phub-<uid> (made 0700, or checked to be)."""
     run = os.environ.get("XDG_RUNTIME_DIR")
     if run:
-        return os.path.join(run, "p2phub")
+        try:
+            st = os.stat(run)
+            if not stat.S_ISDIR(st.st_mode):
+                raise KVAuthError(f"{run} is not a directory")
+            _check_private(st, f"the runtime directory {run}", allow_root=False)
+            return os.path.join(run, "p2phub")
+        except (OSError, KVAuthError) as exc:   # e.g. another user's, kept across sudo
+            log.info("XDG_RUNTIME_DIR=%s is not this user's private directory (%s); the "
+                     "per-user KV secret goes under /tmp", run, exc)
     return os.path.join("/tmp", f"p2phub-{os.geteuid()}")
 
 
 def _private_dir(d: str) -> None:
     """Make `d` (mode 0700) or check that it is this user's own private directory."""
-    parent = os.path.dirname(d)
-    if parent != "/tmp":   # $XDG_RUNTIME_DIR itself must be this user's and private
-        try:
-            _check_private(os.lstat(parent), f"the runtime directory {parent}", allow_root=False)
-        except FileNotFoundError:
-            raise KVAuthError(f"XDG_RUNTIME_DIR={parent} does not exist") from None
     try:
         os.mkdir(d, 0o700)
     except FileExistsError:
