@@ -411,6 +411,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     (run / "lab.args").write_text(
         f"kernel={kver}\ndebug_kernel={int(kver.endswith(DEBUG_SUFFIX))}\niommu={int(args.iommu)}\ntopology={args.topology}\n"
         f"accel={'kvm' if kvm else 'tcg'}\nnvme_backing={args.nvme_backing}\ncmdline={args.cmdline}\n"
+        f"build_root={build_root_for(kver) or ''}\n"
     )
     log(f"booting {kver} ({'kvm' if kvm else 'tcg'}, topology {args.topology}"
         f"{', iommu' if args.iommu else ''}): {shlex.join(command)}")
