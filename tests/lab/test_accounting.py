@@ -239,3 +239,92 @@ def test_pins_are_capped_per_user_across_forked_children() -> None:
     log = _klog_since(mark)
     assert "pinned through p2phub in all its processes" in log, log
     assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
+# Run as root. A child opens /dev/p2phub as `uid` (the device's group, RLIMIT_MEMLOCK `limit`),
+# then forks one grandchild per "fd:length", one at a time: each enters a user namespace of its
+# own, is mapped there (by this root process, as newuidmap would) to a distinct uid outside,
+# setuid()s to it and REGISTERs on the inherited fd. Prints each grandchild's errno (0:
+# registered) and the uids outside, or {"skip": why} when user namespaces cannot be made here.
+USERNS_CHILD = r"""
+import ctypes, json, os, resource, sys, time
+from p2phub import uapi
+from p2phub.device import Device
+from p2phub.errors import P2PHubOSError
+
+CLONE_NEWUSER = 0x10000000
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid, limit, base = (int(x) for x in sys.argv[1:5])
+specs = [tuple(int(x) for x in s.split(":")) for s in sys.argv[5:]]
+rd, wr = os.pipe()
+
+opener = os.fork()
+if opener == 0:
+    os.close(rd)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+    os.setresuid(uid, uid, uid)
+    dev = Device()
+    codes = []
+    for i, (fd, length) in enumerate(specs):
+        pid = os.fork()
+        if pid == 0:
+            if libc.unshare(CLONE_NEWUSER) != 0:
+                os.write(wr, f"skip unshare(CLONE_NEWUSER): {os.strerror(ctypes.get_errno())}\n".encode())
+                os._exit(200)
+            os.write(wr, f"map {os.getpid()} {base + i}\n".encode())
+            deadline = time.monotonic() + 30
+            while not open("/proc/self/uid_map").read().strip():
+                if time.monotonic() > deadline:
+                    os._exit(202)
+                time.sleep(0.01)
+            os.setresuid(0, 0, 0)               # uid 0 inside: base + i outside
+            arg = uapi.Register.new(flags=uapi.REGISTER_F_DMABUF, fd=fd, length=length)
+            try:
+                dev.ioctl(uapi.REGISTER, arg, "REGISTER")
+                os._exit(0)
+            except P2PHubOSError as exc:
+                os._exit(exc.errno)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        if codes[-1] == 200:
+            break
+    os.write(wr, ("done " + json.dumps(codes) + "\n").encode())
+    dev.close()
+    os._exit(0)
+
+os.close(wr)
+out = {"children": [], "uids": []}
+for line in os.fdopen(rd):
+    word, _, rest = line.strip().partition(" ")
+    if word == "skip":
+        out["skip"] = rest
+    elif word == "map":
+        pid, outside = (int(x) for x in rest.split())
+        with open(f"/proc/{pid}/uid_map", "w") as f:
+            f.write(f"0 {outside} 1\n")
+        out["uids"].append(outside)
+    elif word == "done":
+        out["children"] = json.loads(rest)
+os.waitpid(opener, 0)
+print(json.dumps(out))
+"""
+
+
+def test_pins_are_charged_to_the_opener_across_uids_in_a_user_namespace() -> None:
+    """A non-root user opens /dev/p2phub (RLIMIT_MEMLOCK 256 KiB); children on the inherited fd
+    each enter a user namespace and setuid() to a distinct uid: two register 128 KiB each, the
+    third is refused with EDQUOT. The pins are the opener's, whatever uid the caller has now."""
+    bs = [_host_buf(128 * KiB) for _ in range(3)]
+    gid = os.stat("/dev/p2phub").st_gid
+    try:
+        r = _run([], USERNS_CHILD, [str(NOBODY), str(gid), str(256 * KiB), "200000", *_specs(bs)],
+                 tuple(b.fd for b in bs))
+    finally:
+        for b in bs:
+            b.close()
+    if "skip" in r:
+        pytest.skip(f"no user namespaces in this kernel: {r['skip']}")
+    assert len(set(r["uids"])) == 3, r
+    assert r["children"] == [0, 0, errno.EDQUOT], r
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}

@@ -270,6 +270,39 @@ def test_dma_pages_races_unregister(dev: Device, lab: dict[str, str]) -> None:
     assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
 
 
+def test_map_reg_races_unregister(dev: Device, ctrl: int) -> None:
+    """The controller's first NVME_MAP_REG of a registration (which makes its map) while another
+    thread unregisters it: MAP_REG either holds it (UNREGISTER then EBUSY, until UNMAP_REG) or
+    finds it gone (ENOENT, ESTALE); never another errno, never a read of a freed map (KASAN on the
+    debug kernel)."""
+    seen: set[int] = set()
+    for _ in range(40):
+        with host_buf(4 * MiB) as buf:
+            handle = _register(dev, buf.fd, 4 * MiB)
+            go = threading.Event()
+            mapped: list[int] = []
+
+            def map_reg() -> None:
+                go.wait()
+                err, _arg, _addrs = _map_reg(ctrl, handle, count=16)
+                mapped.append(err)
+
+            t = threading.Thread(target=map_reg)
+            t.start()
+            go.set()
+            while True:
+                err = _unregister(dev, handle)
+                seen.add(err)
+                if err != errno.EBUSY:
+                    break
+                if not t.is_alive() and mapped == [0]:
+                    assert _errno_of(ctrl, uapi.NVME_UNMAP_REG, uapi.NvmeUnmapReg.new(handle=handle)) == 0
+            t.join()
+            seen.update(mapped)
+    assert seen <= {0, errno.EBUSY, errno.ENOENT, errno.ESTALE}, seen
+    assert regutil.wait_no_leaks() == {k: 0 for k in regutil.LEAK_COUNTERS}
+
+
 def test_dma_pages_blocked_in_its_copy_keeps_the_registration(dev: Device, lab: dict[str, str]) -> None:
     """H1, forced rather than raced: DMA_PAGES is held inside its copy to user space (the
     destination is a userfaultfd page whose fault this test serves late) while UNREGISTER

@@ -274,6 +274,25 @@ def test_open_is_refused_while_a_group_sibling_has_a_driver(pair: tuple[str, str
         os.close(fcntl.ioctl(dev.fd, uapi.NVME_OPEN, _open_arg(b), True))
 
 
+def test_the_noiommu_override_leaves_a_group_sibling_with_a_driver_refused(pair: tuple[str, str]) -> None:
+    """allow_unsafe_noiommu=1 covers a controller whose DMA no IOMMU translates, nothing more: a
+    translated controller whose IOMMU group holds a device on a DMA API driver stays refused
+    (EXDEV, p2phub could claim nothing for it), and the kernel is not tainted for it."""
+    b, sibling = pair
+    bind.bind(b)
+    assert _driver(sibling) == "nvme"
+    param = PARAMS / "allow_unsafe_noiommu"
+    old = param.read_text().strip()
+    tainted = int(Path("/proc/sys/kernel/tainted").read_text()) & (1 << 6)
+    try:
+        param.write_text("Y")
+        with Device() as dev:
+            assert _errno_of(dev.fd, uapi.NVME_OPEN, _open_arg(b)) == errno.EXDEV
+    finally:
+        param.write_text(old)
+    assert int(Path("/proc/sys/kernel/tainted").read_text()) & (1 << 6) == tainted
+
+
 VFIO_GROUP_GET_STATUS = 0x3B67        # _IO(';', 100 + 3)
 VFIO_GROUP_SET_CONTAINER = 0x3B68     # _IO(';', 100 + 4)
 VFIO_GROUP_FLAGS_VIABLE = 1

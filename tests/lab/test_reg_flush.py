@@ -17,6 +17,8 @@ change works live) and back to strict afterwards.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,3 +162,82 @@ def test_no_stale_iotlb_after_map_reg_races_unmap_reg(bdf: str) -> None:
             view.close()
     assert not landed, (f"the marker landed in memory the controller no longer held, in rounds "
                         f"{landed} of {ROUNDS}: a stale IOTLB entry outlived the unmap")
+
+
+def test_unmap_reg_of_a_registration_made_from_an_export_takes_the_source_away(bdf: str) -> None:
+    """A registration made from p2phub's export of another one reaches the source's memory
+    through the source's map for the controller. After NVME_UNMAP_REG the controller must reach
+    neither: a read to the address it was told faults on the IOMMU, and the bytes never land in
+    the source's memory (seen through the memfd behind the udmabuf)."""
+    if not Path("/dev/udmabuf").exists():
+        pytest.skip("needs udmabuf (6.12): the memfd is the independent view")
+    if not (PCI / bdf / "iommu_group").exists():
+        pytest.skip("needs the emulated IOMMU (--iommu)")
+    with Hub() as hub, Udmabuf(64 * KiB) as buf, hub.register(buf) as src, \
+            nvme.open(bdf, hub=hub, io_queues=1) as ctrl:
+        efd = src.export()
+        try:
+            derived = hub.register_dmabuf(efd, 0, 64 * KiB)
+        finally:
+            os.close(efd)
+        with derived:
+            ns = ctrl.namespace(1)
+            stage = ctrl.alloc_dma(4096, "marker")
+            for lba, mark in ((MARK_LBA, MARK), (WARM_LBA, WARM)):
+                stage.view[:ns.lba_size] = _fill(ns.lba_size, mark)
+                ns.write(stage, lba=lba, nbytes=ns.lba_size)
+            qp, kf = ctrl.io_qps[0], ctrl.kfile
+            view = buf.mmap()
+            zero = bytes(ns.lba_size)
+            try:
+                addrs = (ctypes.c_uint64 * 1)()
+                kf.map_reg(derived.handle, ctypes.addressof(addrs), 0, 1, 0)
+                iova = addrs[0]
+                view[:ns.lba_size] = zero
+                assert _read(qp, ns, WARM_LBA, iova), "the read into the mapped registration failed"
+                assert bytes(view[:len(WARM)]) == WARM, "the read did not reach the source's memory"
+                view[:ns.lba_size] = zero
+                kf.unmap_reg(derived.handle)
+                _read(qp, ns, MARK_LBA, iova)   # faults; QEMU's NVMe may still report success
+                landed = bytes(view[:len(MARK)]) == MARK
+            finally:
+                view.close()
+    assert not landed, ("the controller still wrote into the source's memory after NVME_UNMAP_REG "
+                        "of the registration made from its export")
+
+
+def test_dma_free_leaves_no_stale_iotlb_entry_to_the_freed_page(bdf: str) -> None:
+    """With a lazily flushing domain: a buffer the controller wrote to, the controller disabled as
+    DMA_FREE requires, DMA_FREE, a new buffer allocated at once (the page allocator hands out the
+    page just freed first), the controller enabled again and told the freed buffer's address. The
+    Identify data it writes must never show up in the new buffer, whose address it was never
+    told: no stale IOTLB entry may outlive DMA_FREE. It faults on the IOMMU instead."""
+    if not (PCI / bdf / "iommu_group").exists():
+        pytest.skip("needs the emulated IOMMU (--iommu)")
+    from p2phub import uapi
+    from p2phub.nvme.errors import NvmeError
+    landed: list[int] = []
+    with _lazy_domain(bdf), Hub() as hub, nvme.open(bdf, hub=hub, io_queues=1) as ctrl:
+        kf = ctrl.kfile
+
+        def identify(addr: int) -> list[int]:
+            return spec.command(spec.ADM_IDENTIFY, prp1=addr, cdw10=spec.CNS_CONTROLLER)
+
+        for i in range(ROUNDS):
+            x = kf.alloc_dma(4096, "freed")
+            ctrl.admin_cmd(identify(x.dma_addr), "Identify into the buffer")
+            ident = bytes(x.view[4:64])                     # serial and model number
+            assert any(ident), "Identify wrote nothing"
+            x.close()
+            ctrl.disable()
+            fcntl.ioctl(kf.fd, uapi.NVME_DMA_FREE, uapi.NvmeDmaFree.new(id=x.id), True)
+            y = kf.alloc_dma(4096, "new")
+            # Enabled again and told the old address within the flush queue's 10 ms.
+            ctrl.fail_outstanding(lambda *a: NvmeError("controller reset by the test"), True)
+            ctrl._enable()
+            _done(ctrl.admin_submit(identify(x.dma_addr), "Identify to the freed address"))
+            if bytes(y.view[4:64]) == ident:
+                landed.append(i)
+            y.close()
+    assert not landed, (f"Identify data sent to a freed buffer's address landed in a new buffer "
+                        f"in rounds {landed} of {ROUNDS}: a stale IOTLB entry outlived DMA_FREE")
