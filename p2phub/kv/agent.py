@@ -533,16 +533,22 @@ class Agent(Resource):
                 if not full:
                     self._proving += 1
             if full:
-                self._auth_failed(where, "too_many", f"{where}: closed at once: "
+                self._auth_failed("too_many", f"{where}: closed at once: "
                                   f"{self.limits.max_unauthenticated} connections are still "
                                   "proving the KV secret (max_unauthenticated, "
                                   "P2PHUB_KV_MAX_UNAUTHENTICATED)")
                 sock.close()
                 continue
-            threading.Thread(target=self._accept_one, args=(sock, where), daemon=True,
-                             name=f"kv-accept-{self.name}").start()
+            try:
+                threading.Thread(target=self._accept_one, args=(sock, where), daemon=True,
+                                 name=f"kv-accept-{self.name}").start()
+            except RuntimeError as exc:   # no thread to be had: this connection only
+                with self._lock:
+                    self._proving -= 1
+                log.warning("kv %s: connection from %s closed: %s", self.name, where, exc)
+                sock.close()
 
-    def _auth_failed(self, where: str, reason: str, msg: str) -> None:
+    def _auth_failed(self, reason: str, msg: str) -> None:
         log.warning("kv %s: refused %s", self.name, msg)
         metrics.kv_auth_failed(self.name, reason)
 
@@ -555,11 +561,11 @@ class Agent(Resource):
                 with self._lock:
                     self._proving -= 1
         except auth.KVAuthError as exc:
-            self._auth_failed(where, exc.reason, str(exc))
+            self._auth_failed(exc.reason, str(exc))
             sock.close()
             return
         except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
-            self._auth_failed(where, "malformed", f"connection from {where}: {exc}")
+            self._auth_failed("malformed", f"connection from {where}: {exc}")
             sock.close()
             return
         try:
