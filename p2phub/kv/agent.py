@@ -603,6 +603,11 @@ class Agent(Resource):
             _tune(sock)
         except Exception as exc:  # noqa: BLE001 - a bad handshake ends that socket only
             log.info("kv %s: handshake of %r from %s refused: %s", self.name, peer, where, exc)
+            why = f"{self.name}: {exc}".encode()[:tp.MAX_CTRL]   # it proved itself: tell it
+            try:
+                sock.sendall(tp.HDR.pack(tp.MAGIC, tp.ERR, 0, 0, 0, 0, len(why), 0) + why)
+            except OSError:
+                pass
             sock.close()
             return
         conn = tp.Connection(self, sock, peer, outbound=False,

@@ -1007,6 +1007,8 @@ def recv_hello(sock: socket.socket, timeout: float) -> dict:
     sock.settimeout(timeout)
     raw = _recv_all(sock, HDR.size)
     magic, type_, _f, _x, _r, _l, n, _nb = HDR.unpack(raw)
+    if magic == MAGIC and type_ == ERR and n <= MAX_CTRL:   # a proven peer says why not
+        raise KVError(f"handshake refused: {_recv_all(sock, n).decode(errors='replace')}")
     if magic != MAGIC or type_ != HELLO or n > MAX_CTRL:
         raise KVError(f"handshake: not a p2phub KV peer (magic {magic:#x}, type {type_})")
     try:
