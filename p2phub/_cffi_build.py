@@ -196,5 +196,5 @@ def build_dir() -> Path:
 
 NVME = HotPath("nvme", "_hot")
 KV = HotPath("kv", "_kvhot")
-SIO = HotPath("staged_io", "_sio", ("_sio_queue.c",))   # the staged I/O engine (p2phub.batch)
+SIO = HotPath("staged_io", "_sio", ("_sio_queue.c", "_sio_file.c"))   # the staged I/O engine (p2phub.batch)
 HOT_PATHS = (NVME, KV, SIO)

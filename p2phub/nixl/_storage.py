@@ -11,10 +11,8 @@ at deregistration. Transfer descriptors are ``(file_offset, length, fd or that i
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import os
-import stat
 import logging
 import threading
 from dataclasses import dataclass
@@ -100,46 +98,43 @@ def check_params(name: str, params: dict[str, Any]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- path mode
-_FLAGS = {"direct": os.O_DIRECT, "sync": os.O_SYNC, "noatime": getattr(os, "O_NOATIME", 0),
-          "create": os.O_CREAT}
+# The grammar, the open and the size check are the engine's (p2phub/staged_io/_sio_file.c),
+# which the NIXL plugin compiles too: one definition for both routes.
+_PATH_MAX = 4096
+
+
+def _sio() -> Any:
+    from ..staged_io import load
+    return load()
 
 
 def parse_path_meta(meta: bytes | str) -> Optional[tuple[str, int]]:
-    """(path, open flags) of a path-mode meta, or None where `meta` is not one (then the
-    registration's third field is the caller's fd). A meta that starts ``ro:`` / ``rw:``
-    (or ``ro,`` / ``rw,``) and names an unknown flag or no path is refused."""
-    s = meta.decode(errors="replace") if isinstance(meta, bytes) else str(meta)
-    modes, colon, path = s.partition(":")
-    if not colon:
+    """(path, open flags) of a path-mode meta ``"ro|rw[,direct|sync|noatime|create]:/path"``,
+    or None where `meta` is not one (then the registration's third field is the caller's
+    fd). A meta that starts like one (``ro:`` / ``rw,``...) but names an unknown flag or no
+    path is refused."""
+    raw = meta if isinstance(meta, bytes) else str(meta).encode()
+    mod = _sio()
+    ffi, lib = mod.ffi, mod.lib
+    path, flags, err = ffi.new("char[]", _PATH_MAX), ffi.new("int *"), ffi.new("char[]", 256)
+    rc = lib.sio_file_meta(raw, path, _PATH_MAX, flags, err, 256)
+    if rc < 0:
+        raise nixlInvalidParamError(ffi.string(err).decode(errors="replace"))
+    if rc == 0:
         return None
-    tokens = modes.split(",")
-    if tokens[0] not in ("ro", "rw"):
-        return None
-    flags = os.O_RDONLY if tokens[0] == "ro" else os.O_RDWR
-    for t in tokens[1:]:
-        if t not in _FLAGS:
-            raise nixlInvalidParamError(f"FILE registration {s!r}: unknown flag {t!r} (want "
-                                        "direct, sync, noatime or create)")
-        flags |= _FLAGS[t]
-    if not path:
-        raise nixlInvalidParamError(f"FILE registration {s!r}: no path after the colon")
-    return path, flags | os.O_CLOEXEC
+    return os.fsdecode(ffi.string(path)), int(flags[0])
 
 
 def open_path(path: str, flags: int) -> int:
     """Open a path-mode FILE registration's file: created 0600 (KV caches hold users'
     prompts), never through a symbolic link, and only a regular file or a block device."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
-        raise nixlBackendError(f"FILE registration: open {path!r}: {why}") from None
-    st = os.fstat(fd)
-    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-        os.close(fd)
-        raise nixlBackendError(f"FILE registration: {path!r} is not a regular file or a block "
-                               "device")
-    return fd
+    mod = _sio()
+    err = mod.ffi.new("char[]", 256)
+    fd = mod.lib.sio_file_open(os.fsencode(path), flags, err, 256)
+    if fd < 0:
+        raise nixlBackendError("FILE registration: " +
+                               mod.ffi.string(err).decode(errors="replace"))
+    return int(fd)
 
 
 # How long a FILE deregistration waits for the transfers still using the file.

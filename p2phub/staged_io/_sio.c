@@ -1955,3 +1955,4 @@ int sio_ceiling(int fd, unsigned long long n, const unsigned long long *off,
 }
 
 #include "_sio_queue.c"
+#include "_sio_file.c"

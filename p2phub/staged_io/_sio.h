@@ -192,3 +192,15 @@ long long sio_file_same(const char *path, unsigned long long dev, unsigned long 
 void sio_queue_stats(struct sio_queue *q, unsigned long long *runs,
                      unsigned long long *requests, unsigned long long *biggest,
                      unsigned long long *wakes, char *err, int errlen);
+
+/* NIXL FILE registrations (_sio_file.c), one definition for the adapter and the plugin.
+ * A path-mode meta is "ro|rw[,direct][,sync][,noatime][,create]:PATH": 1 with
+ * `path` and open(2) `flags` filled; 0 where `meta` is not one (it starts otherwise: the
+ * registration's devId is then the caller's fd); -1 for a meta that starts like one and is
+ * malformed (why in err). */
+int sio_file_meta(const char *meta, char *path, int pathlen, int *flags, char *err, int errlen);
+/* Open a path-mode file: created 0600, never through a symbolic link, a regular file or a
+ * block device only; the fd, or -1 (why in err). */
+int sio_file_open(const char *path, int flags, char *err, int errlen);
+/* The bytes a READ may reach: a regular file's size, a block device's capacity; -errno. */
+long long sio_file_size(int fd);

@@ -199,7 +199,8 @@ def test_path_mode_opens_and_closes_the_file(agent: nixl_agent, tmp_path: Path) 
         agent.check_xfer_state(h)
     assert path.read_bytes() == b"\x5a" * 4 * BLK
     agent.deregister_memory(ro)
-    for bad, what in (("rw,fast:/tmp/x", "unknown flag 'fast'"), ("ro:", "no path")):
+    for bad, what in (("rw,fast:/tmp/x", "unknown flag 'fast'"), ("ro:", "no path"),
+                      ("ro,rw:/tmp/x", "unknown flag 'rw'")):
         with pytest.raises(nixlInvalidParamError, match=what):
             agent.register_memory([(0, BLK, 9, bad)], "FILE")
 

@@ -166,38 +166,16 @@ struct IoEngine {
     int device = -1;
 };
 
-bool parseMode(const std::string &meta, std::string &path, int &flags) {
-    /* "ro|rw[,direct|sync|noatime|create]:/path" */
-    const size_t colon = meta.find(':');
-    if (colon == std::string::npos || colon + 1 >= meta.size() || meta[colon + 1] != '/')
-        return false;
-    int f = -1, extra = 0;
-    size_t pos = 0;
-    const std::string mode = meta.substr(0, colon);
-    while (pos <= mode.size()) {
-        const size_t comma = std::min(mode.find(',', pos), mode.size());
-        const std::string word = mode.substr(pos, comma - pos);
-        if (word == "ro")
-            f = O_RDONLY;
-        else if (word == "rw")
-            f = O_RDWR;
-        else if (word == "direct")
-            extra |= O_DIRECT;
-        else if (word == "sync")
-            extra |= O_SYNC;
-        else if (word == "noatime")
-            extra |= O_NOATIME;
-        else if (word == "create")
-            extra |= O_CREAT;
-        else
-            return false;
-        pos = comma + 1;
-    }
-    if (f < 0)
-        return false;
-    path = meta.substr(colon + 1);
-    flags = f | extra | O_CLOEXEC;
-    return true;
+/* A path-mode meta (the grammar is the engine's: _sio_file.c): 1 with path and flags, 0 for
+ * fd mode, -1 for a malformed one (said). */
+int parseMode(const std::string &meta, std::string &path, int &flags) {
+    char buf[4096], err[256] = "";
+    const int rc = sio_file_meta(meta.c_str(), buf, sizeof(buf), &flags, err, sizeof(err));
+    if (rc < 0)
+        say(err);
+    if (rc > 0)
+        path = buf;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ the engine */
@@ -283,17 +261,14 @@ public:
             std::string path;
             int flags = 0;
             auto file = std::make_shared<OpenFile>();
-            if (parseMode(mem.metaInfo, path, flags)) {
-                /* 0600: KV caches hold users' prompts; never through a symbolic link */
-                file->fd = open(path.c_str(), flags | O_NOFOLLOW, 0600);
+            const int mode = parseMode(mem.metaInfo, path, flags);
+            if (mode < 0)
+                return NIXL_ERR_INVALID_PARAM;
+            if (mode > 0) {
+                char err[256] = "";
+                file->fd = sio_file_open(path.c_str(), flags, err, sizeof(err));
                 if (file->fd < 0) {
-                    say("FILE " + path + ": " +
-                        (errno == ELOOP ? "it is a symbolic link" : strerror(errno)));
-                    return NIXL_ERR_BACKEND;
-                }
-                struct stat st;
-                if (fstat(file->fd, &st) || !(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
-                    say("FILE " + path + ": not a regular file or a block device");
+                    say(std::string("FILE registration: ") + err);
                     return NIXL_ERR_BACKEND;
                 }
             } else {
@@ -335,14 +310,14 @@ public:
                            std::vector<nixl_query_resp_t> &resp) const override {
         resp.clear();
         for (int i = 0; i < descs.descCount(); i++) {
-            std::string path = descs[i].metaInfo;
-            int flags;
-            if (parseMode(path, path, flags) || !path.empty()) {
-                struct stat st;
-                if (stat(path.c_str(), &st) == 0) {
-                    resp.emplace_back(nixl_b_params_t{{"size", std::to_string(st.st_size)}});
-                    continue;
-                }
+            /* as NIXL's file plugins: the meta is the file's name, as it is */
+            const std::string &path = descs[i].metaInfo;
+            struct stat st;
+            if (!path.empty() && stat(path.c_str(), &st) == 0) {
+                resp.emplace_back(nixl_b_params_t{{"size", std::to_string(st.st_size)},
+                                                  {"mode", std::to_string(st.st_mode)},
+                                                  {"mtime", std::to_string(st.st_mtime)}});
+                continue;
             }
             resp.emplace_back(std::nullopt);
         }
@@ -489,12 +464,12 @@ private:
             }
             auto it = sizes.find(r->fd[i]);
             if (it == sizes.end()) {
-                struct stat st;
-                if (fstat(r->fd[i], &st)) {
-                    r->error = "fd " + std::to_string(r->fd[i]) + ": " + strerror(errno);
+                const long long size = sio_file_size(r->fd[i]); /* a block device's capacity */
+                if (size < 0) {
+                    r->error = "fd " + std::to_string(r->fd[i]) + ": " + strerror((int)-size);
                     return false;
                 }
-                it = sizes.emplace(r->fd[i], (long long)st.st_size).first;
+                it = sizes.emplace(r->fd[i], size).first;
             }
             if (r->off[i] + r->len[i] < r->off[i] ||
                 (long long)(r->off[i] + r->len[i]) > it->second) {
