@@ -593,3 +593,35 @@ def test_queue_pairs_beyond_the_limit_are_refused(monkeypatch: pytest.MonkeyPatc
         assert made == [2]
     finally:
         b.close()
+
+
+def test_kv_serve_and_send_share_a_configured_secret_beyond_loopback(tmp_path: Path) -> None:
+    """`p2phub kv` listening on every address with P2PHUB_KV_SECRET_FILE: a sender with the
+    same file is served; one with another secret fails with an error saying so (exit 1)."""
+    f = tmp_path / "kv.secret"
+    f.write_text("the deployment's secret, from a file\n")
+    f.chmod(0o600)
+    small = ["--layers", "2", "--blocks", "16", "--block-bytes", "4096", "--json"]
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TOP), os.environ.get("PYTHONPATH", "")]))
+    env = dict(base, P2PHUB_KV_SECRET_FILE=str(f))
+    srv = subprocess.Popen([sys.executable, "-m", "p2phub", "kv", "serve", "--listen", "0.0.0.0:0",
+                            "--count", "1", *small], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = json.loads(srv.stdout.readline())["port"]
+        bad = subprocess.run([sys.executable, "-m", "p2phub", "kv", "send", "--to",
+                              f"127.0.0.1:{port}", "--pages", "5", *small], capture_output=True,
+                             text=True, env=dict(base, P2PHUB_KV_SECRET="some other secret here"),
+                             timeout=60)
+        assert bad.returncode == 1 and "different secrets" in bad.stderr, bad.stderr
+        ok = subprocess.run([sys.executable, "-m", "p2phub", "kv", "send", "--to",
+                             f"127.0.0.1:{port}", "--pages", "5", *small], capture_output=True,
+                            text=True, env=env, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        out, err = srv.communicate(timeout=30)
+        assert srv.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["bad_pages"] == 0
+        assert "refused connection from 127.0.0.1" in err and "closed before proving" in err
+    finally:
+        if srv.poll() is None:
+            srv.kill()
