@@ -625,3 +625,19 @@ def test_kv_serve_and_send_share_a_configured_secret_beyond_loopback(tmp_path: P
     finally:
         if srv.poll() is None:
             srv.kill()
+
+
+def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("P2PHUB_KV_AUTH_TIMEOUT", "0.25")
+    monkeypatch.setenv("P2PHUB_KV_MAX_UNAUTHENTICATED", "3")
+    a = Agent("a")
+    try:
+        assert (a.limits.auth_timeout, a.limits.max_unauthenticated) == (0.25, 3)
+    finally:
+        a.close()
+    monkeypatch.setenv("P2PHUB_KV_MAX_RUNS", "lots")
+    with pytest.raises(UsageError, match="P2PHUB_KV_MAX_RUNS='lots': want a number"):
+        Agent("a")
+    monkeypatch.setenv("P2PHUB_KV_MAX_RUNS", "0")
+    with pytest.raises(UsageError, match="max_runs=0 must be > 0"):
+        Agent("a")
