@@ -176,16 +176,15 @@ static void p2phub_export_detach(struct dma_buf *dmabuf,
 	/*
 	 * Attached, the registration is not torn down: the map is there.
 	 * The importer stopped using it; its device keeps no address of it
-	 * once the last hold goes (p2phub_reg_map_put() unmaps and flushes
-	 * then), as if it had mapped the registration itself.
+	 * once the last hold goes (unmapped and flushed then), as if it had
+	 * mapped the registration itself. export_attached goes last, so
+	 * UNREGISTER stays refused until that is done.
 	 */
+	p2phub_reg_map_put_importer(reg, att->map);
 	spin_lock(&reg->state_lock);
 	if (!WARN_ON_ONCE(!reg->export_attached))
 		reg->export_attached--;
-	if (!WARN_ON_ONCE(!att->map->importers))
-		att->map->importers--;
 	spin_unlock(&reg->state_lock);
-	p2phub_reg_map_put(reg, att->map, true);
 	kfree(attach->priv);
 	attach->priv = NULL;
 	atomic_dec(&p2phub_stats.export_attachments);

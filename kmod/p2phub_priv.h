@@ -60,7 +60,11 @@ u64 p2phub_max_reg_bytes(void);
  *     and give-back)
  *   mmap_lock -> p2phub_nvme_handle.lock, p2phub_nvme_handle.mmio_lock (mmap, faults)
  *   p2phub_nvme_handle.lock -> p2phub_file.lock, p2phub_reg.lock (MAP_REG)
+ *   p2phub_nvme_handle.lock -> p2phub_nvme_handle.status_lock (DMA_FREE,
+ *     which keeps bus mastering off across the free and the IOTLB flush)
  *   p2phub_reg.state_lock -> p2phub_nvme_handle.status_lock (stop_dma)
+ *   device_lock(controller) -> p2phub_all_regs_lock (OPEN, the PCI
+ *     notifiers: p2phub_reg_unmap_group())
  * device_lock of the controller is taken (not tried) only by RESUME, before
  * p2phub_nvme_handle.lock; release only tries it.
  * The controller fd holds a reference on the /dev/p2phub file it was
@@ -106,13 +110,17 @@ long p2phub_nvme_ioctl_open(struct file *pfile, void __user *uarg);
  * the fence signals (an exporter may wait for the fence holding its resv,
  * which p2phub_reg.lock holders may wait for; so may an importer of an
  * export, holding that export's resv), and allocates nothing.
- * p2phub_reg_map_put() (UNMAP_REG, controller release) takes
- * p2phub_reg.lock -> the source's dma_resv; RESUME takes
+ * p2phub_reg_map_put() (UNMAP_REG, controller release, export detach)
+ * takes p2phub_reg.lock -> the source's dma_resv; RESUME takes
  * p2phub_nvme_handle.lock -> p2phub_all_regs_lock -> p2phub_reg.lock.
  * The exported dma-buf's map/unmap/pin/unpin run under its dma_resv and
  * take nothing of ours; its attach takes p2phub_reg.lock (through
- * p2phub_reg_map_get()), its detach state_lock, its release
- * p2phub_reg.lock then state_lock.
+ * p2phub_reg_map_get()); its detach (outside its dma_resv) takes
+ * p2phub_reg.lock -> the source's dma_resv (p2phub_reg_map_put_importer(),
+ * which unmaps and flushes the map when the importer's hold was the last),
+ * then state_lock; its release p2phub_reg.lock then state_lock. A derived
+ * registration's unmap detaches under its own p2phub_reg.lock: derived ->
+ * plain, as above.
  * NVIDIA: the free callback runs under the driver's API lock and takes
  * p2phub_reg.lock (and, without it, export dma_resvs, waiting for their
  * importers' fences). So p2phub_reg.lock is never held across

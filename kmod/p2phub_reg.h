@@ -46,6 +46,12 @@ struct p2phub_reg_map {
 	 */
 	bool removed;
 	/*
+	 * Under reg->lock: a holder let go without unmapping (DMA_PAGES,
+	 * REGISTER's F_DEVICE): its addresses stay valid until teardown, so
+	 * the last importer of an export to let go leaves this map mapped.
+	 */
+	bool cached;
+	/*
 	 * Under reg->state_lock: users of the map (each holder of
 	 * p2phub_reg_map_get()'s result until its p2phub_reg_map_put(), an
 	 * export attachment until its detach) and, of those, the importers
@@ -213,13 +219,19 @@ extern struct workqueue_struct *p2phub_reg_wq;
 /*
  * Map @reg for @pdev (cached) and take a hold on the map. Returns the map;
  * reg->lock must not be held. p2phub_reg_map_put() drops the hold; with
- * @unmap, the last hold also unmaps the device (what UNMAP_REG and the
- * controller's release want: no address of it stays reachable).
+ * @unmap, the last hold also unmaps and flushes the device (what UNMAP_REG
+ * and the controller's release want: no address of it stays reachable).
+ * p2phub_reg_map_put_importer() drops an export importer's hold and count
+ * (its detach): the last hold unmaps and flushes too, unless a put without
+ * @unmap handed the addresses out until teardown (map->cached). Both take
+ * reg->lock, then the provider's locks (a dma-buf source's dma_resv).
  */
 struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 					  struct pci_dev *pdev);
 void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 			bool unmap);
+void p2phub_reg_map_put_importer(struct p2phub_reg *reg,
+				 struct p2phub_reg_map *map);
 void p2phub_reg_get_ref(struct p2phub_reg *reg);
 void p2phub_reg_maps_free(struct list_head *maps);
 

@@ -285,8 +285,14 @@ struct p2phub_reg_map *p2phub_reg_map_get(struct p2phub_reg *reg,
 	return map;
 }
 
-void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
-			bool unmap)
+/*
+ * Drop one hold of @map (and, for an export's importer, its importer count).
+ * The last hold unmaps and flushes when @unmap, or for an importer unless the
+ * map's addresses were handed out to be kept until teardown (cached).
+ */
+static void __p2phub_reg_map_put(struct p2phub_reg *reg,
+				 struct p2phub_reg_map *map, bool unmap,
+				 bool importer)
 {
 	bool last;
 
@@ -296,8 +302,14 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 		return;
 	}
 	spin_lock(&reg->state_lock);
+	if (importer && !WARN_ON_ONCE(!map->importers))
+		map->importers--;
 	last = !WARN_ON_ONCE(!map->holds) && !--map->holds;
 	spin_unlock(&reg->state_lock);
+	if (importer)
+		unmap = !map->cached;
+	else if (!unmap)
+		map->cached = true;	/* addresses out without a hold */
 	if (unmap && last && !map->removed) {
 		list_del(&map->node);
 		reg->nr_maps--;
@@ -305,6 +317,18 @@ void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
 		p2phub_reg_map_free(map);
 	}
 	mutex_unlock(&reg->lock);
+}
+
+void p2phub_reg_map_put(struct p2phub_reg *reg, struct p2phub_reg_map *map,
+			bool unmap)
+{
+	__p2phub_reg_map_put(reg, map, unmap, false);
+}
+
+void p2phub_reg_map_put_importer(struct p2phub_reg *reg,
+				 struct p2phub_reg_map *map)
+{
+	__p2phub_reg_map_put(reg, map, false, true);
 }
 
 bool p2phub_reg_dev_revoked_mapped(struct pci_dev *pdev)
