@@ -130,13 +130,13 @@ class BatchFence(Fence):
         if self.entries is not None:
             for i, ef in enumerate(self.entries):
                 moved = int(res[i])
+                why: BaseException | None = None
                 if moved < 0:
-                    ef._finish(P2PHubOSError(-moved, f"{ef.what}"))
+                    why = P2PHubOSError(-moved, f"{ef.what}")
                 elif moved != ef.nbytes:    # never run (the batch failed), or short
-                    ef._finish(err or P2PHubOSError(
-                        errno.EIO, f"{ef.what}: {moved} of {ef.nbytes} bytes moved"))
-                else:
-                    ef._finish(None)
+                    why = err or P2PHubOSError(errno.EIO,
+                                               f"{ef.what}: {moved} of {ef.nbytes} bytes moved")
+                ef._finish(why)
         self._finish(err)
 
     def _block(self, timeout: float | None) -> None:
