@@ -160,6 +160,24 @@ static inline bool p2phub_swiotlb_addr(struct device *dev, phys_addr_t paddr)
 #endif
 
 /*
+ * Whether the dma-buf core leaves a dynamic importer's attachment unpinned
+ * and tells it of moves instead (so a pin an exporter sees is the
+ * importer's own): before 7.0 only with CONFIG_DMABUF_MOVE_NOTIFY, which
+ * Debian and most distributions leave off (the core then pins before each
+ * map); since 7.0 always ("dma-buf: Always build with
+ * DMABUF_MOVE_NOTIFY", which dropped the option). The dropped option
+ * leaves nothing in the headers to probe; it came in the series that
+ * renamed move_notify to invalidate_mappings, so that probe's answer
+ * stands for it.
+ */
+#if IS_ENABLED(CONFIG_DMABUF_MOVE_NOTIFY) || \
+	defined(P2PHUB_HAVE_DMA_BUF_ATTACH_OPS_INVALIDATE_MAPPINGS)
+#define P2PHUB_DMA_BUF_MOVE_NOTIFY	1
+#else
+#define P2PHUB_DMA_BUF_MOVE_NOTIFY	0
+#endif
+
+/*
  * A workqueue bound to the CPU that queues its work: what flags 0 meant
  * before the workqueue rework (6.17, "workqueue: Add new WQ_PERCPU flag").
  * Where WQ_PERCPU exists it is said, since 7.0's alloc_workqueue() warns

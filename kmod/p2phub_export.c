@@ -197,7 +197,7 @@ static int p2phub_export_pin(struct dma_buf_attachment *attach)
 	struct p2phub_export_att *att = attach->priv;
 
 	/* With MOVE_NOTIFY the core never pins for us: this is the importer. */
-	if (IS_ENABLED(CONFIG_DMABUF_MOVE_NOTIFY) && exp->reg->revocable)
+	if (P2PHUB_DMA_BUF_MOVE_NOTIFY && exp->reg->revocable)
 		return -EOPNOTSUPP;
 	att->pins++;
 	return 0;
@@ -234,7 +234,7 @@ static struct sg_table *p2phub_export_map(struct dma_buf_attachment *attach,
 	 * Without MOVE_NOTIFY the core pinned once for this map; a pin more
 	 * than the maps is the importer's own, refused for revocable memory.
 	 */
-	if (!IS_ENABLED(CONFIG_DMABUF_MOVE_NOTIFY) && reg->revocable &&
+	if (!P2PHUB_DMA_BUF_MOVE_NOTIFY && reg->revocable &&
 	    att->pins > att->maps + 1)
 		return ERR_PTR(-EOPNOTSUPP);
 
