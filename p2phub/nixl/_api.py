@@ -34,9 +34,14 @@ from ..kv.errors import KVError, KVPeerError, KVRejected
 from . import _bindings as nixlBind
 from ..kv.transport import RangeLookup
 from .._resource import Resource
+from ..ordering.errors import FenceTimeout
 from ._kvagent import exchange
 from ._storage import NETWORK, PLUGINS, FileXfer, check_params
 from .logging import get_logger  # noqa: F401 - nixl._api has it
+
+# How long one check_xfer_state of a FILE transfer still running waits for it (the plugin's
+# checkXfer waits as long).
+_FILE_POLL_WAIT_S = 200e-6
 from .errors import (
     nixlBackendError, nixlError, nixlInvalidParamError, nixlNoTelemetryError,
     nixlNotFoundError, nixlNotPostedError, nixlNotSupportedError, nixlRemoteDisconnectError,
@@ -1099,8 +1104,19 @@ class nixl_agent(Resource):  # noqa: N801
         release_xfer_handle: the state the transfer had when it was released."""
         if isinstance(handle, nixl_xfer_handle) and handle._released:
             return handle._last
-        st = self._state(self._req(handle, "check_xfer_state"))
+        req = self._req(handle, "check_xfer_state")
+        st = self._state(req)
         if st == "PROC":
+            fence = req.file.fence if req.file is not None else None
+            if fence is not None:
+                # a FILE transfer: wait a little for it without the GIL (as the plugin's
+                # checkXfer does) rather than let a caller polling in a loop take the CPU
+                # and the GIL from the engine thread that completes it
+                try:
+                    fence.exception(_FILE_POLL_WAIT_S)
+                except FenceTimeout:
+                    return "PROC"
+                return self._state(req)
             # NIXL's status check runs without the GIL; a caller polling in a loop must let
             # the transport's threads run between polls, as it does there
             time.sleep(0)

@@ -84,6 +84,8 @@ struct {
     CUresult (*stream_destroy)(CUstream);
     CUresult (*host_alloc)(void **, size_t, unsigned);
     CUresult (*host_free)(void *);
+    CUresult (*host_register)(void *, size_t, unsigned);
+    CUresult (*host_unregister)(void *);
 } cu;
 
 bool cudaOpen(std::string &why) {
@@ -101,6 +103,9 @@ bool cudaOpen(std::string &why) {
                    SYM(stream_create, "cuStreamCreate") &&
                    SYM(stream_destroy, "cuStreamDestroy_v2") &&
                    SYM(host_alloc, "cuMemHostAlloc") && SYM(host_free, "cuMemFreeHost");
+        /* optional: registered huge-page staging where the driver has both */
+        if (!SYM(host_register, "cuMemHostRegister_v2") || !SYM(host_unregister, "cuMemHostUnregister"))
+            cu.host_register = nullptr;
 #undef SYM
         if (!all) {
             cu.why = "libcuda.so.1 lacks the context, stream or host-memory calls";
@@ -156,9 +161,30 @@ struct Request : nixlBackendReqH {
     std::string error;
 };
 
+constexpr size_t kHuge = 2u << 20;
+
+/* Staging memory as the Hub makes it: private anonymous memory at a 2 MiB boundary that asks
+ * for transparent huge pages (an O_DIRECT read into it is one segment per 2 MiB, and the
+ * ring's fixed buffers hold fewer pages). `map`/`mapBytes`: the whole mapping, for munmap. */
+void *hugeStage(size_t bytes, void *&map, size_t &mapBytes) {
+    const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+    mapBytes = len + kHuge;
+    map = mmap(nullptr, mapBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+        map = nullptr;
+        return nullptr;
+    }
+    const uintptr_t start = ((uintptr_t)map + kHuge - 1) / kHuge * kHuge;
+    madvise((void *)start, len, MADV_HUGEPAGE); /* (plain pages where THP is off) */
+    return (void *)start;
+}
+
 /* One staged I/O engine and its staging memory (pinned for a CUDA device). */
 struct IoEngine {
     sio_engine *eng = nullptr;
+    void *map = nullptr;     /* the staging's huge-page mapping (stage lies inside it) */
+    size_t mapBytes = 0;
+    bool registered = false; /* CUDA: the mapping is cuMemHostRegister'ed */
     void *stage = nullptr;
     size_t stageBytes = 0;
     CUstream stream = nullptr;
@@ -500,18 +526,31 @@ private:
                 why = "CUDA device " + std::to_string(device) + ": no context";
                 return nullptr;
             }
-            if (cu.stream_create(&e.stream, 1 /* non-blocking */) ||
-                cu.host_alloc(&e.stage, e.stageBytes, 0)) {
-                why = "CUDA device " + std::to_string(device) + ": stream or pinned memory";
-                if (e.stream)
-                    cu.stream_destroy(e.stream);
+            if (cu.stream_create(&e.stream, 1 /* non-blocking */)) {
+                why = "CUDA device " + std::to_string(device) + ": no stream";
                 cu.primary_release(dev);
                 return nullptr;
             }
+            /* pinned huge pages where CUDA registers them (CU_MEMHOSTREGISTER_PORTABLE),
+             * else CUDA's own pinned memory */
+            e.stage = hugeStage(e.stageBytes, e.map, e.mapBytes);
+            if (e.stage && cu.host_register && !cu.host_register(e.stage, e.stageBytes, 1)) {
+                e.registered = true;
+            } else {
+                if (e.map)
+                    munmap(e.map, e.mapBytes);
+                e.map = nullptr;
+                e.stage = nullptr;
+                if (cu.host_alloc(&e.stage, e.stageBytes, 0)) {
+                    why = "CUDA device " + std::to_string(device) + ": no pinned memory";
+                    cu.stream_destroy(e.stream);
+                    cu.primary_release(dev);
+                    return nullptr;
+                }
+            }
         } else {
-            e.stage = mmap(nullptr, e.stageBytes, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (e.stage == MAP_FAILED) {
+            e.stage = hugeStage(e.stageBytes, e.map, e.mapBytes);
+            if (!e.stage) {
                 why = std::string("staging memory: ") + strerror(errno);
                 return nullptr;
             }
@@ -538,14 +577,16 @@ private:
         if (e.device >= 0) {
             if (e.stream)
                 cu.stream_destroy(e.stream);
-            if (e.stage)
+            if (e.registered)
+                cu.host_unregister(e.stage);
+            else if (e.stage && !e.map)
                 cu.host_free(e.stage);
             CUdevice dev;
             if (e.ctx && !cu.device_get(&dev, e.device))
                 cu.primary_release(dev);
-        } else if (e.stage && e.stage != MAP_FAILED) {
-            munmap(e.stage, e.stageBytes);
         }
+        if (e.map)
+            munmap(e.map, e.mapBytes);
     }
 
     /* Runs request r; its final state (the worker stores it once it let go of r's files). */
