@@ -194,6 +194,36 @@ class FileXfer:
     error: Optional[BaseException] = None
 
 
+# One staged Hub per process for every agent's FILE transfers (its engine thread and pinned
+# staging are the process's, however many agents a stack makes), closed with the last agent.
+# Staged: the engine reads into pinned slots and copies into the caller's memory, which
+# p2phub.ko need not pin (DRAM of any allocator, VRAM of any installed backend).
+_shared_lock = threading.Lock()
+_shared: dict[int, list[Any]] = {}     # pid -> [hub, users]
+
+
+def _shared_hub_acquire() -> Any:
+    with _shared_lock:
+        got = _shared.get(os.getpid())
+        if got is None or got[0].closed:
+            from ..hub import Hub
+            got = _shared[os.getpid()] = [Hub(mode="staged"), 0]
+        got[1] += 1
+        return got[0]
+
+
+def _shared_hub_release(hub: Any) -> None:
+    with _shared_lock:
+        got = _shared.get(os.getpid())
+        if got is None or got[0] is not hub:
+            return
+        got[1] -= 1
+        if got[1] > 0:
+            return
+        del _shared[os.getpid()]
+    hub.close()
+
+
 def _allocation(addr: int, length: int) -> Optional[int]:
     """The base of the GPU allocation that holds VRAM [addr, addr + length), from the
     installed backend that claims it; None where none can say (the range is checked again,
@@ -234,11 +264,7 @@ class Storage:
     def hub(self) -> Any:
         with self._lock:
             if self._hub is None:
-                from ..hub import Hub
-                # staged: the engine reads into pinned slots and copies into the caller's
-                # memory, which p2phub.ko need not pin (DRAM of any allocator, VRAM of any
-                # installed backend)
-                self._hub = Hub(mode="staged")
+                self._hub = _shared_hub_acquire()
             return self._hub
 
     def close(self) -> None:
@@ -249,7 +275,7 @@ class Storage:
                 sp.hubreg.close(force=True)
         self.spans, self.mems = [], {}
         if self._hub is not None:
-            self._hub.close()
+            _shared_hub_release(self._hub)
             self._hub = None
 
     # -- memory

@@ -333,3 +333,35 @@ def test_vram_ranges_that_follow_one_another_merge_only_within_one_allocation(mo
         assert [(s.addr, s.length) for s in st.spans][:2] == [(0x10000, 0x10000), (0x30000, 0x10000)]
     finally:
         st.close()
+
+
+def test_agents_of_one_process_share_one_storage_engine(tmp_path: Path) -> None:
+    """Every agent's FILE transfers run on one staged Hub per process (one engine thread, one
+    staging): a second agent makes none of its own, and closing one leaves the other working."""
+    path = tmp_path / "shared.bin"
+    path.write_bytes(bytes(range(256)) * (2 * BLK // 256))
+    agents = [nixl_agent(f"s{i}", nixl_agent_config(backends=[])) for i in range(2)]
+    try:
+        hubs = []
+        for a in agents:
+            a.create_backend("POSIX")
+            buf = _aligned(BLK)
+            a.register_memory([(buf.ctypes.data, BLK, 0, "")], "DRAM")
+            a.register_memory([(0, 2 * BLK, 3, f"ro:{path}")], "FILE")
+            h = a.initialize_xfer("READ", a.get_xfer_descs([(buf.ctypes.data, BLK, 0)], "DRAM"),
+                                  a.get_xfer_descs([(BLK, BLK, 3)], "FILE"), a.name)
+            assert wait(a, h) == "DONE"
+            assert buf.tobytes() == path.read_bytes()[BLK:]
+            hubs.append(a.agent.storage.hub)
+        assert hubs[0] is hubs[1]
+        agents[0].close()
+        a, buf = agents[1], _aligned(BLK)
+        a.register_memory([(buf.ctypes.data, BLK, 0, "")], "DRAM")
+        h = a.initialize_xfer("READ", a.get_xfer_descs([(buf.ctypes.data, BLK, 0)], "DRAM"),
+                              a.get_xfer_descs([(0, BLK, 3)], "FILE"), a.name)
+        assert wait(a, h) == "DONE" and buf.tobytes() == path.read_bytes()[:BLK]
+        assert not hubs[1].closed
+    finally:
+        for a in agents:
+            a.close()
+    assert hubs[1].closed     # closed with the last agent
