@@ -39,18 +39,39 @@ np = pytest.importorskip("numpy")
 PAGE = 16384
 
 
+# P2PHUB_STACKS_NIXL=plugin (set by test_the_stacks_sequences_through_the_plugin, which runs
+# this file in a process of its own): ``nixl`` is the real NIXL (the pip nixl_cu12) loading
+# libplugin_P2PHUB.so from NIXL_PLUGIN_DIR under every storage plugin's name.
+THROUGH_PLUGIN = os.environ.get("P2PHUB_STACKS_NIXL") == "plugin"
+
+
 @pytest.fixture
 def nixl() -> Iterator[Any]:
-    """``nixl`` as a stack imports it: p2phub.nixl under NIXL's module names."""
+    """``nixl`` as a stack imports it: p2phub.nixl under NIXL's module names (or the real
+    NIXL with p2phub's plugin, see THROUGH_PLUGIN)."""
     saved = {k: v for k, v in sys.modules.items() if k == "nixl" or k.startswith("nixl.")}
-    import p2phub.nixl
-    p2phub.nixl.alias()
+    if THROUGH_PLUGIN:
+        import nixl_cu12
+        import nixl_cu12._api
+        import nixl_cu12._bindings
+        sys.modules.update({"nixl": nixl_cu12, "nixl._api": nixl_cu12._api,
+                            "nixl._bindings": nixl_cu12._bindings})
+    else:
+        import p2phub.nixl
+        p2phub.nixl.alias()
     import nixl._api
     import nixl._bindings
     yield nixl
     for k in [k for k in sys.modules if k == "nixl" or k.startswith("nixl.")]:
         del sys.modules[k]
     sys.modules.update(saved)
+
+
+def _close(agent: Any) -> None:
+    """p2phub's agents close their listener (NIXL's at destruction: nothing to call)."""
+    close = getattr(agent, "close", None)
+    if close is not None:
+        close()
 
 
 def _pages(n: int, seed: int) -> np.ndarray:
@@ -136,7 +157,7 @@ def test_lmcache_static_file_pool(nixl, tmp_path: Path, backend: str, params: di
     a.deregister_memory(agent.mem_reg_descs)
     for fd in fds:
         os.close(fd)
-    a.close()
+    _close(a)
 
 
 def test_lmcache_dynamic_files_per_key(nixl, tmp_path: Path) -> None:
@@ -176,7 +197,7 @@ def test_lmcache_dynamic_files_per_key(nixl, tmp_path: Path) -> None:
     assert not buf[PAGE:3 * PAGE].any() and not buf[4 * PAGE:5 * PAGE].any()
     a.release_dlist_handle(agent.mem_xfer_handler)
     a.deregister_memory(agent.mem_reg_descs)
-    a.close()
+    _close(a)
 
 
 # ---------------------------------------------------------------------------- SGLang
@@ -286,8 +307,8 @@ def test_sglang_hicache_file_tier(nixl, tmp_path: Path) -> None:
                if os.path.exists(f"/proc/self/fd/{f}")]
         assert not [f for f in fds if f.startswith(str(tmp_path))]
     finally:
-        hc.agent.close()
-        hc.first_core.close()
+        _close(hc.agent)
+        _close(hc.first_core)
 
 
 @pytest.mark.parametrize("plugin", ["GDS_MT", "GDS", "P2PHUB"])
@@ -303,5 +324,32 @@ def test_sglang_named_plugins(nixl, tmp_path: Path, plugin: str) -> None:
         assert hc.transfer([1], [key], "READ")
         assert np.array_equal(host[PAGE:], original[:PAGE]) and not host[:PAGE].any()
     finally:
-        hc.agent.close()
-        hc.first_core.close()
+        _close(hc.agent)
+        _close(hc.first_core)
+
+
+def test_the_stacks_sequences_through_the_plugin(tmp_path: Path) -> None:
+    """Every sequence above, run again through the real NIXL (the pip nixl_cu12) loading
+    libplugin_P2PHUB.so as POSIX, GDS_MT, GDS and P2PHUB: in a process of its own, since NIXL
+    may crash at its exit (so its exit status is not judged, its pytest summary is)."""
+    if THROUGH_PLUGIN:
+        pytest.skip("this is that run")
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"nixl not installed (pip install --no-deps nixl-cu12==1.5.1 numpy): {exc}")
+    import subprocess
+    from test_nixl_plugin import build_plugin
+    alias = build_plugin() / "alias"
+    env = dict(os.environ, P2PHUB_STACKS_NIXL="plugin", NIXL_PLUGIN_DIR=str(alias),
+               NIXL_LOG_LEVEL="ERROR")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--basetemp", str(tmp_path / "run"), __file__,
+                        "-k", "not through_the_plugin"],
+                       capture_output=True, text=True, timeout=300, env=env,
+                       cwd=Path(__file__).parent)
+    out = p.stdout + p.stderr
+    import re
+    summary = re.search(r"^(\d+) passed(.*)$", out, re.M)
+    assert summary and int(summary.group(1)) == 8 and "failed" not in summary.group(2) and \
+        "error" not in summary.group(2), out[-4000:]
