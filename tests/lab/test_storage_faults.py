@@ -1,8 +1,9 @@
 """Disk faults below the storage engine, from the kernel's own device-mapper: a block device
-whose first 2 MiB answer every I/O with EIO (dm-error) and whose rest maps a loop device over
-a file of known bytes (dm-linear). An entry that covers bad sectors and good ones is split
-into pieces that complete out of order (the bad ones first: dm-error answers at once), so the
-test sees whether a later good piece turns a failed entry back into success.
+whose first 256 KiB answer every I/O with EIO (dm-error) and whose rest maps a loop device over
+a file of known bytes through dm-delay (every good I/O takes 30 ms more). An entry that covers
+bad sectors and good ones is split into pieces, and the bad ones always complete first
+(dm-error answers at once), so the test sees whether a later good piece turns a failed entry
+back into success.
 
 For every storage route (hub.load / hub.save, load_batch / save_batch by path, O_DIRECT and
 buffered, on a hub.open() file, with per-entry fences, p2phub.nixl FILE, and the real NIXL
@@ -32,9 +33,10 @@ pytestmark = pytest.mark.lab
 
 KiB, MiB = 1 << 10, 1 << 20
 SECTOR = 512
-BAD = 2 * MiB            # [0, BAD) fails
+BAD = 256 * KiB          # [0, BAD) fails: two 128 KiB pieces, while the good ones fly
 SIZE = 16 * MiB
 DM = "p2phub-faulty"
+DELAY_MS = 30            # each good I/O's added latency
 TOP = Path(__file__).resolve().parents[2]
 
 
@@ -46,14 +48,14 @@ def _sh(*cmd: str, inp: str | None = None) -> str:
 
 class FaultyDisk:
     def __init__(self, root: Path) -> None:
-        _sh("modprobe", "-a", "dm_mod", "loop")
+        _sh("modprobe", "-a", "dm_mod", "dm_delay", "loop")
         self.data = np.random.default_rng(7).integers(0, 256, SIZE, np.uint8)
         self.backing = root / "backing.img"
         self.data.tofile(self.backing)
         self.loop = _sh("losetup", "--find", "--show", str(self.backing))
         bad = BAD // SECTOR
         table = (f"0 {bad} error\n"
-                 f"{bad} {SIZE // SECTOR - bad} linear {self.loop} {bad}\n")
+                 f"{bad} {SIZE // SECTOR - bad} delay {self.loop} {bad} {DELAY_MS}\n")
         _sh("dmsetup", "create", DM, inp=table)
         self.path = f"/dev/mapper/{DM}"
         _sh("udevadm", "settle") if os.path.exists("/usr/bin/udevadm") else None
@@ -102,13 +104,15 @@ LEN = 512 * KiB
 FAILING = set(np.flatnonzero(OFFS < BAD).tolist())
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["odirect", "buffered"])
-def test_an_entry_over_bad_and_good_sectors_fails_whole(hub, disk, direct) -> None:
-    """One 4 MiB read whose first half is bad: EIO, never success with holes."""
-    m = _mem(4 * MiB)
+@pytest.mark.parametrize("direct,moff", [(True, 0), (True, 512), (False, 0)],
+                         ids=["odirect-in-place", "odirect-staged", "buffered"])
+def test_an_entry_over_bad_and_good_sectors_fails_whole(hub, disk, direct, moff) -> None:
+    """One 4 MiB read whose first 256 KiB are bad: EIO, never success with holes (in place,
+    one piece; through the staging, 128 KiB pieces; buffered, slot-sized pieces)."""
+    m = _mem(4 * MiB + 4096)
     reg = hub.register(m)
     f = hub.load_batch(storage=disk.path, offsets=[0], lengths=[4 * MiB], memory=reg,
-                       mem_offsets=[0], direct=direct)
+                       mem_offsets=[moff], direct=direct)
     err = f.exception(60)
     assert isinstance(err, P2PHubOSError) and err.errno == errno.EIO, err
     assert "entry 0" in str(err)
@@ -147,7 +151,7 @@ def test_single_load_and_save_over_bad_sectors_raise(hub, disk) -> None:
     reg = hub.register(m)
     err = hub.load(disk.path, reg, 0, 4 * MiB).exception(60)
     assert isinstance(err, P2PHubOSError) and err.errno == errno.EIO, err
-    err = hub.save(reg, disk.path, 1 * MiB, 2 * MiB).exception(60)
+    err = hub.save(reg, disk.path, 0, 2 * MiB).exception(60)
     assert isinstance(err, P2PHubOSError) and err.errno == errno.EIO, err
     reg.close()
 
@@ -157,8 +161,8 @@ def test_save_batch_reports_the_writes_that_failed_and_lands_the_others(hub, dis
     fresh = np.random.default_rng(11).integers(0, 256, 8 * MiB, np.uint8).tobytes()
     m[:] = fresh
     reg = hub.register(m)
-    # entry 0: [1 MiB, 5 MiB), half bad; entries 1, 2: good, 2 MiB each
-    offs, lens, src = [1 * MiB, 8 * MiB, 12 * MiB], [4 * MiB, 2 * MiB, 2 * MiB], [0, 4 * MiB, 6 * MiB]
+    # entry 0: [0, 4 MiB), its first 256 KiB bad; entries 1, 2: good, 2 MiB each
+    offs, lens, src = [0, 8 * MiB, 12 * MiB], [4 * MiB, 2 * MiB, 2 * MiB], [0, 4 * MiB, 6 * MiB]
     before = disk.on_disk(0, SIZE)
     f = hub.save_batch(storage=disk.path, offsets=offs, lengths=lens, memory=reg,
                        mem_offsets=src, per_entry=True)
@@ -169,7 +173,7 @@ def test_save_batch_reports_the_writes_that_failed_and_lands_the_others(hub, dis
     assert after[8 * MiB:10 * MiB] == fresh[4 * MiB:6 * MiB]
     assert after[12 * MiB:14 * MiB] == fresh[6 * MiB:8 * MiB]
     # nothing outside the entries' ranges moved
-    for a, b in ((0, 1 * MiB), (5 * MiB, 8 * MiB), (10 * MiB, 12 * MiB), (14 * MiB, SIZE)):
+    for a, b in ((4 * MiB, 8 * MiB), (10 * MiB, 12 * MiB), (14 * MiB, SIZE)):
         assert after[a:b] == before[a:b], f"bytes {a}..{b} changed"
     reg.close()
 
@@ -208,7 +212,7 @@ def run(op, pairs):
 out["read_half_bad"] = run("READ", [(0, 0, 4 * MiB)])
 out["read_good"] = run("READ", [(0, 4 * MiB, 2 * MiB)])
 out["read_good_bytes"] = m[0:2 * MiB] == open(sys.argv[4], "rb").read()[4 * MiB:6 * MiB]
-out["write_half_bad"] = run("WRITE", [(0, 1 * MiB, 4 * MiB)])
+out["write_half_bad"] = run("WRITE", [(0, 0, 4 * MiB)])
 print(json.dumps(out), flush=True)
 os._exit(0)
 '''
