@@ -281,6 +281,7 @@ public:
                 return NIXL_ERR_NOT_SUPPORTED;
             }
             md->device = (int)mem.devId;
+            prepare(md->device);
             break;
         }
         case FILE_SEG: {
@@ -311,6 +312,7 @@ public:
             }
             file->direct = (fl & O_DIRECT) != 0;
             md->file = std::move(file);
+            prepare(-1);
             break;
         }
         default:
@@ -460,6 +462,17 @@ public:
     }
 
 private:
+    /* Have the worker make device's engine and staging now, in the background: a stack
+     * registers its memory and files at start, and its first transfer then finds them made
+     * (host: at the first FILE registration; a CUDA device: at its first VRAM one). */
+    void prepare(int device) const {
+        std::lock_guard<std::mutex> g(m_);
+        if (!prepared_.insert(device).second)
+            return;
+        warm_.push_back(device);
+        cv_.notify_one();
+    }
+
     static bool number(const nixl_b_params_t &p, const char *key, unsigned long long lo,
                        unsigned long long hi, unsigned long long &out) {
         auto it = p.find(key);
@@ -630,7 +643,16 @@ private:
     void work() {
         std::unique_lock<std::mutex> g(m_);
         for (;;) {
-            cv_.wait(g, [this] { return stop_ || !queue_.empty(); });
+            cv_.wait(g, [this] { return stop_ || !queue_.empty() || !warm_.empty(); });
+            if (!warm_.empty() && !stop_) {
+                const int device = warm_.front();
+                warm_.pop_front();
+                g.unlock();
+                std::string why; /* a failure is said again by the first transfer's run */
+                engineFor(device, why);
+                g.lock();
+                continue;
+            }
             if (queue_.empty())
                 break; /* stopping, nothing left */
             Request *r = queue_.front();
@@ -655,6 +677,8 @@ private:
     mutable std::mutex m_;
     mutable std::condition_variable cv_, doneCv_;
     mutable std::deque<Request *> queue_;
+    mutable std::deque<int> warm_;    /* devices whose engines to make ahead (prepare) */
+    mutable std::set<int> prepared_;
     bool stop_ = false;
     std::thread worker_;
 };
