@@ -1,4 +1,5 @@
-"""Only what pyproject.toml cannot say: the wheel carries p2phub's C hot paths compiled.
+"""Only what pyproject.toml cannot say: the wheel carries p2phub's C hot paths compiled, and
+p2phub's NIXL backend plugin (``p2phub/nixl/plugin/lib/libplugin_P2PHUB.so``) where it builds.
 
 cffi (a build requirement) writes the C source of each module in ``HOT_PATHS`` of
 ``p2phub/_cffi_build.py`` (the NVMe engine, ``p2phub.nvme._hotlib``, and the KV transfer path,
@@ -8,6 +9,10 @@ cffi (a build requirement) writes the C source of each module in ``HOT_PATHS`` o
 
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -40,10 +45,32 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
+class BuildPlugin(BuildExt):
+    """The hot paths, then the NIXL plugin with its own Makefile (g++ and gcc only) into the
+    build's p2phub/nixl/plugin/lib/. A plugin that does not build stops nothing: the rest
+    installs, and the build says so (``p2phub nixl plugin-dir`` then names what is missing)."""
+
+    def run(self):
+        super().run()
+        src = os.path.join(HERE, "p2phub", "nixl", "plugin")
+        dest = os.path.join(self.build_lib if not self.inplace else HERE, "p2phub", "nixl",
+                            "plugin", "lib")
+        with tempfile.TemporaryDirectory() as out:
+            p = subprocess.run(["make", "-s", "-C", src, f"OUT={out}"], capture_output=True,
+                               text=True)
+            lib = os.path.join(out, "libplugin_P2PHUB.so")
+            if p.returncode != 0 or not os.path.exists(lib):
+                print("p2phub: the NIXL plugin (p2phub/nixl/plugin) did not build; everything "
+                      f"else installs:\n{p.stderr.strip()[-2000:]}", file=sys.stderr)
+                return
+            os.makedirs(dest, exist_ok=True)
+            shutil.copy2(lib, os.path.join(dest, "libplugin_P2PHUB.so"))
+
+
 setup(
     ext_modules=[Extension(hp.module, sources=["(written by BuildExt)"],
                            include_dirs=[os.path.relpath(hp.dir, HERE)],
                            extra_compile_args=CFFI.COMPILE_ARGS, extra_link_args=["-pthread"])
                  for hp in CFFI.HOT_PATHS],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildPlugin},
 )

@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kv": ("p2phub.commands.kv", "move KV-cache pages between two agents (serve, send)"),
     "bench": ("p2phub.commands.bench", "measure p2phub against its baselines (register: vs ibv_reg_mr)"),
     "top": ("p2phub.commands.top", "a live view of a metrics endpoint: KV agents and NVMe engines"),
+    "nixl": ("p2phub.commands.nixl", "put p2phub's NIXL plugin where the pip nixl finds it (install-plugin)"),
 }
 
 ERROR_SCHEMA = "p2phub.error/1"

@@ -118,3 +118,17 @@ def test_the_developer_fallback_compiles_the_same_definition(tmp_path: Path, mon
     assert mod.__name__.startswith("_p2phub_kv_kvhot_") and mod.__file__.startswith(str(tmp_path))
     assert mod.ffi.string(mod.lib.p2phub_kvhot_tag()).decode() == hp.sources_tag()
     assert hp.load() is mod
+
+
+def test_the_core_wheel_ships_the_nixl_plugin_built(installed: Path) -> None:
+    """`pip install` builds libplugin_P2PHUB.so into the wheel (g++ and make are here), and the
+    installed package finds it there, not in a checkout."""
+    core = next((installed / "dist").glob("p2phub-*.whl"))
+    with zipfile.ZipFile(core) as z:
+        assert "p2phub/nixl/plugin/lib/libplugin_P2PHUB.so" in z.namelist(), sorted(
+            n for n in z.namelist() if "nixl/plugin" in n)[:20]
+    out = _run(installed / "venv" / "bin" / "python", "-I", "-c",
+               "from p2phub.nixl.plugins import plugin_library; print(plugin_library())",
+               cwd=Path("/"))
+    lib = Path(out.strip())
+    assert lib.is_file() and str(installed / "venv") in str(lib), lib
