@@ -47,4 +47,5 @@ USED_BY = {
     "kv": (Exit.OK, Exit.FAIL),
     "bench": (Exit.OK, Exit.FAIL),
     "top": (Exit.OK, Exit.FAIL),
+    "nixl": (Exit.OK, Exit.FAIL, Exit.NEEDS),
 }

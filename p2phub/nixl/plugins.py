@@ -13,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import MissingDependencyError, UsageError
 
 PLUGIN = "libplugin_P2PHUB.so"
 _PKG = Path(__file__).resolve().parent / "plugin"
@@ -49,14 +49,14 @@ def install(names: tuple[str, ...] = (), remove: bool = False) -> dict[str, obje
     that hides them is `make -C p2phub/nixl/plugin aliases`, for NIXL_PLUGIN_DIR)."""
     own = nixl_plugins()
     if own is None:
-        raise UsageError("no pip nixl found (pip install nixl-cu12 or nixl-cu13)")
+        raise MissingDependencyError("the pip nixl", "pip install nixl-cu12 (or nixl-cu13)")
     for n in names:
         if not n or not n.replace("_", "").isalnum() or n != n.upper():
             raise UsageError(f"--as {n!r}: want a backend name such as MY_STORE")
     lib = plugin_library()
     if lib is None and not remove:
-        raise UsageError("libplugin_P2PHUB.so is not built: reinstall p2phub where g++ and make "
-                         "are installed, or run `make -C p2phub/nixl/plugin` in a checkout")
+        raise MissingDependencyError("libplugin_P2PHUB.so", "reinstall p2phub where g++ and make "
+                                     "are installed, or run `make -C p2phub/nixl/plugin` in a checkout")
     links = [own / f"libplugin_{n}.so" for n in ("P2PHUB", *names)]
     for link in links:
         if link.exists() and not link.is_symlink():

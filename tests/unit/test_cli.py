@@ -55,6 +55,7 @@ BAD: dict[tuple[str, ...], list[list[str]]] = {
                       ["--device", "cuda", "--methods", "nixl"]],
     ("top",): [["nohost"], ["127.0.0.1:0"], ["127.0.0.1:9400", "--interval", "0"],
                ["127.0.0.1:65536"]],
+    ("nixl", "install-plugin"): [["--as", "lower_case"], ["--no-such-option"]],
     ("bench", "register"): [["--max-iters", "0"], ["--sizes", "1X"], ["--min-time", "-1"],
                             ["--device", "zz:00.0"], ["--device", "0000:00:05.0"]],
 }
