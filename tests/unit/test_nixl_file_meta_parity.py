@@ -76,3 +76,21 @@ def test_the_adapter_reads_the_engines_grammar() -> None:
     for bad in ("ro:", "rw,fast:/x", "ro,rw:/x"):
         with pytest.raises(nixlInvalidParamError):
             parse_path_meta(bad)
+
+
+@needs_nixl
+def test_strided_nx5_lists_between_dram_and_file_on_every_route(tmp_path: Path) -> None:
+    """NIXL 1.5's (address, len, dev, stride, count) lists for both sides of a FILE transfer:
+    the adapter, the plugin under the pip nixl and NIXL's own POSIX move the same blocks."""
+    want = {"read": "DONE", "mem_blocks": [0x15, 0, 0x14, 0, 0x13, 0, 0x12, 0], "write": "DONE",
+            "file_blocks": [0x10, 0x11, 0xA0, 0x13, 0x14, 0xA2, 0x16, 0x17]}
+    plugin = build_plugin() / "alias"
+    for impl in ("adapter", "plugin", "posix"):
+        d = tmp_path / impl
+        d.mkdir()
+        env = dict(os.environ, NIXL_LOG_LEVEL="ERROR",
+                   PYTHONPATH=os.pathsep.join([str(TOP), os.environ.get("PYTHONPATH", "")]))
+        p = subprocess.run([sys.executable, str(HERE / "nixl_strided_script.py"), "--impl", impl,
+                            "--dir", str(d), "--plugin-dir", str(plugin)],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert _last_json(p.stdout + "\n" + p.stderr) == want, f"{impl}\n{p.stdout}{p.stderr}"
