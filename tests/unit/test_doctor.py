@@ -331,10 +331,20 @@ def test_nvme_not_confined_without_interrupt_remapping_and_what_the_module_does(
     assert c.status == "FAIL" and "will not hand one to user space" in c.summary and c.fix
     assert "iommu=pt" in c.fix or "passthrough" in c.fix
     assert all(p.verdict == "BLOCKED" and "nvme.confined" in p.because for p in rep.pairs)
-    # loaded with allow_unsafe_noiommu=Y: handed out, and said to be worth root
+    # loaded with allow_unsafe_noiommu=Y: the override covers untranslated DMA only, so MSIs
+    # without interrupt remapping are still refused
     rep = diagnose(SysRoot(_iommu_lab(tmp_path / "c", NO_IR, unsafe="Y")))
     c = rep.check("nvme.confined")
-    assert c.status == "WARN" and "allow_unsafe_noiommu=Y" in c.summary and "any memory" in c.summary
+    assert c.status == "FAIL" and "MSIs are not isolated" in c.summary, c.summary
+    assert all(p.verdict == "BLOCKED" and "nvme.confined" in p.because for p in rep.pairs)
+    # identity domains (iommu=pt), loaded with allow_unsafe_noiommu=Y: handed out, said to be worth root
+    tree = _iommu_lab(tmp_path / "d", IR, unsafe="Y")
+    for t in (tmp_path / "d" / "t" / "sys" / "kernel" / "iommu_groups").glob("*/type"):
+        t.unlink()
+        t.write_text("identity\n")
+    rep = diagnose(SysRoot(tree))
+    c = rep.check("nvme.confined")
+    assert c.status == "WARN" and "allow_unsafe_noiommu=Y" in c.summary and "any memory" in c.summary, c.summary
     assert not any("nvme.confined" in p.because for p in rep.pairs)
 
 

@@ -121,14 +121,25 @@ def unconfined_reasons(ctx: Context, bdf: str) -> tuple[list[str], list[str]]:
     return why, unknown
 
 
+# The reasons allow_unsafe_noiommu=1 overrides: nothing translates the controller's DMA. A translated
+# controller whose group holds a DMA API driver, or whose MSIs are not isolated, is refused whatever it
+# says (kmod/p2phub_nvme_confine.c).
+_OVERRIDABLE = ("no IOMMU translates its DMA", "its IOMMU domain is identity")
+
+
+def _overridable(why: list[str]) -> bool:
+    return bool(why) and all(w.startswith(_OVERRIDABLE) for w in why)
+
+
 @check("nvme.confined", "NVMe ownership confined by the IOMMU")
 def _nvme_confined(ctx: Context) -> CheckResult:
     """Owning an NVMe controller from user space lets its owner point the controller's DMA anywhere
     the IOMMU lets it go. It is confined only with a translated IOMMU domain (DMA or DMA-FQ; not
     identity, which iommu=pt gives), an IOMMU group whose other devices are driverless or bound to
     p2phub-nvme, vfio-pci, pci-stub or pcieport, and isolated MSIs (interrupt remapping). Without
-    these the controller fd is worth root: p2phub.ko refuses to hand such a controller out unless it
-    was loaded with allow_unsafe_noiommu=1, which taints the kernel. Under kernel lockdown
+    these the controller fd is worth root: p2phub.ko refuses to hand such a controller out; loaded with
+    allow_unsafe_noiommu=1, which taints the kernel, it hands out one whose DMA nothing translates (no
+    IOMMU, identity domain), never one with a driver-bound group sibling or MSIs not isolated. Under kernel lockdown
     (integrity or confidentiality) p2phub.ko refuses NVMe ownership altogether, as the kernel refuses
     root access to PCI BARs. DMA-FQ (lazy IOTLB flushing) leaves an unmapped IOVA reachable for a
     short while; iommu.strict=1 closes that window."""
@@ -163,7 +174,7 @@ def _nvme_confined(ctx: Context) -> CheckResult:
                  "NVMe ownership needs a kernel without lockdown (PCI access is locked down)", ev,
                  [c.id for c in ctrls], **d)
     desc = "; ".join(f"{i}: {'; '.join(w)}" for i, w in bad.items())
-    if bad and unsafe in ("Y", "1"):
+    if bad and unsafe in ("Y", "1") and all(_overridable(w) for w in bad.values()):
         taint = f", kernel tainted ({tainted:#x})" if tainted else ""
         return R(WARN, f"NOT confined, handed out anyway (allow_unsafe_noiommu=Y{taint}): the owner of these "
                  f"controllers can DMA to any memory: {desc}", fix_iommu, ev, list(bad), **d)
@@ -194,6 +205,8 @@ def ownership_refused(ctx: Context, ctrl_id: str) -> str | None:
     if lock and lock.split()[0] in ("integrity", "confidentiality"):
         return f"kernel lockdown={lock}"
     why = d["controllers"].get(ctrl_id, {}).get("unconfined")
-    if not why or d.get("allow_unsafe_noiommu") in ("Y", "1") or d.get("gate") is False:
+    if not why or d.get("gate") is False:
+        return None
+    if d.get("allow_unsafe_noiommu") in ("Y", "1") and _overridable(why):
         return None
     return "; ".join(why)
