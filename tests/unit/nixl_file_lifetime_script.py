@@ -25,19 +25,9 @@ import os
 import time
 from pathlib import Path
 
+from nixl_impls import agent_api
+
 MiB = 1 << 20
-
-
-def agent_api(impl: str, plugin_dir: str | None):
-    if impl == "adapter":
-        from p2phub.nixl._api import nixl_agent, nixl_agent_config
-        return nixl_agent, nixl_agent_config
-    os.environ["NIXL_PLUGIN_DIR"] = str(plugin_dir)
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:  # a CUDA 13 machine carries nixl_cu13
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-    return nixl_agent, nixl_agent_config
 
 
 def wait(agent, h, timeout: float = 60.0) -> str:
@@ -59,7 +49,7 @@ def main() -> int:
     ap.add_argument("--plugin-dir")
     ap.add_argument("--mib", type=int, default=64)
     args = ap.parse_args()
-    nixl_agent, nixl_agent_config = agent_api(args.impl, args.plugin_dir)
+    nixl_agent, nixl_agent_config = agent_api(args.impl, args.plugin_dir)  # noqa: N806
     tmp = Path(args.dir)
     size = args.mib * MiB
     agent = nixl_agent("store", nixl_agent_config(backends=[]))

@@ -17,8 +17,9 @@ import json
 import mmap
 import os
 import stat
-import time
 from pathlib import Path
+
+from nixl_impls import agent_api, finish
 
 BLK = 4096
 
@@ -41,12 +42,7 @@ def main() -> int:
     ap.add_argument("--plugin-dir")
     args = ap.parse_args()
     d = Path(args.dir)
-    if args.impl == "adapter":
-        from p2phub.nixl._api import nixl_agent, nixl_agent_config
-    else:
-        if args.impl == "plugin":
-            os.environ["NIXL_PLUGIN_DIR"] = str(args.plugin_dir)
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    nixl_agent, nixl_agent_config = agent_api(args.impl, args.plugin_dir)  # noqa: N806
     (d / "X.bin").write_bytes(b"X" * BLK)
     (d / "Y.bin").write_bytes(b"Y" * BLK)
     link = d / "link.bin"
@@ -69,10 +65,7 @@ def main() -> int:
         try:
             h = agent.initialize_xfer("READ", agent.get_xfer_descs([(base, BLK, 0)], "DRAM"),
                                       agent.get_xfer_descs([(0, BLK, fd_x)], "FILE"), "meta")
-            st = agent.transfer(h)
-            while st == "PROC":
-                time.sleep(0.001)
-                st = agent.check_xfer_state(h)
+            st = finish(agent, h)
             agent.release_xfer_handle(h)
             got = m[:1]
             out[meta] = "read-failed" if st != "DONE" else \

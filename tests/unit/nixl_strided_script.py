@@ -14,9 +14,9 @@ import ctypes
 import json
 import mmap
 import os
-import time
 
 import numpy as np
+from nixl_impls import agent_api, finish
 
 BLK = 4096
 
@@ -27,12 +27,7 @@ def main() -> int:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--plugin-dir")
     args = ap.parse_args()
-    if args.impl == "adapter":
-        from p2phub.nixl._api import nixl_agent, nixl_agent_config
-    else:
-        if args.impl == "plugin":
-            os.environ["NIXL_PLUGIN_DIR"] = str(args.plugin_dir)
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    nixl_agent, nixl_agent_config = agent_api(args.impl, args.plugin_dir)  # noqa: N806
     path = os.path.join(args.dir, "blocks.bin")
     with open(path, "wb") as f:
         for b in range(8):
@@ -50,10 +45,7 @@ def main() -> int:
 
     def run(op: str, li: list[int], ri: list[int]) -> str:
         h = a.make_prepped_xfer(op, mem, li, fil, ri)
-        st = a.transfer(h)
-        while st == "PROC":
-            time.sleep(0.001)
-            st = a.check_xfer_state(h)
+        st = finish(a, h)
         a.release_xfer_handle(h)
         return st
 
