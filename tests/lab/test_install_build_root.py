@@ -151,8 +151,9 @@ def test_dkms_install_in_the_kernels_own_distribution_then_modprobe_and_remove(b
     info = json.loads(sh(sys.executable, "-m", "p2phub", "info", "--json").stdout)
     assert "NVIDIA_P2P_BUILT" in info["cap_names"], info
     assert {"DMABUF_IMPORT", "DMABUF_EXPORT", "NVME"} <= set(info["cap_names"]), info
-    # the packaging files, in that system's /etc
+    # the packaging files, in that system's /etc (DKMS ran the post-install)
     assert build_root.path("etc/udev/rules.d/60-p2phub.rules").read_text() == (KMOD / "60-p2phub.rules").read_text()
+    assert build_root.path("etc/modules-load.d/p2phub.conf").read_text().split("\n")[-2:] == ["p2phub", ""]
 
     # -- dkms remove: unloaded, nothing installed
     build_root.run("dkms", "remove", PKG, "--all")
