@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import gzip
 import mmap
 import os
 import threading
@@ -285,11 +286,12 @@ def _core_pins_on_map() -> bool:
     CONFIG_DMABUF_MOVE_NOTIFY is there and off (Debian's 6.1 and 6.12). 7.0 dropped the option
     and always notifies instead: no pin."""
     rel = os.uname().release
-    for p in (Path(f"/boot/config-{rel}"), Path(f"/lib/modules/{rel}/config")):
+    for p in (Path("/proc/config.gz"), Path(f"/boot/config-{rel}"), Path(f"/lib/modules/{rel}/config"),
+              Path(f"/lib/modules/{rel}/build/.config")):
         if p.exists():
-            text = p.read_text()
+            text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
             return "# CONFIG_DMABUF_MOVE_NOTIFY is not set" in text.splitlines()
-    pytest.fail(f"no kernel config for {rel} in /boot or /lib/modules/{rel}", pytrace=False)
+    pytest.fail(f"no kernel config for {rel} (/proc/config.gz, /boot, /lib/modules/{rel})", pytrace=False)
 
 
 def test_p2p_importer_gets_device_addresses(gpu: fg.FakeGpu, consumer: Consumer,
