@@ -241,3 +241,76 @@ def test_nixl_file_transfers_over_bad_sectors_fail(disk, impl, tmp_path) -> None
     assert out["read_half_bad"] in bad, out
     assert out["write_half_bad"] in bad, out
     assert out["read_good"] == "DONE" and out["read_good_bytes"], out
+
+
+# ---------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[Path]:
+    """An 8 MiB ext4 file system on a loop device: it fills up."""
+    _sh("modprobe", "loop")
+    img = tmp_path / "small.img"
+    with open(img, "wb") as f:
+        f.truncate(8 * MiB)
+    _sh("mkfs.ext4", "-q", "-F", "-O", "^has_journal", str(img))
+    loop = _sh("losetup", "--find", "--show", str(img))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _sh("mount", loop, str(mnt))
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+    subprocess.run(["losetup", "-d", loop], capture_output=True)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["odirect", "buffered"])
+def test_a_save_that_fills_the_disk_reports_exactly_what_did_not_land(hub, small_fs, direct) -> None:
+    """16 entries of 1 MiB into a file on an 8 MiB file system: the ones that fail say ENOSPC
+    (or EIO), and every entry reported done reads back whole from the disk."""
+    m = mmap.mmap(-1, 16 * MiB)
+    fresh = np.random.default_rng(5).integers(0, 256, 16 * MiB, np.uint8).tobytes()
+    m[:] = fresh
+    reg = hub.register(m)
+    path = small_fs / "kv.bin"
+    path.touch()
+    offs = np.arange(16, dtype=np.int64) * MiB
+    f = hub.save_batch(storage=str(path), offsets=offs, lengths=MiB, memory=reg,
+                       mem_offsets=offs, per_entry=True, direct=direct)
+    err = f.exception(120)
+    failed = [i for i, e in enumerate(f.entries) if e.exception() is not None]
+    assert isinstance(err, P2PHubOSError) and err.errno in (errno.ENOSPC, errno.EIO), err
+    assert failed, "the file system took 16 MiB: not full"
+    for i in failed:
+        assert f.entries[i].exception().errno in (errno.ENOSPC, errno.EIO)
+        assert int(f.results[i]) < 0
+    os.sync()
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+    data = path.read_bytes()
+    for i in set(range(16)) - set(failed):
+        assert data[i * MiB:(i + 1) * MiB] == fresh[i * MiB:(i + 1) * MiB], \
+            f"entry {i} reported done but its bytes are not on disk"
+    reg.close()
+
+
+def test_a_file_truncated_under_a_load_never_reports_holes_as_done(hub, tmp_path) -> None:
+    """A 64 MiB file cut to 8 MiB while 64 reads of 1 MiB run: an entry reported done holds
+    the file's bytes; the others fail with EIO (the end moved before them)."""
+    path = tmp_path / "cut.bin"
+    content = np.random.default_rng(9).integers(0, 256, 64 * MiB, np.uint8)
+    content.tofile(path)
+    m = _mem(64 * MiB)
+    reg = hub.register(m)
+    offs = np.arange(64, dtype=np.int64)[::-1] * MiB      # the far end first
+    f = hub.load_batch(storage=str(path), offsets=offs, lengths=MiB, memory=reg,
+                       mem_offsets=offs, per_entry=True)
+    os.truncate(path, 8 * MiB)
+    f.exception(120)
+    mem = np.frombuffer(m, np.uint8)
+    done = [i for i, e in enumerate(f.entries) if e.exception() is None]
+    for i, e in enumerate(f.entries):
+        o = int(offs[i])
+        if e.exception() is None:
+            assert np.array_equal(mem[o:o + MiB], content[o:o + MiB]), f"entry {i} has holes"
+        else:
+            assert e.exception().errno == errno.EIO, e.exception()
+    assert all(int(offs[i]) + MiB <= 64 * MiB for i in done)
+    del mem
+    reg.close()
