@@ -20,11 +20,10 @@ _PKG = Path(__file__).resolve().parent / "plugin"
 
 
 def plugin_library() -> Path | None:
-    """libplugin_P2PHUB.so: the one the wheel installed, else a checkout's build."""
-    for p in (_PKG / "lib" / PLUGIN, _PKG / "build" / PLUGIN):
-        if p.is_file():
-            return p
-    return None
+    """libplugin_P2PHUB.so: the one the install built (``lib/``) or a checkout's own build
+    (``make -C p2phub/nixl/plugin``: ``build/``), the newer where both exist."""
+    found = [p for p in (_PKG / "lib" / PLUGIN, _PKG / "build" / PLUGIN) if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def nixl_plugins() -> Path | None:
