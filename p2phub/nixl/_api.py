@@ -794,9 +794,9 @@ class nixl_agent(Resource):  # noqa: N801
 
     def check_remote_metadata(self, agent: Union[str, bytes], descs: Any = None) -> bool:
         name = _name(agent)
-        with self.kv._lock:
-            ra = self.kv._remotes.get(name)
-        if ra is None:
+        try:
+            ra = self.kv.remote(name)
+        except UsageError:      # not known
             return False
         rows = descs.ranges() if descs is not None else []
         try:
