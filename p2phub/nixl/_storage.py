@@ -404,9 +404,14 @@ class Storage:
         with self._files_cv:
             for f in files:
                 f.released = True
-                if f.fd >= 0 and not f.busy:    # else its last transfer closes it
-                    os.close(f.fd)
-                    f.fd = -1
+                self._close_if_idle(f)      # else its last transfer closes it
+
+    @staticmethod
+    def _close_if_idle(f: FileReg) -> None:
+        """Close a released registration's file once no transfer uses it (under _files_cv)."""
+        if f.released and not f.busy and f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
 
     def _hold_files(self, files: list[FileReg]) -> None:
         with self._files_cv:
@@ -421,9 +426,7 @@ class Storage:
         with self._files_cv:
             for f in files:
                 f.busy -= 1
-                if f.released and not f.busy and f.fd >= 0:   # (closed with the agent)
-                    os.close(f.fd)
-                    f.fd = -1
+                self._close_if_idle(f)
             self._files_cv.notify_all()
 
     def mem_cols(self, rows: list[tuple[int, int, int]], what: str) -> tuple[list[Span], Any, Any]:
